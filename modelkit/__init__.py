@@ -1,0 +1,57 @@
+"""modelkit: move trained models between formats safely, make them smaller, check untrusted files.
+
+Public names resolve on first use (PEP 562), so `import modelkit` stays light: it imports
+neither torch nor onnx until a function that needs them is called.
+
+Example:
+    >>> import modelkit
+    >>> ckpt = modelkit.load("runs/cnn/model.safetensors")      # doctest: +SKIP
+    >>> modelkit.inspect("runs/cnn/model.safetensors").format   # doctest: +SKIP
+    'safetensors'
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> "module:attribute"
+_LAZY = {
+    "load": "modelkit.api:load",
+    "save": "modelkit.api:save",
+    "load_module": "modelkit.api:load_module",
+    "inspect": "modelkit.api:inspect",
+    "evaluate": "modelkit.api:evaluate",
+    "generate": "modelkit.api:generate",
+    "train": "modelkit.training:train",
+    "TrainConfig": "modelkit.training:TrainConfig",
+    "Checkpoint": "modelkit.checkpoint:Checkpoint",
+    "ArchSpec": "modelkit.checkpoint:ArchSpec",
+    "LazyTensor": "modelkit.checkpoint:LazyTensor",
+    "QuantizedTensor": "modelkit.checkpoint:QuantizedTensor",
+    "FORMATS": "modelkit.formats:FORMATS",
+    "detect_format": "modelkit.formats:detect_format",
+    "MODELS": "modelkit.models:MODELS",
+    "build": "modelkit.models:build",
+    "assert_same_outputs": "modelkit.testing:assert_same_outputs",
+}
+_ERRORS = ("ModelkitError", "UnknownFormatError", "UnknownModelError", "FormatError", "UnsupportedConversionError",
+           "MissingDependencyError", "ConfigError", "OutputExistsError", "UnsafeFileError", "VerificationError")
+_LAZY.update({name: f"modelkit.errors:{name}" for name in _ERRORS})
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'modelkit' has no attribute {name!r}")
+    module_name, attribute = target.split(":")
+    value = getattr(importlib.import_module(module_name), attribute)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,89 @@
+"""Write outputs so that a crash, an interrupt or a full disk never leaves a half-written file.
+
+The data goes to a temporary file beside the target, is flushed and fsynced, and is renamed
+over the target only when the writer finished without error.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from modelkit.errors import ModelkitError, OutputExistsError
+
+
+def check_output(path: Path, *, force: bool) -> None:
+    """Refuse an existing output unless `force`; refuse a missing parent folder."""
+    if path.exists() and not force:
+        raise OutputExistsError(path)
+    if not path.parent.is_dir():
+        raise ModelkitError(f"{path.parent} is not a folder; create it first or choose another output path")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str], *, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success fsync it and rename it to `path`.
+
+    Example:
+        >>> with atomic_path("model.safetensors", force=True) as tmp:   # doctest: +SKIP
+        ...     tmp.write_bytes(data)
+    """
+    target = Path(path)
+    check_output(target, force=force)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        if tmp.is_dir():
+            raise ModelkitError(f"internal error: {tmp} became a folder")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        if target.is_dir():
+            raise ModelkitError(f"{target} is a folder; choose a file name for the output")
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike[str], *, force: bool = False) -> Iterator[Path]:
+    """Like atomic_path, for outputs that are a folder (sharded checkpoints)."""
+    target = Path(path)
+    check_output(target, force=force)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield tmp
+        for child in tmp.iterdir():
+            with open(child, "rb") as f:
+                os.fsync(f.fileno())
+        if target.exists():
+            backup = target.with_name(f".{target.name}.old")
+            os.replace(target, backup)
+            os.replace(tmp, target)
+            shutil.rmtree(backup) if backup.is_dir() else backup.unlink()
+        else:
+            os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Persist the rename itself; not every platform lets a folder be opened for this.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,31 @@
+"""`modelkit eval`: a reference model's metric on a split of its own data."""
+from __future__ import annotations
+
+import click
+
+from modelkit.cli import json_option
+from modelkit.cli.output import emit_json, format_metrics
+
+
+@click.command("eval")
+@click.argument("checkpoint", type=click.Path(dir_okay=True))
+@click.option("--split", type=click.Choice(["train", "val", "test"]),
+              help="Data split (default: test for classifiers, val for tinylm).")
+@click.option("--arch", help="Reference model to rebuild when the file names none.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True)
+@json_option
+def eval_command(checkpoint: str, split: str | None, arch: str | None, device: str, as_json: bool) -> None:
+    """Evaluate CHECKPOINT: accuracy for mlp/cnn; bits per byte, perplexity and the unigram baseline for tinylm.
+
+    \b
+    Examples:
+      modelkit eval runs/cnn/model.safetensors
+      modelkit eval runs/tinylm/model.safetensors --split test --json
+    """
+    from modelkit.api import evaluate
+
+    result = evaluate(checkpoint, split=split, arch=arch, device=device)
+    if as_json:
+        emit_json({"schema": "modelkit.eval/1", "ok": True, "path": checkpoint, **result})
+        return
+    click.echo(f"{result['model']} on {result['split']}: {format_metrics(result)}")

@@ -1,0 +1,50 @@
+"""`modelkit inspect`: what a model file holds, read from its headers only."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from modelkit.cli import json_option
+from modelkit.cli.output import emit_json, format_metrics, human_bytes, table
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=True))
+@click.option("--format", "format_name", help="Read as this format instead of detecting it.")
+@click.option("--limit", type=click.IntRange(0), help="Show at most this many tensors (totals count all).")
+@json_option
+def inspect(file: str, format_name: str | None, limit: int | None, as_json: bool) -> None:
+    """Show FILE's format, tensors (name, dtype, shape, bytes), totals, metadata and ArchSpec.
+
+    Never reads tensor data, so it is fast on files of any size.
+
+    \b
+    Examples:
+      modelkit inspect runs/cnn/model.safetensors
+      modelkit inspect model.safetensors --json | jq .parameters
+    """
+    from modelkit.api import inspect as run_inspect
+
+    info = run_inspect(file, format=format_name)
+    if as_json:
+        emit_json({"schema": "modelkit.inspect/1", "ok": True, **info.to_dict()})
+        return
+    click.echo(f"{info.path}: {info.format}, {human_bytes(info.file_bytes)}")
+    shown = info.tensors if limit is None else info.tensors[:limit]
+    rows = [(t.name, t.quantized or t.dtype, "x".join(map(str, t.shape)) or "scalar", t.nbytes) for t in shown]
+    click.echo(table(["tensor", "dtype", "shape", "bytes"], rows, align="lllr"))
+    if len(shown) < len(info.tensors):
+        click.echo(f"... {len(info.tensors) - len(shown)} more tensors")
+    click.echo(f"total: {len(info.tensors)} tensors, {info.num_parameters:,} parameters, "
+               f"{human_bytes(info.tensor_bytes)} of tensor data")
+    if info.arch:
+        click.echo(f"arch: {info.arch.name} {json.dumps(info.arch.config, sort_keys=True)}")
+    else:
+        click.echo("arch: none recorded (pass --arch to commands that need a model)")
+    for key, value in sorted(info.metadata.items()):
+        shown_value = value if len(value) <= 120 else value[:117] + "..."
+        click.echo(f"metadata {key}: {shown_value}")
+    for split in ("val", "test"):
+        if isinstance(info.metrics.get(split), dict):
+            click.echo(f"metrics {split}: {format_metrics(info.metrics[split])}")

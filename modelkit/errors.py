@@ -1,0 +1,95 @@
+"""The exceptions modelkit raises. The CLI turns each into a one-line message and exit code 2.
+
+Dual bases (ValueError, ImportError, FileExistsError) let callers who catch builtins keep working.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+class ModelkitError(Exception):
+    """Base for errors the CLI reports as a message plus exit code 2, without a traceback."""
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """' (did you mean 'onnx'?)' when a close match exists, else ''."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class UnknownFormatError(ModelkitError, ValueError):
+    """A format name that is not in the FORMATS table."""
+
+    def __init__(self, name: str, *, known: Iterable[str]) -> None:
+        self.name = name
+        self.known = sorted(known)
+        super().__init__(
+            f"unknown format {name!r}; known: {', '.join(self.known)}{did_you_mean(name, self.known)}"
+        )
+
+
+class UnknownModelError(ModelkitError, ValueError):
+    """A reference-model name that is not in the MODELS table."""
+
+    def __init__(self, name: str, *, known: Iterable[str]) -> None:
+        self.name = name
+        self.known = sorted(known)
+        super().__init__(
+            f"unknown model {name!r}; known: {', '.join(self.known)}{did_you_mean(name, self.known)}"
+        )
+
+
+class FormatError(ModelkitError, ValueError):
+    """A file that is malformed, truncated or not what it claims to be."""
+
+    def __init__(self, path: str | Path, message: str) -> None:
+        self.path = Path(path)
+        self.reason = message
+        super().__init__(f"{self.path}: {message}")
+
+
+class UnsupportedConversionError(ModelkitError):
+    """A conversion modelkit cannot do; the message says why and what would make it possible."""
+
+    def __init__(self, source: str, target: str, reason: str) -> None:
+        self.source = source
+        self.target = target
+        self.reason = reason
+        super().__init__(f"cannot convert {source} to {target}: {reason}")
+
+
+class MissingDependencyError(ModelkitError, ImportError):
+    """An optional dependency is not installed; the message names the pip extra."""
+
+
+class ConfigError(ModelkitError, ValueError):
+    """An invalid option or configuration value."""
+
+
+class OutputExistsError(ModelkitError, FileExistsError):
+    """The output path exists and overwriting was not asked for."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        super().__init__(f"{self.path} already exists; pass --force (API: force=True) to overwrite it")
+
+
+class UnsafeFileError(ModelkitError):
+    """The scanner found content that would run code on load; carries the report."""
+
+    def __init__(self, path: str | Path, report: Any, message: str | None = None) -> None:
+        self.path = Path(path)
+        self.report = report
+        super().__init__(message or f"{self.path}: refused to load unsafe content (run `modelkit scan {self.path}`)")
+
+
+class VerificationError(ModelkitError):
+    """A converted or quantized model does not reproduce its source within tolerance."""
+
+    def __init__(self, message: str, *, max_abs_err: float, atol: float) -> None:
+        self.max_abs_err = max_abs_err
+        self.atol = atol
+        super().__init__(f"{message}: max abs error {max_abs_err:.3g} > atol {atol:.3g}")

@@ -1,0 +1,100 @@
+"""The format table: the only place that lists formats, and content-based detection.
+
+Each entry names a converter module (imported on first use) with `detect(path) -> bool`,
+`read(path) -> Checkpoint` and `write(ckpt, path) -> None`.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from modelkit import sniff
+from modelkit.errors import ConfigError, FormatError, MissingDependencyError, UnknownFormatError
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    name: str                      # CLI and error-message name: "safetensors"
+    suffixes: tuple[str, ...]      # first one is the default when writing
+    module: str                    # "modelkit.converters.safetensors", imported on first use
+    extra: str | None = None       # pip extra that brings its dependencies
+    has_graph: bool = False        # the file holds the computation, not only weights
+    runs_pickle: bool = False      # loading unpickles: scan first, then weights_only=True
+
+
+FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
+    FormatInfo("safetensors", (".safetensors",), "modelkit.converters.safetensors"),
+)}
+
+
+def load_format(name: str) -> ModuleType:
+    """Import and return the converter module for `name`."""
+    info = FORMATS.get(name)
+    if info is None:
+        raise UnknownFormatError(name, known=FORMATS)
+    try:
+        return importlib.import_module(info.module)
+    except ModuleNotFoundError as e:
+        if info.extra is None or (e.name or "").startswith("modelkit"):
+            raise
+        raise MissingDependencyError(
+            f"format {name!r} needs the {e.name!r} package: pip install 'modelkit[{info.extra}]'"
+        ) from e
+
+
+def check_readable(path: Path) -> None:
+    """One-line errors for the usual ways an input path is wrong."""
+    if not path.exists():
+        raise FormatError(path, "no such file or folder")
+    if path.is_dir():
+        return
+    if not os.access(path, os.R_OK):
+        raise FormatError(path, "permission denied")
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    """The name of the format `path` holds, decided by content; the suffix only breaks ties.
+
+    Reads at most a few KB (and a zip directory); never unpickles.
+
+    Raises:
+        FormatError: the file is missing, or no known format matches; the message says what
+            the file looks like and lists the known formats.
+    """
+    path = Path(path)
+    check_readable(path)
+    matches = []
+    for name in FORMATS:
+        try:
+            module = load_format(name)
+        except MissingDependencyError:
+            continue  # a format whose extra is missing cannot be the one we read
+        if module.detect(path):
+            matches.append(name)
+    if len(matches) > 1:  # e.g. a zip that two formats accept: prefer the one the suffix names
+        by_suffix = [m for m in matches if path.suffix.lower() in FORMATS[m].suffixes]
+        matches = by_suffix or matches
+    if matches:
+        return matches[0]
+    seen = "a folder" if path.is_dir() else sniff.describe(sniff.read_head(path))
+    raise FormatError(path, f"not a model file modelkit can read: it looks like {seen}; "
+                            f"known formats: {', '.join(FORMATS)}")
+
+
+def format_for_output(path: str | os.PathLike[str], to: str | None = None) -> str:
+    """The format to write: `to` if given (checked, with "did you mean"), else from the suffix."""
+    if to is not None:
+        if to not in FORMATS:
+            raise UnknownFormatError(to, known=FORMATS)
+        return to
+    suffix = Path(path).suffix.lower()
+    for info in FORMATS.values():
+        if suffix in info.suffixes:
+            return info.name
+    raise ConfigError(
+        f"cannot tell the output format of {Path(path).name!r} from its suffix; "
+        f"pass --to with one of: {', '.join(FORMATS)}"
+    )

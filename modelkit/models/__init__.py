@@ -1,0 +1,108 @@
+"""The reference models ("the zoo"): small, seeded, trained by modelkit itself.
+
+Every model module has the same names, so one training loop and every converter can work
+with any of them:
+
+- ``CONFIG``: a frozen dataclass of primitive fields (the ArchSpec's ``config``)
+- ``MODEL``: the nn.Module class; ``MODEL(config)`` builds it, ``MODEL.arch`` is its table name
+- ``TASK``: data splits, loss and metrics (``modelkit.models._tasks``)
+- ``TRAINING``: the default recipe (epochs, batch size, learning rate, ...)
+- ``example_inputs(batch_size)``: a batch shaped like real inputs, for export and checks
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from modelkit.errors import ConfigError, UnknownModelError, did_you_mean
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from modelkit.checkpoint import ArchSpec
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str          # the ArchSpec name and the CLI's `modelkit train NAME`
+    module: str        # imported on first use
+    summary: str
+
+
+MODELS: dict[str, ModelInfo] = {m.name: m for m in (
+    ModelInfo("cnn", "modelkit.models.cnn", "small conv net on the 8x8 handwritten digits (UCI optical digits)"),
+    ModelInfo("mlp", "modelkit.models.mlp", "Linear-ReLU-Linear-ReLU-Linear on two interleaved 2-D spirals"),
+    ModelInfo("tinylm", "modelkit.models.tinylm", "byte-level Llama decoder trained on the Python standard library"),
+)}
+
+
+def load_model_module(name: str) -> ModuleType:
+    """Import and return the module of the registered model `name`."""
+    info = MODELS.get(name)
+    if info is None:
+        raise UnknownModelError(name, known=MODELS)
+    return importlib.import_module(info.module)
+
+
+def config_from_dict(name: str, values: Mapping[str, Any] | None = None) -> Any:
+    """Build model `name`'s config dataclass from plain values (unknown keys are an error)."""
+    config_cls = load_model_module(name).CONFIG
+    values = dict(values or {})
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ConfigError(
+            f"{name}: unknown config key {unknown[0]!r}{did_you_mean(unknown[0], fields)}; "
+            f"known: {', '.join(sorted(fields))}"
+        )
+    try:
+        return config_cls(**values)
+    except TypeError as e:
+        raise ConfigError(f"{name}: bad config value ({e})") from e
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A config dataclass as JSON-ready values (tuples become lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def build(name: str, config: Mapping[str, Any] | None = None, *, seed: int | None = None) -> nn.Module:
+    """Build a fresh, untrained reference model.
+
+    Args:
+        name: A key of MODELS: "mlp", "cnn" or "tinylm".
+        config: Constructor values that differ from the defaults, e.g. {"hidden": [64, 32]}.
+        seed: Seeds torch's generator first, so the initial weights are reproducible.
+
+    Example:
+        >>> from modelkit.models import build
+        >>> model = build("mlp", seed=0)
+        >>> model.net[0].weight.shape
+        torch.Size([30, 2])
+    """
+    module = load_model_module(name)
+    cfg = config_from_dict(name, config)
+    if seed is not None:
+        import torch
+
+        torch.manual_seed(seed)
+    return module.MODEL(cfg)
+
+
+def arch_spec(model: nn.Module) -> ArchSpec:
+    """The ArchSpec that rebuilds `model` (a reference model built by `build`)."""
+    from modelkit.checkpoint import ArchSpec
+
+    name = getattr(type(model), "arch", None)
+    if name not in MODELS:
+        raise ConfigError(f"{type(model).__name__} is not a registered reference model; known: {', '.join(MODELS)}")
+    return ArchSpec(name, config_to_dict(model.config))
+
+
+def build_from_spec(spec: ArchSpec) -> nn.Module:
+    """Build the (untrained) module an ArchSpec names."""
+    return build(spec.name, spec.config)

@@ -1,0 +1,63 @@
+"""mlp: the classic multilayer perceptron, Linear-ReLU-Linear-ReLU-Linear, on two 2-D spirals."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from modelkit.errors import ConfigError
+from modelkit.models._data import spiral_split
+from modelkit.models._tasks import ClassificationTask, TrainDefaults
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLPConfig:
+    """Args:
+        in_features: Input width (2 for the spirals).
+        hidden: Widths of the hidden layers, in order.
+        num_classes: Output logits.
+    """
+
+    in_features: int = 2
+    hidden: tuple[int, ...] = (30, 20)
+    num_classes: int = 2
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden", tuple(self.hidden))  # JSON gives lists
+        if self.in_features < 1 or self.num_classes < 2 or any(h < 1 for h in self.hidden):
+            raise ConfigError(
+                f"mlp: widths must be positive and num_classes >= 2, got in_features={self.in_features}, "
+                f"hidden={list(self.hidden)}, num_classes={self.num_classes}"
+            )
+
+
+class MLP(nn.Module):
+    """(B, in_features) float32 -> (B, num_classes) logits. Layers live in `net` (a Sequential)."""
+
+    arch: ClassVar[str] = "mlp"
+
+    def __init__(self, config: MLPConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or MLPConfig()
+        widths = (self.config.in_features, *self.config.hidden)
+        layers: list[nn.Module] = []
+        for width_in, width_out in zip(widths, widths[1:], strict=False):
+            layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+        layers.append(nn.Linear(widths[-1], self.config.num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+CONFIG = MLPConfig
+MODEL = MLP
+TASK = ClassificationTask(spiral_split)
+TRAINING = TrainDefaults(epochs=40, batch_size=64, lr=1e-2, weight_decay=1e-4)
+
+
+def example_inputs(batch_size: int = 4, *, seed: int = 0) -> torch.Tensor:
+    """Points like the training data: (B, 2) float32."""
+    return torch.randn(batch_size, 2, generator=torch.Generator().manual_seed(seed))

@@ -1,0 +1,117 @@
+"""Layout and import rules from docs/architecture.md."""
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modelkit.formats import FORMATS, load_format
+from modelkit.models import MODELS, load_model_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "tests")
+
+
+def test_import_modelkit_does_not_import_torch():
+    result = _run("import modelkit, sys; modelkit.__version__; print('torch' in sys.modules, 'onnx' in sys.modules)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False False"
+
+
+def test_cli_help_does_not_import_torch():
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom modelkit.cli import main\n"
+            "for args in ([], ['--help'], ['train', '--help'], ['inspect', '--help'], ['models']):\n"
+            "    r = CliRunner().invoke(main, args)\n    assert r.exit_code in (0, 2), (args, r.output)\n"
+            "print('torch' in sys.modules)")
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["converters", "quantizers"])
+def test_plugin_folders_are_not_top_level_packages(name):
+    result = _run(f"import sys; sys.path.insert(0, {str(ROOT)!r}); import {name}")
+    assert result.returncode != 0
+    assert f"import modelkit.{name}, not '{name}'" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["converters", "quantizers"])
+def test_plugin_folders_import_under_modelkit(name):
+    module = importlib.import_module(f"modelkit.{name}")
+    assert Path(module.__file__).resolve().parent == ROOT / name
+
+
+def test_console_script_and_python_m_agree():
+    exe = Path(sys.executable).with_name("modelkit")
+    assert exe.exists(), "pip install -e . should install the modelkit console script"
+    a = subprocess.run([str(exe), "--version"], capture_output=True, text=True)
+    b = subprocess.run([sys.executable, "-m", "modelkit", "--version"], capture_output=True, text=True)
+    assert a.returncode == b.returncode == 0
+    assert a.stdout == b.stdout and "modelkit" in a.stdout
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_format_module_has_detect_read_write(name):
+    module = load_format(name)
+    for attribute in ("detect", "read", "write"):
+        assert callable(getattr(module, attribute, None)), f"{name} lacks {attribute}"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_model_module_has_the_plugin_names(name):
+    module = load_model_module(name)
+    for attribute in ("CONFIG", "MODEL", "TASK", "TRAINING", "example_inputs"):
+        assert hasattr(module, attribute), f"{name} lacks {attribute}"
+    assert module.MODEL.arch == name
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_converters_do_not_import_each_other_or_quantizers():
+    for path in (ROOT / "converters").glob("*.py"):
+        bad = {n for n in _imports(path) if n.startswith(("modelkit.converters", "modelkit.quantizers"))}
+        assert not bad, f"{path.name} imports {bad}"
+
+
+def test_library_never_imports_cli():
+    for path in (ROOT / "modelkit").rglob("*.py"):
+        if "cli" in path.relative_to(ROOT / "modelkit").parts or path.name == "__main__.py":
+            continue
+        bad = {n for n in _imports(path) if n.startswith("modelkit.cli")}
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_library_never_prints():
+    for path in list((ROOT / "modelkit").rglob("*.py")) + list((ROOT / "converters").glob("*.py")):
+        if "cli" in path.relative_to(ROOT).parts or path.name == "demo.py":
+            continue
+        calls = [n for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("print", "exit")]
+        assert not calls, f"{path} calls print/exit"
+
+
+def test_fixtures_and_tests_are_not_packages():
+    assert not (ROOT / "fixtures" / "__init__.py").exists()
+    assert not (ROOT / "tests" / "__init__.py").exists()
+
+
+def test_readme_quick_start_and_ci_agree():
+    readme = (ROOT / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme
+    assert "make test" in (ROOT / ".ci" / "run").read_text()

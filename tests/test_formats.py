@@ -1,0 +1,178 @@
+"""The format table, detection, and each format's round trip (parametrized from FORMATS)."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import modelkit
+from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor
+from modelkit.errors import ConfigError, FormatError, ModelkitError, OutputExistsError, UnknownFormatError
+from modelkit.formats import FORMATS, detect_format, format_for_output
+from modelkit.models import build
+
+
+def _write(tmp_path, fmt, ckpt, name="m"):
+    return modelkit.save(ckpt, tmp_path / f"{name}{FORMATS[fmt].suffixes[0]}", format=fmt)
+
+
+def test_round_trip_is_bit_exact(fmt, small_model, tmp_path):
+    ckpt = Checkpoint.from_module(small_model, metadata={"note": "hello"})
+    path = _write(tmp_path, fmt, ckpt)
+    assert detect_format(path) == fmt
+    back = modelkit.load(path)
+    assert back.arch == ckpt.arch
+    assert back.metadata["note"] == "hello"
+    original, loaded = ckpt.materialize(), back.materialize()
+    assert list(loaded) == list(original) or sorted(loaded) == sorted(original)
+    for name, tensor in original.items():
+        assert loaded[name].dtype == tensor.dtype
+        assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool])
+def test_round_trip_keeps_dtypes(fmt, dtype, tmp_path):
+    tensor = (torch.arange(24).reshape(2, 3, 4) % 7).to(dtype)
+    path = _write(tmp_path, fmt, Checkpoint.from_state_dict({"t": tensor, "scalar": torch.tensor(3.5).to(dtype)}))
+    back = modelkit.load(path).materialize()
+    assert back["t"].dtype == dtype and torch.equal(back["t"], tensor)
+    assert back["scalar"].shape == ()
+
+
+def test_load_module_rebuilds_the_model(fmt, small_model, tmp_path):
+    path = _write(tmp_path, fmt, Checkpoint.from_module(small_model))
+    rebuilt = modelkit.load_module(path)
+    from modelkit.models import load_model_module
+
+    inputs = load_model_module(type(small_model).arch).example_inputs(3)
+    modelkit.assert_same_outputs(small_model, rebuilt, inputs)          # atol 0: identical
+
+
+def test_safetensors_files_load_in_the_reference_library(small_model, tmp_path):
+    from safetensors.torch import load_file, safe_open
+
+    ckpt = Checkpoint.from_module(small_model)
+    path = _write(tmp_path, "safetensors", ckpt)
+    loaded = load_file(path)
+    for name, tensor in ckpt.materialize().items():
+        assert torch.equal(loaded[name], tensor)
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata()["format"] == "pt"
+        assert ArchSpec.from_json(f.metadata()["modelkit.arch"]) == ckpt.arch
+
+
+def test_safetensors_read_is_lazy(tmp_path):
+    """Opening reads only the header: bytes changed after opening show up when a tensor is loaded."""
+    path = _write(tmp_path, "safetensors", Checkpoint.from_state_dict({"w": torch.zeros(4)}))
+    ckpt = modelkit.load(path)
+    data = bytearray(path.read_bytes())
+    data[-16:] = struct.pack("<4f", 1, 2, 3, 4)
+    path.write_bytes(bytes(data))
+    assert ckpt.tensors["w"].load().tolist() == [1, 2, 3, 4]
+
+
+def test_save_refuses_existing_output_without_force(fmt, tmp_path):
+    ckpt = Checkpoint.from_state_dict({"w": torch.ones(2)})
+    path = _write(tmp_path, fmt, ckpt)
+    with pytest.raises(OutputExistsError, match="--force"):
+        _write(tmp_path, fmt, ckpt)
+    modelkit.save(Checkpoint.from_state_dict({"w": torch.zeros(2)}), path, force=True)
+    assert torch.equal(modelkit.load(path).materialize()["w"], torch.zeros(2))
+
+
+def test_failed_write_leaves_no_file(fmt, tmp_path):
+    def boom():
+        raise RuntimeError("disk full")
+
+    ckpt = Checkpoint({"a": LazyTensor.of(torch.ones(3)), "b": LazyTensor(torch.float32, (3,), boom)})
+    target = tmp_path / f"out{FORMATS[fmt].suffixes[0]}"
+    with pytest.raises(RuntimeError, match="disk full"):
+        modelkit.save(ckpt, target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_overwrite_keeps_the_old_file(fmt, tmp_path):
+    path = _write(tmp_path, fmt, Checkpoint.from_state_dict({"w": torch.ones(2)}))
+    before = path.read_bytes()
+
+    def boom():
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        modelkit.save(Checkpoint({"w": LazyTensor(torch.float32, (2,), boom)}), path, force=True)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_output_format_from_suffix_or_to():
+    assert format_for_output("x.safetensors") == "safetensors"
+    with pytest.raises(UnknownFormatError, match="did you mean 'safetensors'"):
+        format_for_output("x.bin", "safetensor")
+    with pytest.raises(ConfigError, match="pass --to"):
+        format_for_output("x.weird")
+
+
+@pytest.mark.parametrize("head, seen", [
+    (b"", "an empty file"),
+    (b"GGUF\x03\x00\x00\x00", "a GGUF file"),
+    (b"PK\x03\x04rest", "a zip archive"),
+    (b"\x80\x02}q\x00.", "a pickle (protocol 2)"),
+    (b"\x89HDF\r\n\x1a\nxx", "an HDF5 file"),
+    (b"hello world\n", "text"),
+])
+def test_unknown_input_names_what_was_seen_and_the_known_formats(tmp_path, head, seen):
+    path = tmp_path / "mystery.bin"
+    path.write_bytes(head)
+    with pytest.raises(FormatError) as info:
+        detect_format(path)
+    message = str(info.value)
+    assert seen in message and "known formats: " + ", ".join(FORMATS) in message
+    assert "\n" not in message
+
+
+def test_missing_file_is_a_one_line_error(tmp_path):
+    with pytest.raises(FormatError, match="no such file"):
+        modelkit.load(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize("blob", [
+    struct.pack("<Q", 10**12) + b"{}",                                     # header longer than the file
+    struct.pack("<Q", 2) + b"{]",                                          # not JSON
+    struct.pack("<Q", 60) + b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}    ',  # data missing
+])
+def test_malformed_safetensors_is_a_format_error(tmp_path, blob):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(blob)
+    with pytest.raises(FormatError):
+        modelkit.load(path, format="safetensors").materialize()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=300), prefix=st.sampled_from([b"", struct.pack("<Q", 40), b"PK\x03\x04", b"GGUF"]))
+def test_fuzzed_input_raises_only_modelkit_errors(tmp_path, data, prefix):
+    path = tmp_path / "fuzz.safetensors"
+    path.write_bytes(prefix + data)
+    try:
+        modelkit.load(path).materialize()
+    except ModelkitError:
+        pass
+
+
+def test_detect_does_not_trust_the_suffix(tmp_path, small_model):
+    path = _write(tmp_path, "safetensors", Checkpoint.from_module(small_model))
+    renamed = path.rename(tmp_path / "weights.bin")
+    assert detect_format(renamed) == "safetensors"
+    assert modelkit.load(renamed).arch == Checkpoint.from_module(small_model).arch
+
+
+def test_build_from_file_spec_only_names_registered_models(tmp_path):
+    ckpt = Checkpoint.from_module(build("mlp", seed=0))
+    path = _write(tmp_path, "safetensors", ckpt)
+    raw = path.read_bytes().replace(b'\\"name\\":\\"mlp\\"', b'\\"name\\":\\"os.\\"')  # same length
+    assert raw != path.read_bytes()
+    path.write_bytes(raw)
+    with pytest.raises(FormatError, match="not a registered model"):
+        modelkit.load(path)
