@@ -6,6 +6,22 @@ of 8) | tensor data. The JSON maps each name to {"dtype", "shape", "data_offsets
 (offsets relative to the end of the header) and "__metadata__" to str->str pairs. modelkit
 stores "format": "pt" (as transformers does) and the ArchSpec under "modelkit.arch".
 
+Sharded checkpoints follow Hugging Face: a folder with `model-00001-of-00003.safetensors`, ...
+and `model.safetensors.index.json` ({"metadata": {"total_size": N}, "weight_map": {name: file}});
+a folder whose tensors fit one shard holds a single `model.safetensors`. Every shard carries the
+metadata and ArchSpec, so each is self-describing.
+
+Tied tensors (two names, one storage) are stored once, as Hugging Face does; the other names
+are listed under "modelkit.aliases" and come back as the same tensor on reading.
+
+Quantized tensors (QuantizedTensor) are stored as their parts, named after compressed-tensors
+(https://github.com/neuralmagic/compressed-tensors): for a weight `N`, `N_packed` (4-bit values
+two per byte, low nibble first, or GGUF block bytes), or `N` itself as int8 for 8-bit values
+(compressed-tensors' "int-quantized"), `N_scale` and `N_zero_point`. The metadata entry
+"modelkit.quantized" (JSON: N -> scheme, layout, shape, dtype, params and part -> stored name)
+is what reading uses to put them back together; "quantization_config" holds the same facts in
+compressed-tensors' config shape for other tools to read. See docs/quantizers/safetensors.md.
+
 Reading is lazy: the header gives names, dtypes and shapes; each tensor's bytes are read when
 asked for. Writing streams: the header is computed from the specs, then each tensor is read
 and written in turn, so peak memory is one tensor, not the model.
@@ -13,6 +29,7 @@ and written in turn, so peak memory is one tensor, not the model.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 from typing import Any
@@ -21,15 +38,23 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from modelkit._tensors import SAFETENSORS_CODES, SAFETENSORS_DTYPES, tensor_bytes
-from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
+from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import FormatError, UnsupportedConversionError
+from modelkit.formats import ReadOptions, WriteOptions
 
 _HEADER_LIMIT = 100_000_000      # the reference implementation's own cap on header size
+_INDEX_LIMIT = 50_000_000        # an index is names and file names: far below this
 _ALIGN = 8
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
 
 
 def detect(path: Path) -> bool:
-    """True if `path` starts like safetensors: a plausible 8-byte header length, then '{'."""
+    """A safetensors file (plausible 8-byte header length, then '{'), a sharded folder or its index."""
+    if path.is_dir():
+        return (path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file()
+    if path.name.endswith(".safetensors.index.json"):
+        return path.is_file()
     if not path.is_file():
         return False
     with path.open("rb") as f:
@@ -41,64 +66,320 @@ def detect(path: Path) -> bool:
 
 
 class _File:
-    """One safe_open handle shared by a checkpoint's tensors, opened on first use."""
+    """A file's tensors as views of one copy-on-write memory map, opened on first use.
 
-    def __init__(self, path: Path) -> None:
+    The views are backed by the file's pages (page cache), not by process memory, so writing a
+    converted copy of a large file holds about nothing beyond the page cache. Copy-on-write:
+    writing into a returned tensor never touches the file.
+    """
+
+    def __init__(self, path: Path, offsets: dict[str, tuple[int, int]], data_start: int) -> None:
         self.path = path
-        self._handle: Any = None
+        self.offsets = offsets            # name -> (begin, end) within the data section, checked by safe_open
+        self.data_start = data_start
+        self._map: mmap.mmap | None = None
 
-    def get(self, name: str) -> torch.Tensor:
-        if self._handle is None:
-            self._handle = safe_open(str(self.path), framework="pt")
-        try:
-            return self._handle.get_tensor(name)
-        except SafetensorError as e:
-            raise FormatError(self.path, f"cannot read tensor {name!r} ({e})") from e
+    def get(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        begin, end = self.offsets[name]
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        if self._map is None:
+            try:
+                with self.path.open("rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as e:
+                raise FormatError(self.path, f"cannot map the file for reading ({e})") from e
+        if self.data_start + end > len(self._map):
+            raise FormatError(self.path, f"tensor {name!r} ends past the end of the file (was it truncated?)")
+        flat = torch.frombuffer(self._map, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin)
+        return flat.view(dtype).reshape(shape)
 
 
-def read(path: Path) -> Checkpoint:
-    """Open `path` and read its header; tensor data is read only when a tensor is loaded."""
+def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
+    """Open a file, a sharded folder or its index; tensor data is read only when a tensor is loaded."""
+    if path.is_dir() or path.name.endswith(".index.json"):
+        return _read_sharded(path)
+    return _read_file(path)
+
+
+def _read_file(path: Path, *, group: bool = True) -> Checkpoint:
     try:
         with safe_open(str(path), framework="pt") as f:   # validates header, offsets and sizes
             metadata = dict(f.metadata() or {})
-            specs = {name: f.get_slice(name) for name in f.keys()}
-            headers = {name: (spec.get_dtype(), tuple(spec.get_shape())) for name, spec in specs.items()}
-    except (SafetensorError, OSError) as e:
+            headers = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
+        with path.open("rb") as raw:                        # the offsets safe_open just checked
+            (length,) = struct.unpack("<Q", raw.read(8))
+            header = json.loads(raw.read(length))
+    except (SafetensorError, OSError, ValueError) as e:
         raise FormatError(path, f"not a readable safetensors file ({e})") from e
-    handle = _File(path)
-    tensors = {}
+    offsets = {name: tuple(header[name]["data_offsets"]) for name in headers}
+    handle = _File(path, offsets, 8 + length)
+    tensors: dict[str, LazyTensor] = {}
     for name, (code, shape) in headers.items():
         dtype = SAFETENSORS_DTYPES.get(code)
         if dtype is None:
             raise FormatError(path, f"tensor {name!r} has dtype {code!r}, which torch cannot hold")
-        tensors[name] = LazyTensor(dtype, shape, lambda name=name: handle.get(name), f"{path}:{name}")
+        tensors[name] = LazyTensor(dtype, shape, lambda name=name, dtype=dtype, shape=shape: handle.get(name, dtype, shape),
+                                   f"{path}:{name}")
+    _restore_aliases(path, tensors, metadata)
     arch_json = metadata.pop(ARCH_KEY, None)
     arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
-    return Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
+    ckpt = Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
+    return _group_quantized(path, ckpt) if group else ckpt
 
 
-def write(ckpt: Checkpoint, path: Path) -> None:
-    """Write `ckpt` to `path` (the caller makes the write atomic), one tensor at a time."""
-    metadata = {"format": "pt", **ckpt.metadata}
-    if ckpt.arch is not None:
-        metadata[ARCH_KEY] = ckpt.arch.to_json()
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
+def _restore_aliases(path: Path, tensors: dict[str, LazyTensor], metadata: dict[str, str]) -> None:
+    raw = metadata.get(ALIASES_KEY)
+    if raw is None:
+        return
+    try:
+        aliases = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise FormatError(path, f"the {ALIASES_KEY} entry is not valid JSON") from e
+    if not isinstance(aliases, dict):
+        raise FormatError(path, f"the {ALIASES_KEY} entry must map names to names")
+    for alias, target in aliases.items():
+        if not isinstance(target, str) or target not in tensors:
+            raise FormatError(path, f"tied tensor {alias!r} points to {target!r}, which is not in the file")
+        tensors[alias] = tensors[target]
+
+
+def _read_sharded(path: Path) -> Checkpoint:
+    folder = path if path.is_dir() else path.parent
+    index_path = folder / INDEX_NAME if path.is_dir() else path
+    if path.is_dir() and not index_path.is_file():
+        return _read_file(folder / SINGLE_NAME)
+    if index_path.stat().st_size > _INDEX_LIMIT:
+        raise FormatError(index_path, f"index is {index_path.stat().st_size} bytes; refusing anything over {_INDEX_LIMIT}")
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise FormatError(index_path, f"not a safetensors index (needs a JSON object with weight_map: {e})") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FormatError(index_path, "weight_map must map tensor names to shard file names")
+    shards: dict[str, Checkpoint] = {}
+    for shard in sorted(set(weight_map.values())):
+        # A shard name is a plain file name inside the folder: no folders, no '..', no links out.
+        target = (folder / shard).resolve()
+        if Path(shard).name != shard or target.parent != folder.resolve():
+            raise FormatError(index_path, f"shard {shard!r} is not a file name inside {folder}; refusing to follow it")
+        if not target.is_file():
+            raise FormatError(index_path, f"shard {shard!r} is missing")
+        shards[shard] = _read_file(folder / shard, group=False)   # parts may sit in different shards
+    tensors: dict[str, LazyTensor] = {}
+    for name, shard in weight_map.items():
+        if name not in shards[shard].tensors:
+            raise FormatError(index_path, f"tensor {name!r} is not in shard {shard!r}")
+        tensors[name] = shards[shard].tensors[name]
+    first = shards[min(shards)] if shards else Checkpoint({})
+    return _group_quantized(index_path, Checkpoint(tensors, dict(first.metadata), first.arch))
+
+
+def _stored_tensors(ckpt: Checkpoint) -> tuple[dict[str, LazyTensor], dict[str, str]]:
+    """The tensors to store, and the tied names left out (alias -> stored name)."""
+    aliases = json.loads(ckpt.metadata.get(ALIASES_KEY, "{}"))
+    stored = {}
     for name, entry in ckpt.tensors.items():
         if isinstance(entry, QuantizedTensor):
             raise UnsupportedConversionError(
-                "quantized checkpoint", "safetensors",
-                f"tensor {name!r} is quantized ({entry.scheme}); dequantize it first",
+                "quantized checkpoint", "safetensors", f"tensor {name!r} is quantized ({entry.scheme}); dequantize it first",
             )
-        code = SAFETENSORS_CODES.get(entry.dtype)
-        if code is None:
+        if SAFETENSORS_CODES.get(entry.dtype) is None:
             raise UnsupportedConversionError(str(entry.dtype), "safetensors", f"tensor {name!r} has a dtype safetensors lacks")
-        header[name] = {"dtype": code, "shape": list(entry.shape), "data_offsets": [offset, offset + entry.nbytes]}
+        if name not in aliases:
+            stored[name] = entry
+    return stored, {a: t for a, t in aliases.items() if t in stored}
+
+
+def _metadata(ckpt: Checkpoint, aliases: dict[str, str]) -> dict[str, str]:
+    metadata = {"format": "pt", **{k: v for k, v in ckpt.metadata.items() if k != ALIASES_KEY}}
+    if aliases:
+        metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    if ckpt.arch is not None:
+        metadata[ARCH_KEY] = ckpt.arch.to_json()
+    return metadata
+
+
+def _write_file(path: Path, tensors: dict[str, LazyTensor], metadata: dict[str, str]) -> None:
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, entry in tensors.items():
+        header[name] = {"dtype": SAFETENSORS_CODES[entry.dtype], "shape": list(entry.shape),
+                        "data_offsets": [offset, offset + entry.nbytes]}
         offset += entry.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % _ALIGN)                       # data starts 8-byte aligned
     with path.open("wb") as out:
         out.write(struct.pack("<Q", len(blob)))
         out.write(blob)
-        for entry in ckpt.tensors.values():
+        for entry in tensors.values():
             out.write(tensor_bytes(entry.load()))
+
+
+def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
+    """Write one file, or with `options.shard_size` a Hugging Face sharded folder at `path`."""
+    ckpt = _flatten_quantized(ckpt)
+    tensors, aliases = _stored_tensors(ckpt)
+    metadata = _metadata(ckpt, aliases)
+    if options.shard_size is None:
+        _write_file(path, tensors, metadata)
+        return
+    path.mkdir(exist_ok=True)
+    shards: list[dict[str, LazyTensor]] = [{}]
+    size = 0
+    for name, entry in tensors.items():       # greedy, in order; an oversized tensor gets a shard of its own
+        if shards[-1] and size + entry.nbytes > options.shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = entry
+        size += entry.nbytes
+    if len(shards) == 1:
+        _write_file(path / SINGLE_NAME, shards[0], metadata)
+        return
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        # Each shard lists only the tied names whose stored tensor it holds.
+        _write_file(path / file_name, shard, _metadata(ckpt, {a: t for a, t in aliases.items() if t in shard}))
+        weight_map.update({name: file_name for name in shard})
+    weight_map.update({alias: weight_map[target] for alias, target in aliases.items()})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- quantized tensors
+
+QUANTIZED_KEY = "modelkit.quantized"        # N -> {scheme, layout, shape, dtype, params, parts: {part: stored}}
+QUANT_CONFIG_KEY = "quantization_config"    # compressed-tensors' description, for other tools
+_PART_SUFFIXES = {"qdata": "_packed", "scale": "_scale", "zero_point": "_zero_point"}
+_QUANTIZED_LIMIT = 20_000_000               # bytes of the JSON entry; far above any real model's
+_LOGICAL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _stored_part_name(name: str, part: str, entry: QuantizedTensor) -> str:
+    if part == "qdata" and entry.layout == "affine" and int(entry.params.get("bits", 8)) == 8:
+        return name                             # compressed-tensors "int-quantized": int8 under the weight's own name
+    return name + _PART_SUFFIXES.get(part, f"_{part}")
+
+
+def _flatten_quantized(ckpt: Checkpoint) -> Checkpoint:
+    """QuantizedTensors as their stored parts, described in the metadata; other entries unchanged."""
+    if not any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
+        return ckpt
+    tensors: dict[str, LazyTensor] = {}
+    record: dict[str, Any] = {}
+    for name, entry in ckpt.tensors.items():
+        if not isinstance(entry, QuantizedTensor):
+            tensors[name] = entry
+            continue
+        if entry.dtype not in _LOGICAL_DTYPES.values():
+            raise UnsupportedConversionError("quantized checkpoint", "safetensors",
+                                             f"tensor {name!r} dequantizes to {entry.dtype}; expected a float dtype")
+        parts = {}
+        for part, lazy in entry.parts.items():
+            stored = _stored_part_name(name, part, entry)
+            if stored in tensors or (stored != name and stored in ckpt.tensors):
+                raise UnsupportedConversionError("quantized checkpoint", "safetensors",
+                                                 f"part {part!r} of {name!r} would be stored as {stored!r}, which is taken")
+            tensors[stored] = lazy
+            parts[part] = stored
+        record[name] = {"scheme": entry.scheme, "layout": entry.layout, "shape": list(entry.shape),
+                        "dtype": str(entry.dtype).removeprefix("torch."), "params": dict(entry.params), "parts": parts}
+    metadata = dict(ckpt.metadata)
+    metadata[QUANTIZED_KEY] = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    metadata[QUANT_CONFIG_KEY] = json.dumps(_compressed_tensors_config(record), sort_keys=True, separators=(",", ":"))
+    return Checkpoint(tensors, metadata, ckpt.arch)
+
+
+def _compressed_tensors_config(record: dict[str, Any]) -> dict[str, Any]:
+    """The quantized weights in compressed-tensors' `quantization_config` shape (one group per kind)."""
+    groups: dict[str, dict[str, Any]] = {}
+    formats = set()
+    for name, info in record.items():
+        params = info["params"]
+        if info["layout"] == "affine":
+            bits = int(params.get("bits", 8))
+            cols = 1
+            for d in info["shape"][1:]:
+                cols *= d
+            group = int(params.get("group_size", 0) or 0)
+            strategy = "tensor" if group == 0 else "channel" if group >= cols else "group"
+            weights = {"num_bits": bits, "type": "int", "symmetric": bool(params.get("symmetric", True)),
+                       "strategy": strategy, "group_size": group if strategy == "group" else None}
+            formats.add("pack-quantized" if bits == 4 else "int-quantized")
+        else:
+            weights = {"num_bits": None, "type": f"{info['layout']}:{params.get('ggml_type', '')}".rstrip(":")}
+            formats.add(f"modelkit-{info['layout']}")
+        key = json.dumps(weights, sort_keys=True)
+        groups.setdefault(key, {"targets": [], "weights": weights})["targets"].append(name.removesuffix(".weight"))
+    return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+            "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())}}
+
+
+def _group_quantized(path: Path, ckpt: Checkpoint) -> Checkpoint:
+    """Put QuantizedTensors back together from their stored parts, as the metadata describes them."""
+    raw = ckpt.metadata.get(QUANTIZED_KEY)
+    if raw is None:
+        return ckpt
+    from modelkit.checkpoint import DEQUANTIZERS, LAYOUT_MODULES
+
+    if len(raw) > _QUANTIZED_LIMIT:
+        raise FormatError(path, f"the {QUANTIZED_KEY} entry is {len(raw)} bytes; refusing anything over {_QUANTIZED_LIMIT}")
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise FormatError(path, f"the {QUANTIZED_KEY} entry is not valid JSON ({e})") from e
+    if not isinstance(record, dict):
+        raise FormatError(path, f"the {QUANTIZED_KEY} entry must map tensor names to descriptions")
+    tensors: dict[str, Any] = dict(ckpt.tensors)
+    claimed: set[str] = set()
+    grouped: dict[str, QuantizedTensor] = {}
+    for name, info in record.items():
+        bad = _bad_quantized_entry(info, DEQUANTIZERS.keys() | LAYOUT_MODULES.keys())
+        if bad:
+            raise FormatError(path, f"quantized tensor {name!r}: {bad}")
+        parts = {}
+        for part, stored in info["parts"].items():
+            if stored not in ckpt.tensors or stored in claimed:
+                raise FormatError(path, f"quantized tensor {name!r}: part {part!r} names {stored!r}, which is "
+                                        "missing or belongs to another tensor")
+            claimed.add(stored)
+            parts[part] = ckpt.tensors[stored]
+        grouped[name] = QuantizedTensor(scheme=info["scheme"], layout=info["layout"], shape=tuple(info["shape"]),
+                                        dtype=_LOGICAL_DTYPES[info["dtype"]], parts=parts, params=info["params"],
+                                        source=f"{path}:{name}")
+    for stored in claimed:
+        del tensors[stored]
+    for name in grouped:
+        if name in tensors:
+            raise FormatError(path, f"quantized tensor {name!r} is also stored as a plain tensor")
+    ordered: dict[str, Any] = {}
+    for name, entry in ckpt.tensors.items():             # keep the file's order; a weight sits at its first part
+        if name in tensors:
+            ordered[name] = entry
+        for q_name, q in grouped.items():
+            if q_name not in ordered and any(p is entry for p in q.parts.values()):
+                ordered[q_name] = q
+    metadata = {k: v for k, v in ckpt.metadata.items() if k not in (QUANTIZED_KEY, QUANT_CONFIG_KEY)}
+    return Checkpoint(ordered, metadata, ckpt.arch)
+
+
+def _bad_quantized_entry(info: Any, layouts: Any) -> str | None:
+    """Why a "modelkit.quantized" entry is malformed, or None."""
+    if not isinstance(info, dict):
+        return "its description is not an object"
+    if not isinstance(info.get("scheme"), str) or info.get("layout") not in layouts:
+        return f"unknown layout {info.get('layout')!r} (known: {', '.join(sorted(layouts))})"
+    shape = info.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return f"shape {shape!r} is not a list of sizes"
+    if info.get("dtype") not in _LOGICAL_DTYPES:
+        return f"dtype {info.get('dtype')!r} is not one of {', '.join(_LOGICAL_DTYPES)}"
+    params = info.get("params")
+    if not isinstance(params, dict) or not all(isinstance(v, (int, float, str, bool)) for v in params.values()):
+        return "params must map names to numbers, strings or booleans"
+    parts = info.get("parts")
+    if not isinstance(parts, dict) or not parts or not all(isinstance(v, str) for v in parts.values()):
+        return "parts must map part names to stored tensor names"
+    return None

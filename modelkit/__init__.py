@@ -24,6 +24,9 @@ _LAZY = {
     "inspect": "modelkit.api:inspect",
     "evaluate": "modelkit.api:evaluate",
     "generate": "modelkit.api:generate",
+    "convert": "modelkit.conversion:convert",
+    "export": "modelkit.conversion:export",
+    "ConversionReport": "modelkit.conversion:ConversionReport",
     "train": "modelkit.training:train",
     "TrainConfig": "modelkit.training:TrainConfig",
     "Checkpoint": "modelkit.checkpoint:Checkpoint",
@@ -35,6 +38,17 @@ _LAZY = {
     "MODELS": "modelkit.models:MODELS",
     "build": "modelkit.models:build",
     "assert_same_outputs": "modelkit.testing:assert_same_outputs",
+    "quantize": "modelkit.quantization:quantize",
+    "prepare_qat": "modelkit.quantization:prepare_qat",
+    "convert_qat": "modelkit.quantization:convert_qat",
+    "QuantizeReport": "modelkit.quantization:QuantizeReport",
+    "SCHEMES": "modelkit.schemes:SCHEMES",
+    "Int8Config": "modelkit.quantizers.int8:Int8Config",
+    "Int8DynamicConfig": "modelkit.quantizers.int8_dynamic:Int8DynamicConfig",
+    "Int4Config": "modelkit.quantizers.int4:Int4Config",
+    "GPTQConfig": "modelkit.quantizers.gptq:GPTQConfig",
+    "scan": "modelkit.scan:_PACKAGE",  # the callable package itself: modelkit.scan(path) (modelkit/scan/__init__.py)
+    "Severity": "modelkit.scan:Severity", "Finding": "modelkit.scan:Finding", "ScanReport": "modelkit.scan:ScanReport",
 }
 _ERRORS = ("ModelkitError", "UnknownFormatError", "UnknownModelError", "FormatError", "UnsupportedConversionError",
            "MissingDependencyError", "ConfigError", "OutputExistsError", "UnsafeFileError", "VerificationError")

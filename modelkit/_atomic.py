@@ -36,6 +36,7 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False) -> Iterato
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600; outputs get the usual permissions
     try:
         yield tmp
         if tmp.is_dir():
@@ -57,6 +58,7 @@ def atomic_dir(path: str | os.PathLike[str], *, force: bool = False) -> Iterator
     target = Path(path)
     check_output(target, force=force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
         for child in tmp.iterdir():
@@ -73,6 +75,12 @@ def atomic_dir(path: str | os.PathLike[str], *, force: bool = False) -> Iterator
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(folder: Path) -> None:

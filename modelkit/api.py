@@ -8,8 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 from modelkit._atomic import atomic_path
 from modelkit.checkpoint import ArchSpec, Checkpoint, QuantizedTensor
-from modelkit.errors import ConfigError, UnsupportedConversionError
-from modelkit.formats import FORMATS, check_readable, detect_format, format_for_output, load_format
+from modelkit.errors import ConfigError
+from modelkit.formats import (
+    FORMATS,
+    ReadOptions,
+    WriteOptions,
+    check_readable,
+    detect_format,
+    format_for_output,
+    load_format,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -26,12 +34,16 @@ def _resolve_input(path: PathLike, format: str | None) -> tuple[Path, str]:
     return path, detect_format(path)
 
 
-def load(path: PathLike, *, format: str | None = None) -> Checkpoint:
+def load(path: PathLike, *, format: str | None = None, trust: bool = False, key: str | None = None,
+         dequantize: bool = False) -> Checkpoint:
     """Open a model file as a lazy Checkpoint; no tensor data is read until asked for.
 
     Args:
         path: The file (or sharded folder) to read.
         format: Force a format instead of detecting it from the content.
+        trust: Allow content that runs code when loaded (whole-module pickles, TorchScript).
+        key: For nested checkpoints, the entry holding the state_dict ("model", "state_dict").
+        dequantize: Return quantized tensors (GGUF block types) as float tensors.
 
     Example:
         >>> ckpt = modelkit.load("runs/cnn/model.safetensors")       # doctest: +SKIP
@@ -39,7 +51,7 @@ def load(path: PathLike, *, format: str | None = None) -> Checkpoint:
         ('cnn', 38538)
     """
     path, fmt = _resolve_input(path, format)
-    return load_format(fmt).read(path)
+    return load_format(fmt).read(path, ReadOptions(trust=trust, key=key, dequantize=dequantize))
 
 
 def save(ckpt: Checkpoint, path: PathLike, *, format: str | None = None, force: bool = False) -> Path:
@@ -50,45 +62,35 @@ def save(ckpt: Checkpoint, path: PathLike, *, format: str | None = None, force: 
     path = Path(path)
     fmt = format_for_output(path, format)
     with atomic_path(path, force=force) as tmp:
-        load_format(fmt).write(ckpt, tmp)
+        load_format(fmt).write(ckpt, tmp, WriteOptions(final_path=path))
     return path
 
 
-def load_module(path: PathLike, *, format: str | None = None, arch: ArchSpec | str | None = None) -> nn.Module:
+def load_module(path: PathLike, *, format: str | None = None, arch: ArchSpec | str | None = None,
+                trust: bool = False) -> nn.Module:
     """Rebuild a runnable model from a file: its ArchSpec (or `arch`) plus its weights.
+
+    Args:
+        path: Any readable model file.
+        format: Force a format instead of detecting it.
+        arch: A registered model name, an ArchSpec, or a factory "pkg.module:function", for
+            files that name no architecture (or to override it).
+        trust: Allow content that runs code when loaded (see `load`).
 
     Raises:
         UnsupportedConversionError: the file names no architecture and none was given.
+
+    Example:
+        >>> model = modelkit.load_module("runs/cnn/model.safetensors")   # doctest: +SKIP
     """
-    from modelkit.models import build_from_spec
+    from modelkit.models import instantiate
 
-    ckpt = load(path, format=format)
-    if isinstance(arch, str):  # a name alone keeps the file's config when it names the same model
-        arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
-    spec = arch or ckpt.arch
-    if spec is None:
-        raise UnsupportedConversionError(
-            str(path), "a runnable model",
-            "the file names no architecture; pass --arch NAME (API: arch=...) with one of the registered models",
-        )
-    model = build_from_spec(spec)
-    state = ckpt.materialize()
-    missing, unexpected = _compare_keys(model.state_dict().keys(), state.keys())
-    if missing or unexpected:
-        raise ConfigError(
-            f"{path}: weights do not fit architecture {spec.name!r}"
-            + (f"; missing {missing[:3]}" if missing else "") + (f"; unexpected {unexpected[:3]}" if unexpected else "")
-        )
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:  # shape mismatches
-        raise ConfigError(f"{path}: weights do not fit architecture {spec.name!r} ({str(e).splitlines()[-1].strip()})") from e
-    return model.eval()
+    ckpt = load(path, format=format, trust=trust)
+    if any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):   # quantized layers, not dequantized floats
+        from modelkit.quantization import instantiate_quantized
 
-
-def _compare_keys(expected, found) -> tuple[list[str], list[str]]:
-    expected, found = set(expected), set(found)
-    return sorted(expected - found), sorted(found - expected)
+        return instantiate_quantized(ckpt, arch=arch, source=str(path))
+    return instantiate(ckpt, arch=arch, source=str(path))
 
 
 @dataclass
@@ -139,7 +141,7 @@ def inspect(path: PathLike, *, format: str | None = None) -> Inspection:
     from modelkit.checkpoint import METRICS_KEY
 
     path, fmt = _resolve_input(path, format)
-    ckpt = load_format(fmt).read(path)
+    ckpt = load_format(fmt).read(path, ReadOptions())
     tensors = [
         TensorInfo(name, dtype_name(t.dtype), list(t.shape), t.nbytes,
                    t.scheme if isinstance(t, QuantizedTensor) else None)

@@ -20,6 +20,7 @@ from modelkit.errors import ConfigError, FormatError
 
 ARCH_KEY = "modelkit.arch"          # metadata key holding the ArchSpec as JSON
 METRICS_KEY = "modelkit.metrics"    # metadata key holding evaluation figures as JSON
+ALIASES_KEY = "modelkit.aliases"    # metadata key: tied names -> the name whose tensor they share
 _PRIMITIVES = (str, int, float, bool, type(None))
 
 
@@ -157,6 +158,23 @@ def _dequantize_affine(q: QuantizedTensor) -> torch.Tensor:
 # Layout name -> dequantizer. The quantizers add their layouts here (GGUF block types, ...).
 DEQUANTIZERS: dict[str, Callable[[QuantizedTensor], torch.Tensor]] = {"affine": _dequantize_affine}
 
+# Layouts whose dequantizer lives in a module imported on first use: layout -> module, which
+# registers itself in DEQUANTIZERS. A fixed table in code: a file only ever picks a key of it.
+LAYOUT_MODULES: dict[str, str] = {"gguf": "modelkit.quantizers.gguf_blocks"}
+
+
+def dequantizer(layout: str, *, source: str = "<tensor>") -> Callable[[QuantizedTensor], torch.Tensor]:
+    """The dequantizer of `layout`, importing its module from LAYOUT_MODULES on first use."""
+    if layout not in DEQUANTIZERS and layout in LAYOUT_MODULES:
+        import importlib
+
+        importlib.import_module(LAYOUT_MODULES[layout])
+    found = DEQUANTIZERS.get(layout)
+    if found is None:
+        known = sorted(set(DEQUANTIZERS) | set(LAYOUT_MODULES))
+        raise FormatError(source, f"unknown quantized layout {layout!r}; known: {', '.join(known)}")
+    return found
+
 
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
@@ -194,13 +212,51 @@ class QuantizedTensor:
 
     def load(self) -> torch.Tensor:
         """The dequantized tensor."""
-        dequantize = DEQUANTIZERS.get(self.layout)
-        if dequantize is None:
-            raise FormatError(self.source or "<tensor>", f"unknown quantized layout {self.layout!r}; known: {', '.join(DEQUANTIZERS)}")
-        return dequantize(self)
+        return dequantizer(self.layout, source=self.source or "<tensor>")(self)
 
 
 TensorEntry = LazyTensor | QuantizedTensor
+
+
+def _tied_names(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Names whose tensor is a view of the same memory as an earlier name (tied weights)."""
+    seen: dict[tuple, str] = {}
+    aliases = {}
+    for name, t in state_dict.items():
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if identity in seen:
+            aliases[name] = seen[identity]
+        else:
+            seen[identity] = name
+    return aliases
+
+
+def _with_checkpoint_entries(ckpt: Checkpoint, module: nn.Module) -> Checkpoint:
+    """Let submodules that store their weights in another form (quantized modules) name their entries.
+
+    A submodule with a `checkpoint_entries()` method returns its entries by local name
+    ({"weight": QuantizedTensor, "bias": LazyTensor}); they replace all of that submodule's own
+    state_dict keys (packed data, scales, ...), at the place of its first key.
+    """
+    replacements: dict[str, dict[str, TensorEntry] | None] = {}
+    for prefix, sub in module.named_modules():
+        export = getattr(sub, "checkpoint_entries", None)
+        if callable(export):
+            dot = f"{prefix}." if prefix else ""
+            replacements[dot] = {dot + name: entry for name, entry in export().items()}
+    if not replacements:
+        return ckpt
+    tensors: dict[str, TensorEntry] = {}
+    for name, entry in ckpt.tensors.items():
+        owner = max((p for p in replacements if name.startswith(p) and "." not in name[len(p):]), key=len, default=None)
+        if owner is None:
+            tensors[name] = entry
+        elif replacements[owner] is not None:
+            tensors.update(replacements[owner])
+            replacements[owner] = None       # emitted once, where the submodule's first key was
+    return Checkpoint(tensors, ckpt.metadata, ckpt.arch)
 
 
 @dataclass
@@ -228,8 +284,11 @@ class Checkpoint:
         cls, state_dict: Mapping[str, torch.Tensor], *, arch: ArchSpec | None = None,
         metadata: Mapping[str, str] | None = None,
     ) -> Checkpoint:
-        return cls({name: LazyTensor.of(t, source=name) for name, t in state_dict.items()},
-                   dict(metadata or {}), arch)
+        metadata = dict(metadata or {})
+        aliases = _tied_names(state_dict)
+        if aliases:
+            metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+        return cls({name: LazyTensor.of(t, source=name) for name, t in state_dict.items()}, metadata, arch)
 
     @classmethod
     def from_module(
@@ -240,7 +299,8 @@ class Checkpoint:
             from modelkit.models import arch_spec
 
             arch = arch_spec(module)
-        return cls.from_state_dict(module.state_dict(), arch=arch, metadata=metadata)
+        ckpt = cls.from_state_dict(module.state_dict(), arch=arch, metadata=metadata)
+        return _with_checkpoint_entries(ckpt, module)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)

@@ -1,7 +1,14 @@
 """The format table: the only place that lists formats, and content-based detection.
 
-Each entry names a converter module (imported on first use) with `detect(path) -> bool`,
-`read(path) -> Checkpoint` and `write(ckpt, path) -> None`.
+Each entry names a converter module (imported on first use) with the same names:
+
+    detect(path: Path) -> bool                      reads a few KB at most; never unpickles
+    read(path: Path, options: ReadOptions) -> Checkpoint
+    write(ckpt: Checkpoint, path: Path, options: WriteOptions) -> None
+    runnable(path: Path, options: ReadOptions) -> Callable[..., Tensor]   graph formats only
+
+`write` writes to `path` as given (the caller made it a temporary name and renames it after
+verification); `options.final_path` is the name it will have.
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from modelkit import sniff
 from modelkit.errors import ConfigError, FormatError, MissingDependencyError, UnknownFormatError
@@ -26,8 +34,48 @@ class FormatInfo:
 
 
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
-    FormatInfo("safetensors", (".safetensors",), "modelkit.converters.safetensors"),
+    FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf", extra="gguf"),
+    FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5", extra="hdf5"),
+    FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True),
+    FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", runs_pickle=True),
+    FormatInfo("safetensors", (".safetensors",),                 "modelkit.converters.safetensors"),
+    FormatInfo("torchscript", (".ts", ".pt"),                    "modelkit.converters.torchscript", has_graph=True, runs_pickle=True),
 )}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadOptions:
+    """How to read a file; each converter uses the fields that apply to its format.
+
+    Args:
+        trust: Allow content that runs code when loaded (whole-module pickles, TorchScript
+            code). Content the scanner calls dangerous is refused even then.
+        key: For checkpoints that nest several state_dicts ({"model": ..., "optimizer": ...}),
+            the one to read.
+        dequantize: For quantized files (GGUF block types), return float tensors instead of
+            QuantizedTensors.
+    """
+
+    trust: bool = False
+    key: str | None = None
+    dequantize: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteOptions:
+    """How to write a file; each converter uses the fields that apply to its format.
+
+    Args:
+        module: Graph formats: the module to export (else rebuilt from the checkpoint's ArchSpec).
+        example_inputs: Graph formats: sample inputs for export, tracing and verification.
+        shard_size: safetensors: split into shards of at most this many bytes.
+        final_path: The name the output gets after the atomic rename (for sidecar files).
+    """
+
+    module: Any = None
+    example_inputs: tuple[Any, ...] | None = None
+    shard_size: int | None = None
+    final_path: Path | None = None
 
 
 def load_format(name: str) -> ModuleType:

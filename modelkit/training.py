@@ -34,6 +34,7 @@ TRAIN_KEY = "modelkit.train"        # metadata key: the training recipe, as JSON
 
 ProgressFn = Callable[[int, int, Mapping[str, float]], None]   # (step, total steps, {"loss": ...})
 EpochFn = Callable[[Mapping[str, Any]], None]                  # called with each epoch's record
+LossFn = Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,10 +130,10 @@ def _lr_at(step: int, total: int, config: TrainConfig) -> float:
 
 
 def _save(out: Path, model: nn.Module, optimizer, config: TrainConfig, *, epoch: int, step: int,
-          history: list[dict[str, Any]], metrics: dict[str, Any]) -> Path:
+          history: list[dict[str, Any]], metrics: dict[str, Any], extra: Mapping[str, str] | None = None) -> Path:
     from modelkit.converters import safetensors as st
 
-    metadata = {METRICS_KEY: json.dumps(metrics, sort_keys=True),
+    metadata = {**(extra or {}), METRICS_KEY: json.dumps(metrics, sort_keys=True),
                 TRAIN_KEY: json.dumps(dataclasses.asdict(config), sort_keys=True)}
     ckpt = Checkpoint.from_module(model, metadata=metadata)
     target = out / MODEL_FILE
@@ -171,6 +172,9 @@ def train(
     force: bool = False,
     progress: ProgressFn | None = None,
     on_epoch: EpochFn | None = None,
+    model: nn.Module | None = None,
+    loss: LossFn | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> TrainResult:
     """Train reference model `model_name` and save it to `out`/model.safetensors.
 
@@ -184,6 +188,11 @@ def train(
         force: Overwrite a finished run in `out`.
         progress: Called after every step with (step, total steps, {"loss": ...}).
         on_epoch: Called after every epoch with its record (epoch, train loss, val metrics, seconds).
+        model: Train this module (a reference model, e.g. pruned or prepared for QAT) instead of
+            building a fresh one; it is trained in place. Its ArchSpec is what gets saved.
+        loss: Replaces the task's loss: called as loss(module, (inputs, targets)) -> scalar
+            tensor (distillation uses this); `module` is the DDP-wrapped model under torchrun.
+        metadata: Extra str -> str pairs stored in the saved checkpoint.
 
     Returns:
         TrainResult with the saved path and the final validation and test metrics.
@@ -208,7 +217,8 @@ def train(
 
     distributed.init(info, device)
     try:
-        model = build(model_name, model_config, seed=config.seed)
+        if model is None:
+            model = build(model_name, model_config, seed=config.seed)
         from modelkit.models import arch_spec
 
         arch_json = arch_spec(model).to_json()
@@ -242,15 +252,15 @@ def train(
                     break
                 for group in optimizer.param_groups:
                     group["lr"] = _lr_at(step, total, config)
-                loss = task.loss(trainee, (inputs.to(device), targets.to(device)))
+                batch_loss = (loss or task.loss)(trainee, (inputs.to(device), targets.to(device)))
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                batch_loss.backward()
                 if config.grad_clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
                 optimizer.step()
                 step += 1
                 batches += 1
-                loss_value = loss.item()
+                loss_value = batch_loss.item()
                 loss_sum += loss_value
                 if progress and info.is_main:
                     progress(step, total, {"loss": loss_value, "epoch": epoch + 1})
@@ -260,7 +270,7 @@ def train(
             history.append(record)
             if info.is_main:
                 _save(out, model, optimizer, config, epoch=epoch + 1, step=step, history=history,
-                      metrics={"val": metrics, "epochs": epoch + 1})
+                      metrics={"val": metrics, "epochs": epoch + 1}, extra=metadata)
                 if on_epoch:
                     on_epoch(record)
             distributed.barrier(info)
@@ -268,7 +278,8 @@ def train(
                  "test": evaluate(model, model_name, "test", device=device, info=info),
                  "epochs": config.epochs}
         if info.is_main:
-            _save(out, model, optimizer, config, epoch=config.epochs, step=step, history=history, metrics=final)
+            _save(out, model, optimizer, config, epoch=config.epochs, step=step, history=history, metrics=final,
+                  extra=metadata)
         distributed.barrier(info)
     finally:
         distributed.shutdown(info)

@@ -15,6 +15,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Start the long tests first, so under xdist they overlap the many short ones."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture
+def all_threads():
+    """Let one long test use both cores (the other worker is mostly done by then)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "fixtures"

@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 import modelkit
 from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor
-from modelkit.errors import ConfigError, FormatError, ModelkitError, OutputExistsError, UnknownFormatError
+from modelkit.errors import (
+    ConfigError,
+    FormatError,
+    ModelkitError,
+    OutputExistsError,
+    UnknownFormatError,
+    UnsupportedConversionError,
+)
 from modelkit.formats import FORMATS, detect_format, format_for_output
 from modelkit.models import build
 
@@ -36,7 +43,13 @@ def test_round_trip_is_bit_exact(fmt, small_model, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool])
 def test_round_trip_keeps_dtypes(fmt, dtype, tmp_path):
     tensor = (torch.arange(24).reshape(2, 3, 4) % 7).to(dtype)
-    path = _write(tmp_path, fmt, Checkpoint.from_state_dict({"t": tensor, "scalar": torch.tensor(3.5).to(dtype)}))
+    ckpt = Checkpoint.from_state_dict({"t": tensor, "scalar": torch.tensor(3.5).to(dtype)})
+    if FORMATS[fmt].has_graph:  # a graph needs a model: plain tensors with no ArchSpec cannot be one
+        with pytest.raises(UnsupportedConversionError, match="--arch"):
+            _write(tmp_path, fmt, ckpt)
+        assert list(tmp_path.iterdir()) == []
+        return
+    path = _write(tmp_path, fmt, ckpt)
     back = modelkit.load(path).materialize()
     assert back["t"].dtype == dtype and torch.equal(back["t"], tensor)
     assert back["scalar"].shape == ()
@@ -75,19 +88,28 @@ def test_safetensors_read_is_lazy(tmp_path):
 
 
 def test_save_refuses_existing_output_without_force(fmt, tmp_path):
-    ckpt = Checkpoint.from_state_dict({"w": torch.ones(2)})
+    ckpt = Checkpoint.from_module(build("mlp", seed=0))
     path = _write(tmp_path, fmt, ckpt)
     with pytest.raises(OutputExistsError, match="--force"):
         _write(tmp_path, fmt, ckpt)
-    modelkit.save(Checkpoint.from_state_dict({"w": torch.zeros(2)}), path, force=True)
-    assert torch.equal(modelkit.load(path).materialize()["w"], torch.zeros(2))
+    zeros = {k: torch.zeros_like(v) for k, v in ckpt.materialize().items()}
+    modelkit.save(Checkpoint.from_state_dict(zeros, arch=ckpt.arch), path, force=True)
+    assert all(torch.equal(v, zeros[k]) for k, v in modelkit.load(path).materialize().items())
+
+
+def _failing(ckpt: Checkpoint, message: str) -> Checkpoint:
+    """`ckpt` with its last tensor raising when read, as a failing disk would."""
+    def boom():
+        raise RuntimeError(message)
+
+    tensors = dict(ckpt.tensors)
+    name = list(tensors)[-1]
+    tensors[name] = LazyTensor(tensors[name].dtype, tensors[name].shape, boom)
+    return Checkpoint(tensors, dict(ckpt.metadata), ckpt.arch)
 
 
 def test_failed_write_leaves_no_file(fmt, tmp_path):
-    def boom():
-        raise RuntimeError("disk full")
-
-    ckpt = Checkpoint({"a": LazyTensor.of(torch.ones(3)), "b": LazyTensor(torch.float32, (3,), boom)})
+    ckpt = _failing(Checkpoint.from_module(build("mlp", seed=0)), "disk full")
     target = tmp_path / f"out{FORMATS[fmt].suffixes[0]}"
     with pytest.raises(RuntimeError, match="disk full"):
         modelkit.save(ckpt, target)
@@ -95,14 +117,11 @@ def test_failed_write_leaves_no_file(fmt, tmp_path):
 
 
 def test_failed_overwrite_keeps_the_old_file(fmt, tmp_path):
-    path = _write(tmp_path, fmt, Checkpoint.from_state_dict({"w": torch.ones(2)}))
+    ckpt = Checkpoint.from_module(build("mlp", seed=0))
+    path = _write(tmp_path, fmt, ckpt)
     before = path.read_bytes()
-
-    def boom():
-        raise RuntimeError("interrupted")
-
     with pytest.raises(RuntimeError):
-        modelkit.save(Checkpoint({"w": LazyTensor(torch.float32, (2,), boom)}), path, force=True)
+        modelkit.save(_failing(ckpt, "interrupted"), path, force=True)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 

@@ -38,7 +38,7 @@ def test_tinylm_short_run_beats_the_unigram_baseline(tmp_path):
 
 
 @pytest.mark.slow
-def test_tinylm_default_recipe_reaches_the_demo_bar(tmp_path):
+def test_tinylm_default_recipe_reaches_the_demo_bar(tmp_path, all_threads):
     """The recipe `make demo` runs: at most 0.55x the unigram bits per byte on validation."""
     result = train("tinylm", tmp_path, config=TrainConfig(device="cpu"))
     assert result.metrics["val"]["ratio_to_unigram"] <= 0.55

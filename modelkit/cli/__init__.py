@@ -26,11 +26,16 @@ JSON_META_KEY = "modelkit.json"    # set by a command's --json option, read by t
 
 # command name -> "module:attribute"; nothing here is imported until the command is used.
 COMMANDS = {
+    "convert": "modelkit.cli.convert:convert",
     "demo": "modelkit.cli.demo:demo",
+    "distill": "modelkit.cli.distill:distill",
     "eval": "modelkit.cli.evaluate:eval_command",
     "generate": "modelkit.cli.generate:generate",
     "inspect": "modelkit.cli.inspect:inspect",
     "models": "modelkit.cli.models:models",
+    "prune": "modelkit.cli.prune:prune",
+    "quantize": "modelkit.cli.quantize:quantize",
+    "scan": "modelkit.cli.scan:scan",
     "train": "modelkit.cli.train:train",
 }
 

@@ -21,14 +21,44 @@ def _meets(value: float, bar: float, direction: str) -> bool:
     return value >= bar if direction == "higher" else value <= bar
 
 
+def _conversions(results: dict, out: Path) -> list[dict]:
+    """Convert each trained model to every other format; each result is verified by convert()."""
+    from modelkit.conversion import convert
+    from modelkit.errors import ModelkitError
+    from modelkit.formats import FORMATS
+
+    rows = []
+    for name, result in results.items():
+        for fmt, info in FORMATS.items():
+            target = out / name / "formats" / f"model{info.suffixes[0]}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                report = convert(result["path"], target, to=fmt, force=True)
+            except ModelkitError as e:          # shown in the matrix, and fails the demo
+                rows.append({"model": name, "format": fmt, "ok": False, "error": str(e)})
+                continue
+            rows.append({"model": name, "format": fmt, "ok": True, "bytes": report.target["bytes"],
+                         "seconds": round(report.seconds, 2), "verify": report.verify})
+    return rows
+
+
+def _verify_cell(row: dict) -> str:
+    if not row["ok"]:
+        return f"FAILED: {row['error']}"
+    verify = row["verify"]
+    if verify["method"] == "bit-exact":
+        return f"bit-exact ({verify['tensors_checked']} tensors)"
+    return f"outputs max err {verify['max_abs_err']:.1e} <= {verify['atol']:.0e}; weights bit-exact"
+
+
 @click.command()
 @click.option("--out", default="runs", show_default=True, type=click.Path(file_okay=False), help="Folder for the trained models.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @json_option
 def demo(out: str, seed: int, as_json: bool) -> None:
-    """Train mlp, cnn and tinylm, evaluate them against their bars and print a summary table.
+    """Train mlp, cnn and tinylm, check their bars, convert each to every format, print summaries.
 
-    Exits 2 if a model misses its bar. Takes about three minutes on two CPU cores.
+    Exits 2 if a model misses its bar or a conversion fails. About three minutes on two CPU cores.
 
     \b
     Example:
@@ -51,11 +81,14 @@ def demo(out: str, seed: int, as_json: bool) -> None:
                          "value": value, "bar": bar, "direction": direction, "passed": _meets(value, bar, direction),
                          "metrics": result.metrics}
         note(f"   {name} {split}: {format_metrics(result.metrics[split])}")
+    note("== converting each model to every format")
+    conversions = _conversions(results, Path(out))
     sample = generate(results["tinylm"]["path"], "def ", max_new_bytes=200, temperature=0.7, top_k=20,
                       seed=seed).decode("utf-8", errors="replace")
-    ok = all(r["passed"] for r in results.values())
+    ok = all(r["passed"] for r in results.values()) and all(row["ok"] for row in conversions)
     if as_json:
-        emit_json({"schema": "modelkit.demo/1", "ok": ok, "models": results, "sample": "def " + sample})
+        emit_json({"schema": "modelkit.demo/1", "ok": ok, "models": results, "conversions": conversions,
+                   "sample": "def " + sample})
     else:
         rows = [(name, f"{r['parameters']:,}", human_bytes(r["file_bytes"]), f"{r['seconds']:.0f}s",
                  f"{r['split']} {r['metric']} {r['value']:.4f}",
@@ -65,6 +98,11 @@ def demo(out: str, seed: int, as_json: bool) -> None:
         lm = results["tinylm"]["metrics"]["val"]
         click.echo(f"\ntinylm: {lm['bits_per_byte']:.3f} bits/byte vs {lm['unigram_bits_per_byte']:.3f} for the "
                    f"unigram baseline on the same validation text; perplexity {lm['perplexity']:.2f}")
+        click.echo("\nconversions (modelkit convert, verified):")
+        click.echo(table(["model", "format", "size", "time", "verification"],
+                         [(r["model"], r["format"], human_bytes(r["bytes"]) if r["ok"] else "-",
+                           f"{r['seconds']:.1f}s" if r["ok"] else "-", _verify_cell(r)) for r in conversions],
+                         align="llrrl"))
         click.echo(f"\nmodelkit generate {results['tinylm']['path']} --prompt 'def ' --temperature 0.7 --top-k 20\n"
                    + "def " + sample)
     if not ok:

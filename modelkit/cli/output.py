@@ -61,8 +61,9 @@ class Progress:
     nothing with --json or -q.
     """
 
-    def __init__(self, label: str, *, enabled: bool) -> None:
+    def __init__(self, label: str, *, enabled: bool, unit: str = "") -> None:
         self.label = label
+        self.unit = unit          # "bytes" shows sizes; "" shows counts
         self.enabled = enabled and not is_quiet()
         self.tty = sys.stderr.isatty()
         self._bar: Any = None
@@ -75,9 +76,10 @@ class Progress:
             return
         self._stats = stats or {}
         if not self.tty:
-            if done >= self._next_line or done == total:
-                click.echo(f"{self.label}: {done}/{total} {self._show(None)}", err=True)
-                self._next_line = done + max(total // 10, 1)
+            if done >= self._next_line:
+                shown = f"{human_bytes(done)}/{human_bytes(total)}" if self.unit == "bytes" else f"{done}/{total}"
+                click.echo(f"{self.label}: {shown} {self._show(None)}".rstrip(), err=True)
+                self._next_line = min(done + max(total // 10, 1), total) if done < total else total + 1
             return
         if self._bar is None:
             self._bar = click.progressbar(length=total, label=self.label, file=sys.stderr,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -23,7 +23,7 @@ from modelkit.errors import ConfigError, UnknownModelError, did_you_mean
 if TYPE_CHECKING:
     from torch import nn
 
-    from modelkit.checkpoint import ArchSpec
+    from modelkit.checkpoint import ArchSpec, Checkpoint
 
 
 @dataclass(frozen=True)
@@ -106,3 +106,69 @@ def arch_spec(model: nn.Module) -> ArchSpec:
 def build_from_spec(spec: ArchSpec) -> nn.Module:
     """Build the (untrained) module an ArchSpec names."""
     return build(spec.name, spec.config)
+
+
+def load_factory(reference: str) -> Callable[[], nn.Module]:
+    """Import a user's model factory named on the command line or in the API as "pkg.module:function".
+
+    Never called with a name read from a file: files may only name registered models.
+    """
+    module_name, sep, attribute = reference.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ConfigError(f"--arch {reference!r}: expected a registered model ({', '.join(MODELS)}) "
+                          "or a factory as pkg.module:function")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"--arch {reference!r}: cannot import it ({e})") from e
+    if not callable(factory):
+        raise ConfigError(f"--arch {reference!r} is not callable")
+    return factory
+
+
+def instantiate(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source: str = "checkpoint",
+                target: str = "a runnable model") -> nn.Module:
+    """Rebuild a runnable module from a checkpoint: its ArchSpec (or `arch`) plus its weights.
+
+    Args:
+        ckpt: The weights (and usually the ArchSpec).
+        arch: Overrides the file: an ArchSpec, a registered model name (the file's config is kept
+            when it names the same model), or a user factory "pkg.module:function".
+        source, target: Names for error messages ("m.safetensors", "onnx").
+
+    Raises:
+        UnsupportedConversionError: no architecture is known.
+        ConfigError: the weights do not fit the architecture.
+    """
+    from modelkit.checkpoint import ArchSpec
+    from modelkit.errors import UnsupportedConversionError
+
+    if isinstance(arch, str) and ":" in arch:
+        model = load_factory(arch)()
+        label = arch
+    else:
+        if isinstance(arch, str):
+            arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
+        spec = arch or ckpt.arch
+        if spec is None:
+            raise UnsupportedConversionError(
+                source, target,
+                f"the file names no architecture; pass --arch NAME (one of {', '.join(MODELS)}) "
+                "or --arch pkg.module:factory (API: arch=...)",
+            )
+        model = build_from_spec(spec)
+        label = spec.name
+    state = ckpt.materialize()
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ConfigError(
+            f"{source}: weights do not fit architecture {label!r}"
+            + (f"; missing {missing[:3]}" if missing else "") + (f"; unexpected {unexpected[:3]}" if unexpected else "")
+        )
+    wrong = [k for k in expected if tuple(expected[k].shape) != tuple(state[k].shape)]
+    if wrong:
+        raise ConfigError(f"{source}: weights do not fit architecture {label!r}; {wrong[0]} is "
+                          f"{list(state[wrong[0]].shape)}, the model expects {list(expected[wrong[0]].shape)}")
+    model.load_state_dict(state)
+    return model.eval()

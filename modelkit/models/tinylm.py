@@ -34,6 +34,8 @@ class TinyLMConfig:
         max_position_embeddings: Longest context the model is trained and run on.
         rope_theta: Base of the rotary embedding frequencies.
         rms_norm_eps: Epsilon inside RMSNorm.
+        head_dim: Width of each attention head; None means hidden_size / num_attention_heads.
+            Set explicitly when heads are pruned away (as Hugging Face's LlamaConfig allows).
     """
 
     vocab_size: int = 256
@@ -45,28 +47,29 @@ class TinyLMConfig:
     max_position_embeddings: int = 256
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"tinylm: {name} must be a positive integer, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"tinylm: hidden_size {self.hidden_size} is not divisible by "
-                f"num_attention_heads {self.num_attention_heads}"
-            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"tinylm: hidden_size {self.hidden_size} is not divisible by "
+                    f"num_attention_heads {self.num_attention_heads}; set head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        elif self.head_dim < 1:
+            raise ConfigError(f"tinylm: head_dim must be a positive integer, got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"tinylm: num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        if (self.hidden_size // self.num_attention_heads) % 2:
-            raise ConfigError("tinylm: the head size (hidden_size / num_attention_heads) must be even for RoPE")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        if self.head_dim % 2:
+            raise ConfigError(f"tinylm: head_dim {self.head_dim} must be even for RoPE")
 
 
 class RMSNorm(nn.Module):
@@ -127,7 +130,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(groups, dim=1)                                       # (B, nh, T, hd)
             v = v.repeat_interleave(groups, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                     # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, C)                                           # (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)                # (B, T, nh * hd)
         return self.o_proj(y)
 
 

@@ -1,0 +1,548 @@
+"""HDF5: a lossless `modelkit` group, plus the weights in the layout Keras loads where a Keras model exists.
+
+Spec: https://docs.hdfgroup.org/hdf5/latest/_f_m_t3.html (read and written with h5py, the
+reference Python binding). Keras layouts: keras/src/saving/saving_lib.py (H5IOStore, Keras 3
+`.weights.h5`) and keras/src/legacy/saving/legacy_h5_format.py (Keras 2 `.h5`), Keras 3.15.
+
+Layout of a file modelkit writes:
+
+    /                          attrs: modelkit.keras_layout ("keras" | "none"),
+                                      modelkit.keras_note (the Keras model it fits, or why none);
+                                      Keras 2 legacy: layer_names, keras_version
+    /modelkit                  attrs: version = 1
+    /modelkit/metadata         attrs: the Checkpoint's str -> str metadata; modelkit.arch (ArchSpec JSON)
+                               (every string modelkit reads is fixed-length UTF-8, see _str_attr)
+    /modelkit/tensors/<name>   one dataset per tensor in state_dict order, named by its state_dict key
+                               ('%' -> %25, '/' -> %2F, NUL -> %00, a lone '.' -> %2E); attr dtype: the
+                               torch dtype. Dtypes HDF5 lacks are stored as the unsigned integer of the
+                               same width (bfloat16 as uint16, float8 as uint8, complex32 as uint32).
+    /vars, /layers/<layer>/vars/<i>   Keras 3 `.weights.h5`: for mlp and cnn only, transformed copies
+                               (Dense kernel (in, out); Conv2D kernel (kh, kw, in, out))
+    /<layer>/<layer>/kernel:0 ...     Keras 2 legacy `.h5`: hard links to the Keras 3 datasets (no extra
+                               bytes; float32 copies of bfloat16 weights, which that reader lacks)
+
+Keras 3's `load_weights` picks its reader by file name (`.weights.h5`: H5IOStore; `.h5`/`.hdf5`:
+the legacy reader), so a file holding both layouts loads under either name. The Keras layouts are
+derived data: reading always takes the `modelkit` group. A file without it (written by Keras)
+reads as a Checkpoint of its dataset paths ("layers/dense/vars/0").
+
+Reading is lazy (datasets are read when a tensor is loaded) and follows hard links only: soft and
+external links, external raw storage and virtual datasets are refused, and a dataset whose size
+exceeds what the file can hold is refused before anything is allocated. Writing streams one
+tensor at a time.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from torch import nn
+
+from modelkit._tensors import dtype_name
+from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
+from modelkit.errors import ConfigError, FormatError, ModelkitError, UnsupportedConversionError
+from modelkit.formats import ReadOptions, WriteOptions
+
+logger = logging.getLogger(__name__)
+
+SIGNATURE = b"\x89HDF\r\n\x1a\n"       # the superblock signature, at offset 0 in files h5py and Keras write
+GROUP = "modelkit"
+VERSION = 1
+LAYOUT_ATTR = "modelkit.keras_layout"
+NOTE_ATTR = "modelkit.keras_note"
+_LIBVER = ("v108", "latest")           # HDF5 1.8 format: attributes over 64 KiB (long metadata) fit
+_SMALL = 1 << 20                       # any dataset may declare this much, whatever the file size
+_MAX_EXPANSION = 1000                  # compressed data may expand this much (as Keras allows)
+# What h5py raises on malformed files; wrapped into FormatError.
+_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError, UnicodeError)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """How one torch dtype lives in HDF5: the numpy dtype of the dataset and, for dtypes numpy
+    lacks, the same-width unsigned torch dtype the bits are viewed as."""
+
+    torch: torch.dtype
+    numpy: np.dtype
+    view: torch.dtype | None = None
+
+
+def _dtype_table() -> dict[str, _Stored]:
+    native = {torch.bool: "?", torch.uint8: "u1", torch.int8: "i1", torch.int16: "<i2", torch.uint16: "<u2",
+              torch.int32: "<i4", torch.uint32: "<u4", torch.int64: "<i8", torch.uint64: "<u8",
+              torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8",
+              torch.complex64: "<c8", torch.complex128: "<c16"}
+    table = {dtype_name(t): _Stored(t, np.dtype(code)) for t, code in native.items()}
+    views = {"bfloat16": torch.uint16, "complex32": torch.uint32, "float8_e4m3fn": torch.uint8,
+             "float8_e5m2": torch.uint8, "float8_e4m3fnuz": torch.uint8, "float8_e5m2fnuz": torch.uint8,
+             "float8_e8m0fnu": torch.uint8, "float4_e2m1fn_x2": torch.uint8}
+    for name, raw in views.items():
+        dtype = getattr(torch, name, None)           # newer float8/float4 types exist in newer torch only
+        if isinstance(dtype, torch.dtype):
+            table[name] = _Stored(dtype, np.dtype(f"<u{raw.itemsize}"), raw)
+    return table
+
+
+DTYPES: dict[str, _Stored] = _dtype_table()
+_BY_TORCH: dict[torch.dtype, _Stored] = {s.torch: s for s in DTYPES.values()}
+
+
+def detect(path: Path) -> bool:
+    """True if `path` starts with the HDF5 signature and a plausible superblock (reads 16 bytes).
+
+    HDF5 also allows the signature after a user block (at 512, 1024, ... bytes); such a file
+    starts with other bytes, possibly another format's, so detection does not claim it
+    (`--from hdf5` still reads it).
+    """
+    try:
+        if not path.is_file():
+            return False
+        with path.open("rb") as f:
+            head = f.read(16)
+    except OSError:
+        return False
+    if len(head) < 16 or head[:8] != SIGNATURE:
+        return False
+    # superblock v0/v1: sig | version | 4 version bytes | sizeof(offsets) @13 | sizeof(lengths) @14 | ...
+    # superblock v2/v3: sig | version | sizeof(offsets) @9 | sizeof(lengths) @10 | flags | addresses | checksum
+    version = head[8]
+    sizes = (head[13], head[14]) if version in (0, 1) else (head[9], head[10]) if version in (2, 3) else (0, 0)
+    return all(size in (2, 4, 8, 16) for size in sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+@dataclass(frozen=True)
+class _Entry:
+    link: tuple[str, ...]        # link names from the root to the dataset
+    stored: _Stored
+    shape: tuple[int, ...]
+
+
+def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
+    """Names, dtypes, shapes and metadata now; each dataset is read when its tensor is loaded."""
+    try:
+        size = path.stat().st_size
+        with h5py.File(path, "r", locking=False) as f:
+            if f.id.links.exists(GROUP.encode()):
+                entries, metadata = _modelkit_header(path, f, size)
+            else:
+                entries, metadata = _plain_header(path, f, size), {}
+    except ModelkitError:
+        raise
+    except _H5_ERRORS as e:
+        raise FormatError(path, f"not a readable HDF5 file ({_one_line(e)})") from e
+    tensors = {name: LazyTensor(e.stored.torch, e.shape, lambda e=e: _load(path, e), f"{path}:{name}")
+               for name, e in entries.items()}
+    arch_json = metadata.pop(ARCH_KEY, None)
+    arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
+    return Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
+
+
+def _modelkit_header(path: Path, f: h5py.File, size: int) -> tuple[dict[str, _Entry], dict[str, str]]:
+    group = _child(path, f, GROUP, h5py.Group)
+    kind = group.attrs.get_id("version").dtype if "version" in group.attrs else None
+    version = group.attrs["version"] if kind is not None and kind.kind in "iu" and not kind.shape else None
+    if not isinstance(version, (int, np.integer)) or version < 1:
+        raise FormatError(path, f"the {GROUP} group has no valid version attribute (an integer >= 1)")
+    if version > VERSION:
+        raise FormatError(path, f"written by a newer modelkit ({GROUP} layout version {version}, this one reads "
+                                f"{VERSION}); upgrade modelkit")
+    meta_group = _child(path, group, "metadata", h5py.Group)
+    metadata = {key: _str_attr(path, meta_group, key) for key in meta_group.attrs}
+    tensors = _child(path, group, "tensors", h5py.Group)
+    entries: dict[str, _Entry] = {}
+    for key in tensors:
+        dataset = _child(path, tensors, key, h5py.Dataset)
+        name = _unescape(key)
+        code = _str_attr(path, dataset, "dtype")
+        stored = DTYPES.get(code)
+        if stored is None:
+            raise FormatError(path, f"tensor {name!r} has dtype {code!r}; known: {', '.join(DTYPES)}")
+        _check_dataset(path, name, dataset, size, stored.numpy)
+        if name in entries:
+            raise FormatError(path, f"tensor {name!r} appears twice in the {GROUP} group")
+        entries[name] = _Entry((GROUP, "tensors", key), stored, tuple(dataset.shape))
+    return entries, metadata
+
+
+def _plain_header(path: Path, f: h5py.File, size: int) -> dict[str, _Entry]:
+    """Every dataset of a file modelkit did not write (a Keras weights file), named by its path."""
+    links: list[tuple[bytes, int]] = []
+    # The low-level walk: the callback only records (h5py's own wrapper makes calls that a corrupt
+    # file turns into SystemError). It lists every link without following any.
+    f.id.links.visit(lambda name, info: links.append((name, info.type)), info=True)
+    for raw, kind in links:
+        if kind != h5py.h5l.TYPE_HARD:
+            raise _link_error(path, raw.decode("utf-8", "replace"), kind)
+    entries: dict[str, _Entry] = {}
+    for raw, _ in links:
+        name = raw.decode("utf-8")
+        obj = f[name]
+        if isinstance(obj, h5py.Dataset):
+            stored = _plain_dtype(path, name, obj)
+            _check_dataset(path, name, obj, size, stored.numpy)
+            entries[name] = _Entry(tuple(name.split("/")), stored, tuple(obj.shape))
+    if not entries:
+        raise FormatError(path, "holds no datasets, so no tensors")
+    return entries
+
+
+def _plain_dtype(path: Path, name: str, dataset: h5py.Dataset) -> _Stored:
+    dtype = dataset.dtype
+    if dtype.kind == "V" and dtype.itemsize == 2 and not dtype.fields and "dtype" in dataset.attrs:
+        # Keras 3 stores bfloat16 (and only bfloat16) as 2-byte opaque data with a `dtype`
+        # attribute. The attribute's value is not read: it is a variable-length string, see _str_attr.
+        return _Stored(torch.bfloat16, dtype, torch.uint16)
+    if dtype.kind in "biufc" and not dtype.fields and not dtype.subdtype:
+        native = dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
+        for stored in _BY_TORCH.values():
+            if stored.view is None and stored.numpy == native:
+                return stored
+    raise FormatError(path, f"dataset {name!r} holds {dtype}, which is not a tensor type modelkit reads")
+
+
+def _check_dataset(path: Path, name: str, dataset: h5py.Dataset, size: int, expected: np.dtype) -> None:
+    """Refuse data stored outside the file, and sizes the file cannot hold, before any allocation."""
+    if dataset.dtype.kind != expected.kind or dataset.dtype.itemsize != expected.itemsize:
+        raise FormatError(path, f"tensor {name!r} is stored as {dataset.dtype}, expected {expected}")
+    if dataset.external:
+        raise FormatError(path, f"tensor {name!r} keeps its data in another file ({dataset.external[0][0]!r}); "
+                                "refusing to read outside the file")
+    if dataset.is_virtual:
+        raise FormatError(path, f"tensor {name!r} is a virtual dataset mapping other files; refusing it")
+    declared = math.prod(dataset.shape) * dataset.dtype.itemsize
+    allowed = size
+    if dataset.id.get_create_plist().get_nfilters():                  # compressed: may expand, within bounds
+        allowed = max(size, dataset.id.get_storage_size() * _MAX_EXPANSION)
+    if declared > max(allowed, _SMALL):
+        raise FormatError(path, f"tensor {name!r} declares {list(dataset.shape)} ({declared} bytes) but the "
+                                f"file is {size} bytes; refusing to allocate it")
+
+
+_LINK_KINDS = {h5py.h5l.TYPE_SOFT: "SoftLink", h5py.h5l.TYPE_EXTERNAL: "ExternalLink"}
+
+
+def _link_error(path: Path, name: str, kind: int) -> FormatError:
+    return FormatError(path, f"{name!r} is a {_LINK_KINDS.get(kind, 'user-defined link')}; modelkit follows hard "
+                             "links only (external links point outside the file)")
+
+
+def _child(path: Path, group: h5py.Group, key: str, kind: type) -> h5py.Group | h5py.Dataset:
+    """group[key] through a hard link only: the link is inspected, never traversed, before h5py
+    (which follows soft and external links) is asked for the object."""
+    name = key.encode("utf-8")
+    if not group.id.links.exists(name):
+        raise FormatError(path, f"{group.name.rstrip('/')}/{key} is missing")
+    link = group.id.links.get_info(name).type
+    if link != h5py.h5l.TYPE_HARD:
+        raise _link_error(path, f"{group.name.rstrip('/')}/{key}", link)
+    obj = group[key]
+    if not isinstance(obj, kind):
+        raise FormatError(path, f"{obj.name} is a {type(obj).__name__}, expected a {kind.__name__}")
+    return obj
+
+
+def _str_attr(path: Path, obj: h5py.HLObject, key: str) -> str:
+    """A fixed-length UTF-8 string attribute (variable-length strings live in HDF5's global heap,
+    where a corrupt file can make the HDF5 library loop: modelkit neither writes nor reads them)."""
+    if key not in obj.attrs:
+        raise FormatError(path, f"{obj.name} has no {key!r} attribute")
+    kind = obj.attrs.get_id(key).dtype
+    string = h5py.check_string_dtype(kind)
+    if string is None or string.length is None or kind.shape:
+        raise FormatError(path, f"attribute {key!r} of {obj.name} is not a fixed-length string ({kind})")
+    value = obj.attrs[key]
+    if not isinstance(value, bytes):
+        raise FormatError(path, f"attribute {key!r} of {obj.name} is not a single string")
+    return value.decode("utf-8")
+
+
+def _set_str_attr(obj: h5py.HLObject, key: str, value: str) -> None:
+    data = value.encode("utf-8")
+    obj.attrs.create(key, np.bytes_(data), dtype=h5py.string_dtype("utf-8", max(len(data), 1)))
+
+
+def _load(path: Path, entry: _Entry) -> torch.Tensor:
+    """Open the file again, check the dataset as `read` did, and read it into a fresh array."""
+    name = "/".join(entry.link)
+    try:
+        size = path.stat().st_size
+        with h5py.File(path, "r", locking=False) as f:
+            obj: h5py.Group | h5py.Dataset = f
+            for i, key in enumerate(entry.link):
+                obj = _child(path, obj, key, h5py.Dataset if i == len(entry.link) - 1 else h5py.Group)
+            _check_dataset(path, name, obj, size, entry.stored.numpy)
+            if tuple(obj.shape) != entry.shape:
+                raise FormatError(path, f"dataset {name!r} changed shape since the file was opened")
+            array = np.empty(entry.shape, dtype=obj.dtype.newbyteorder("<") if obj.dtype.itemsize > 1 else obj.dtype)
+            if array.size:
+                obj.read_direct(array)
+    except ModelkitError:
+        raise
+    except _H5_ERRORS as e:
+        raise FormatError(path, f"cannot read dataset {name!r} ({_one_line(e)})") from e
+    if array.dtype.kind == "V":
+        array = array.view(f"<u{array.dtype.itemsize}")
+    tensor = torch.from_numpy(array)
+    return tensor.view(entry.stored.torch) if entry.stored.view is not None else tensor
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+_ESCAPE = re.compile(r"%([0-9A-F]{2})")
+
+
+def _escape(name: str) -> str:
+    """A state_dict key as one HDF5 link name ('/' would make groups; '.' names the group itself)."""
+    key = name.replace("%", "%25").replace("/", "%2F").replace("\x00", "%00")
+    return "%2E" if key == "." else key
+
+
+def _unescape(key: str) -> str:
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keras layouts
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _same(w: torch.Tensor) -> torch.Tensor:
+    return w
+
+
+def _dense_kernel(w: torch.Tensor) -> torch.Tensor:
+    return w.t()                                    # (out, in) -> (in, out)
+
+
+def _conv_kernel(w: torch.Tensor) -> torch.Tensor:
+    return w.permute(2, 3, 1, 0)                    # (out, in, kh, kw) -> (kh, kw, in, out)
+
+
+def _dense_after_flatten(channels: int, side: int) -> Transform:
+    """torch flattens (C, H, W); Keras (channels_last) flattens (H, W, C): reorder the kernel's rows."""
+    def transform(w: torch.Tensor) -> torch.Tensor:
+        out = w.shape[0]
+        return w.reshape(out, channels, side, side).permute(2, 3, 1, 0).reshape(side * side * channels, out)
+    return transform
+
+
+@dataclass(frozen=True)
+class _KerasLayer:
+    kind: str                                      # Keras class, snake case: "dense", "conv2d", "flatten"
+    weights: tuple[tuple[str, str, Transform], ...] = ()   # (state_dict name, Keras weight name, transform)
+
+
+def _dense(prefix: str, kernel: Transform = _dense_kernel) -> _KerasLayer:
+    return _KerasLayer("dense", ((f"{prefix}.weight", "kernel", kernel), (f"{prefix}.bias", "bias", _same)))
+
+
+def _mlp_keras(model: nn.Module) -> tuple[list[_KerasLayer], str]:
+    linears = [(f"net.{i}", m) for i, m in enumerate(model.net) if isinstance(m, nn.Linear)]
+    described = [f"Dense({m.out_features}, activation='relu')" for _, m in linears[:-1]]
+    described.append(f"Dense({linears[-1][1].out_features})")
+    return ([_dense(prefix) for prefix, _ in linears],
+            f"Sequential([Input(({linears[0][1].in_features},)), {', '.join(described)}])")
+
+
+def _cnn_keras(model: nn.Module) -> tuple[list[_KerasLayer], str]:
+    c1, c2 = model.conv1.out_channels, model.conv2.out_channels
+    side = math.isqrt(model.fc1.in_features // c2)          # 8x8 images, one 2x2 pool: 4x4
+    if side * side * c2 != model.fc1.in_features:
+        raise ConfigError(f"cnn: fc1 takes {model.fc1.in_features} features, not c2 x side x side")
+    conv = [_KerasLayer("conv2d", ((f"{p}.weight", "kernel", _conv_kernel), (f"{p}.bias", "bias", _same)))
+            for p in ("conv1", "conv2")]
+    layers = [*conv, _KerasLayer("max_pooling2d"), _KerasLayer("flatten"),
+              _dense("fc1", _dense_after_flatten(c2, side)), _dense("fc2")]
+    return layers, (f"Sequential([Input(({2 * side}, {2 * side}, 1)), "
+                    f"Conv2D({c1}, 3, padding='same', activation='relu'), "
+                    f"Conv2D({c2}, 3, padding='same', activation='relu'), MaxPooling2D(2), Flatten(), "
+                    f"Dense({model.fc1.out_features}, activation='relu'), Dense({model.fc2.out_features})]) "
+                    "channels_last: images go in as (B, H, W, 1)")
+
+
+# Registered model -> the equivalent Keras Sequential, layer by layer. Models not listed (tinylm:
+# RMSNorm, rotary attention, SwiGLU) have no standard Keras equivalent.
+_KERAS_MODELS: dict[str, Callable[[nn.Module], tuple[list[_KerasLayer], str]]] = {
+    "mlp": _mlp_keras,
+    "cnn": _cnn_keras,
+}
+_KERAS_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class _KerasPlan:
+    paths: list[tuple[str, _KerasLayer]]                       # ("dense_1", layer), in model order
+    targets: dict[str, tuple[str, int, str, Transform]]        # state_dict name -> (path, index, weight, transform)
+    description: str
+
+
+def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
+    """The Keras layout for this checkpoint, or why there is none."""
+    arch = ckpt.arch
+    if arch is None:
+        return "the checkpoint names no architecture, so its Keras model is unknown (pass --arch mlp or --arch cnn)"
+    build = _KERAS_MODELS.get(arch.name)
+    if build is None:
+        return (f"{arch.name} has no standard Keras equivalent (Keras layouts exist for "
+                f"{', '.join(_KERAS_MODELS)}); the {GROUP} group keeps it losslessly")
+    from modelkit.models import build_from_spec
+
+    try:
+        with torch.device("meta"):                  # shapes only: nothing is allocated
+            model = build_from_spec(arch)
+        layers, description = build(model)
+    except ConfigError as e:
+        return f"its ArchSpec does not build ({e})"
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    counts: dict[str, int] = {}
+    paths, targets = [], {}
+    for layer in layers:                            # Keras names container entries dense, dense_1, ...
+        n = counts[layer.kind] = counts.get(layer.kind, -1) + 1
+        path = layer.kind if n == 0 else f"{layer.kind}_{n}"
+        paths.append((path, layer))
+        for index, (name, weight, transform) in enumerate(layer.weights):
+            targets[name] = (path, index, weight, transform)
+    for name, entry in ckpt.tensors.items():
+        if name not in targets:
+            return f"tensor {name!r} has no Keras mapping in the {arch.name} layout"
+        if tuple(entry.shape) != expected.get(name):
+            return f"tensor {name!r} is {list(entry.shape)}, the {arch.name} layout expects {list(expected[name])}"
+        if entry.dtype not in _KERAS_DTYPES:
+            return f"tensor {name!r} is {dtype_name(entry.dtype)}; Keras weights are floating point"
+    missing = sorted(set(targets) - set(ckpt.tensors))
+    if missing:
+        return f"tensor {missing[0]!r} of the {arch.name} layout is missing"
+    return _KerasPlan(paths, targets, description)
+
+
+def _write_keras_groups(f: h5py.File, plan: _KerasPlan) -> None:
+    f.create_group("vars").attrs["name"] = "sequential"    # the model's own variables: none
+    layers = f.create_group("layers")
+    for path, _ in plan.paths:
+        layers.create_group(path).create_group("vars").attrs["name"] = path
+    weighted = [(path, layer) for path, layer in plan.paths if layer.weights]
+    f.attrs["layer_names"] = np.array([path.encode() for path, _ in weighted])
+    f.attrs["keras_version"] = b"2.0.0"             # any but "1": Keras 2 rewrites weights it thinks Keras 1 wrote
+    for path, layer in weighted:
+        f.create_group(path).attrs["weight_names"] = np.array([f"{path}/{w}:0".encode() for _, w, _ in layer.weights])
+
+
+def _write_keras_weight(f: h5py.File, plan: _KerasPlan, name: str, tensor: torch.Tensor) -> None:
+    path, index, weight, transform = plan.targets[name]
+    value = transform(tensor).contiguous()
+    legacy_name = f"{path}/{weight}:0"
+    if value.dtype == torch.bfloat16:
+        # Keras 3 stores bfloat16 as a 2-byte opaque type with a dtype attribute; the Keras 2
+        # reader knows no bfloat16, so its copy is float32 (exact: bfloat16 is float32's top half).
+        dataset = f[f"layers/{path}/vars"].create_dataset(str(index), data=value.view(torch.uint16).numpy().view("V2"))
+        dataset.attrs["dtype"] = "bfloat16"
+        f[path].create_dataset(legacy_name, data=value.float().numpy())
+    else:
+        dataset = f[f"layers/{path}/vars"].create_dataset(str(index), data=value.numpy())
+        f[path][legacy_name] = dataset              # a hard link: the same bytes under the Keras 2 name
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
+    """Write the `modelkit` group and, for mlp and cnn, the Keras layouts; one tensor at a time.
+
+    A final name ending in `.weights.h5` asks for the Keras layout: when the checkpoint has none,
+    this raises UnsupportedConversionError before writing anything. Any other name gets the
+    `modelkit` group alone in that case, and the file's `modelkit.keras_note` says why.
+    """
+    final = options.final_path or path
+    keys = _check_writable(ckpt)
+    plan = _keras_plan(ckpt)
+    if isinstance(plan, str):
+        if final.name.endswith(".weights.h5"):
+            raise UnsupportedConversionError(
+                ckpt.arch.name if ckpt.arch else "checkpoint", "Keras .weights.h5",
+                f"{plan}; choose a name without .weights.h5 (e.g. {final.name.removesuffix('.weights.h5')}.h5) "
+                f"to write the lossless {GROUP} group alone",
+            )
+        logger.info("%s: no Keras layout written: %s", final, plan)
+    aliases = _aliases(ckpt)
+    with h5py.File(path, "w", libver=_LIBVER) as f:
+        if isinstance(plan, str):
+            f.attrs[LAYOUT_ATTR] = "none"
+            f.attrs[NOTE_ATTR] = plan
+        else:
+            f.attrs[LAYOUT_ATTR] = "keras"
+            f.attrs[NOTE_ATTR] = f"the weights of Keras {plan.description}"
+            _write_keras_groups(f, plan)
+        group = f.create_group(GROUP, track_order=True)
+        group.attrs["version"] = VERSION
+        meta = group.create_group("metadata", track_order=True)
+        for key, value in ckpt.metadata.items():
+            _set_str_attr(meta, key, value)
+        if ckpt.arch is not None:
+            _set_str_attr(meta, ARCH_KEY, ckpt.arch.to_json())
+        tensors = group.create_group("tensors", track_order=True)
+        for name, entry in ckpt.tensors.items():
+            keras = not isinstance(plan, str) and name in plan.targets
+            if name in aliases and not keras:
+                tensors[keys[name]] = tensors[keys[aliases[name]]]     # tied: a hard link, stored once
+                continue
+            tensor = entry.load().detach().cpu().contiguous()
+            if name in aliases:
+                tensors[keys[name]] = tensors[keys[aliases[name]]]
+            else:
+                stored = _BY_TORCH[tensor.dtype]
+                raw = tensor.view(stored.view) if stored.view is not None else tensor
+                _set_str_attr(tensors.create_dataset(keys[name], data=raw.numpy()), "dtype", dtype_name(tensor.dtype))
+            if keras:
+                _write_keras_weight(f, plan, name, tensor)
+            del tensor
+
+
+def _check_writable(ckpt: Checkpoint) -> dict[str, str]:
+    """Everything HDF5 cannot hold, refused before the file is created; returns name -> link name."""
+    for name, entry in ckpt.tensors.items():
+        if isinstance(entry, QuantizedTensor):
+            raise UnsupportedConversionError(
+                "quantized checkpoint", "hdf5",
+                f"tensor {name!r} is quantized ({entry.scheme}); HDF5 does not store quantized tensors yet: "
+                "dequantize it first",
+            )
+        if entry.dtype not in _BY_TORCH:
+            raise UnsupportedConversionError(str(entry.dtype), "hdf5", f"tensor {name!r} has a dtype modelkit cannot "
+                                             f"store in HDF5 (known: {', '.join(DTYPES)})")
+        if not name:
+            raise UnsupportedConversionError("checkpoint", "hdf5", "a tensor has an empty name, which HDF5 cannot hold")
+    for key, value in ckpt.metadata.items():
+        if not key or "\x00" in key or "\x00" in value:
+            raise UnsupportedConversionError(
+                "checkpoint", "hdf5", f"metadata entry {key!r} is empty or holds a NUL character; HDF5 strings cannot")
+    return {name: _escape(name) for name in ckpt.tensors}
+
+
+def _aliases(ckpt: Checkpoint) -> dict[str, str]:
+    """Tied names (alias -> stored name) that can share the stored dataset."""
+    try:
+        aliases = json.loads(ckpt.metadata.get(ALIASES_KEY, "{}"))
+    except json.JSONDecodeError:
+        return {}
+    if not isinstance(aliases, dict):
+        return {}
+    order = {name: i for i, name in enumerate(ckpt.tensors)}
+    spec = {name: (t.dtype, tuple(t.shape)) for name, t in ckpt.tensors.items()}
+    # The stored name must come first (it is written before its alias) and be stored itself.
+    return {alias: target for alias, target in aliases.items()
+            if isinstance(target, str) and target not in aliases and alias in order and target in order
+            and order[target] < order[alias] and spec[target] == spec[alias]}

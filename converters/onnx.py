@@ -1,0 +1,799 @@
+"""onnx: the model's graph and weights as one ONNX ModelProto; runs in onnxruntime.
+
+Spec: https://onnx.ai/onnx/repo-docs/IR.html and onnx/onnx.proto. A file is one serialized
+protobuf message with no magic number. The fields modelkit reads (number: type):
+
+    ModelProto   1 ir_version varint | 2 producer_name | 3 producer_version | 4 domain | 5 model_version
+                 | 6 doc_string | 7 graph | 8 opset_import | 14 metadata_props {1 key, 2 value} | 20, 25, 26
+    GraphProto   1 node | 2 name | 5 initializer (TensorProto) | 15 sparse_initializer | 11 input | 12 output
+    TensorProto  1 dims (int64, packed or not) | 2 data_type | 8 name | 9 raw_data (little-endian)
+                 | 13 external_data {location, offset, length} | 14 data_location (1 = external)
+                 | 4, 5, 7, 10, 11 typed values (float_data, int32_data, int64_data, double_data, uint64_data)
+
+Write: `torch.onnx.export` (the torch.export-based exporter, torch's default since 2.9) at opset
+20, with a dynamic batch axis (and a dynamic sequence axis for tinylm), then
+`onnx.checker.check_model(full_check=True)`. The exporter's optimizer renames, transposes and
+de-duplicates initializers, so the state_dict name of every tensor is stored in
+`metadata_props["modelkit.names"]` ({name: {"initializer": ..., "transpose": [1, 0]}}); a tensor
+the exporter folded away is kept as an extra, unused initializer, so reading back is bit-exact.
+`metadata_props` also holds the ArchSpec (`modelkit.arch`), `modelkit.version` and the
+Checkpoint's str->str metadata. Models over 2 GiB keep their weights in `<name>.onnx.data`
+beside the file (ONNX external data); the file itself stays under protobuf's 2 GiB limit.
+
+Read: the header is walked here without loading tensor data (and without onnx.load, which would
+read every byte): each initializer becomes a LazyTensor reading its bytes from the file or from
+the external data file. External data must be a file inside the model's folder (no `..`, no
+absolute path, no symlink out), and every offset and length is checked against its file's size
+before anything is read. `runnable` checks every tensor of the model the same way before
+onnxruntime sees it.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import math
+import mmap
+import os
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from google.protobuf.message import DecodeError
+from onnx import TensorProto, numpy_helper
+
+from modelkit import __version__
+from modelkit._tensors import tensor_bytes
+from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
+from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError
+from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.models import MODELS, instantiate, load_model_module
+
+logger = logging.getLogger(__name__)
+
+OPSET = 20                          # torch.onnx's default; onnxruntime >= 1.17 runs it
+NAMES_KEY = "modelkit.names"        # state_dict name -> {"initializer": name, "transpose": perm}
+VERSION_KEY = "modelkit.version"
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24   # weights above this go to external data (protobuf caps a file at 2 GiB)
+_INLINE_LIMIT = 1024                # with external data, tensors smaller than this stay in the file (onnx's default)
+_ALIGNMENT = 65536                  # external tensors over 1 MiB start at 64 KiB offsets, so runtimes can mmap them
+_DETECT_FIELDS = 64                 # top-level fields detect walks before it gives up
+
+# ONNX element types torch can hold (TensorProto.DataType); raw bytes are little-endian in both.
+_DTYPES: dict[int, torch.dtype] = {
+    TensorProto.FLOAT: torch.float32, TensorProto.DOUBLE: torch.float64, TensorProto.FLOAT16: torch.float16,
+    TensorProto.BFLOAT16: torch.bfloat16, TensorProto.INT8: torch.int8, TensorProto.INT16: torch.int16,
+    TensorProto.INT32: torch.int32, TensorProto.INT64: torch.int64, TensorProto.UINT8: torch.uint8,
+    TensorProto.UINT16: torch.uint16, TensorProto.UINT32: torch.uint32, TensorProto.UINT64: torch.uint64,
+    TensorProto.BOOL: torch.bool, TensorProto.COMPLEX64: torch.complex64, TensorProto.COMPLEX128: torch.complex128,
+    TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn, TensorProto.FLOAT8E5M2: torch.float8_e5m2,
+    TensorProto.FLOAT8E4M3FNUZ: torch.float8_e4m3fnuz, TensorProto.FLOAT8E5M2FNUZ: torch.float8_e5m2fnuz,
+}
+_ONNX_TYPES: dict[torch.dtype, int] = {v: k for k, v in _DTYPES.items()}
+
+
+class _Wire(IntEnum):
+    """Protobuf wire types (https://protobuf.dev/programming-guides/encoding/)."""
+
+    VARINT = 0
+    I64 = 1
+    LEN = 2
+    I32 = 5
+
+
+class _ModelField(IntEnum):
+    IR_VERSION = 1
+    GRAPH = 7
+    METADATA_PROPS = 14
+
+
+class _GraphField(IntEnum):
+    INITIALIZER = 5
+    SPARSE_INITIALIZER = 15
+
+
+class _TensorField(IntEnum):
+    DIMS = 1
+    DATA_TYPE = 2
+    SEGMENT = 3
+    NAME = 8
+    RAW_DATA = 9
+    EXTERNAL_DATA = 13
+    DATA_LOCATION = 14
+
+
+_TYPED_FIELDS = frozenset({4, 5, 6, 7, 10, 11})    # float_data, int32_data, string_data, int64_data, double, uint64
+# Wire type of each ModelProto field (onnx.proto); detect rejects a known field with the wrong one.
+_MODEL_WIRE = {1: _Wire.VARINT, 2: _Wire.LEN, 3: _Wire.LEN, 4: _Wire.LEN, 5: _Wire.VARINT, 6: _Wire.LEN,
+               7: _Wire.LEN, 8: _Wire.LEN, 14: _Wire.LEN, 20: _Wire.LEN, 25: _Wire.LEN, 26: _Wire.LEN}
+_GRAPH_FIELDS = frozenset({1, 2, 5, 10, 11, 12, 13, 14, 15, 16})
+
+
+class _Malformed(Exception):
+    """Raised while walking the wire format; read() turns it into FormatError naming the file."""
+
+
+def detect(path: Path) -> bool:
+    """A ModelProto: ir_version first (as every protobuf writer orders it), then known fields up to
+    the graph. Walks field headers through an mmap, so only a few pages are read."""
+    try:
+        if not path.is_file() or path.stat().st_size < 4:
+            return False
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _looks_like_model(buf)
+    except (OSError, ValueError, _Malformed):
+        return False
+
+
+def _looks_like_model(buf: Any) -> bool:
+    for count, (number, wire, value) in enumerate(_fields(buf, 0, len(buf))):
+        if number in _MODEL_WIRE and wire != _MODEL_WIRE[number]:
+            return False
+        if count == 0 and (number != _ModelField.IR_VERSION or not 1 <= value <= 100):
+            return False
+        if number == _ModelField.GRAPH:
+            start, end = value
+            if start == end:
+                return True
+            first, _ = _varint(buf, start, end)
+            return first >> 3 in _GRAPH_FIELDS and first & 7 == _Wire.LEN
+        if count >= _DETECT_FIELDS:
+            return False
+    return False
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class _Initializer:
+    """Where one initializer's bytes are: in the file (raw or typed values) or in an external file."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+    offset: int
+    length: int
+    typed: bool = False          # offset/length span the whole TensorProto: parse it with onnx
+
+
+def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
+    """Initializers as lazy tensors under their state_dict names (or their own names for files
+    modelkit did not write); metadata_props as metadata and ArchSpec. Reads no tensor data."""
+    try:
+        initializers, metadata = _index(path)
+    except _Malformed as e:
+        raise FormatError(path, f"not a readable ONNX file ({e})") from e
+    names = metadata.pop(NAMES_KEY, None)
+    tensors = _named_tensors(path, initializers, names)
+    arch_json = metadata.pop(ARCH_KEY, None)
+    arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
+    return Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
+
+
+def _index(path: Path) -> tuple[dict[str, _Initializer], dict[str, str]]:
+    if not path.is_file():
+        raise FormatError(path, "not a file")
+    if path.stat().st_size == 0:
+        raise FormatError(path, "empty file; not an ONNX model")
+    initializers: dict[str, _Initializer] = {}
+    metadata: dict[str, str] = {}
+    graphs = 0
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise FormatError(path, f"cannot open it ({e.strerror})") from e
+    with f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for number, wire, value in _fields(buf, 0, len(buf)):
+            if number == _ModelField.METADATA_PROPS and wire == _Wire.LEN:
+                entry = {n: _text(buf, v) for n, w, v in _fields(buf, *value) if w == _Wire.LEN and n in (1, 2)}
+                metadata[entry.get(1, "")] = entry.get(2, "")
+            elif number == _ModelField.GRAPH and wire == _Wire.LEN:
+                graphs += 1  # a repeated message field merges, so initializers of every copy count
+                for n, w, v in _fields(buf, *value):
+                    if n == _GraphField.SPARSE_INITIALIZER:
+                        raise _Malformed("it has sparse initializers, which modelkit does not read")
+                    if n == _GraphField.INITIALIZER and w == _Wire.LEN:
+                        init = _initializer(buf, path, *v)
+                        if init.name in initializers:
+                            raise _Malformed(f"initializer {init.name!r} appears twice")
+                        initializers[init.name] = init
+    if not graphs:
+        raise _Malformed("no graph")
+    return initializers, metadata
+
+
+def _initializer(buf: Any, path: Path, start: int, end: int) -> _Initializer:
+    dims: list[int] = []
+    data_type, name, raw, typed, location = 0, "", None, False, 0
+    external: dict[str, str] = {}
+    for number, wire, value in _fields(buf, start, end):
+        if number == _TensorField.DIMS:
+            dims += _int64s(buf, wire, value)
+        elif number == _TensorField.DATA_TYPE and wire == _Wire.VARINT:
+            data_type = value
+        elif number == _TensorField.NAME and wire == _Wire.LEN:
+            name = _text(buf, value)
+        elif number == _TensorField.RAW_DATA and wire == _Wire.LEN:
+            raw = value
+        elif number == _TensorField.EXTERNAL_DATA and wire == _Wire.LEN:
+            entry = {n: _text(buf, v) for n, w, v in _fields(buf, *value) if w == _Wire.LEN and n in (1, 2)}
+            external[entry.get(1, "")] = entry.get(2, "")
+        elif number == _TensorField.DATA_LOCATION and wire == _Wire.VARINT:
+            location = value
+        elif number == _TensorField.SEGMENT:
+            raise _Malformed(f"tensor {name or '?'!r} is segmented, which modelkit does not read")
+        elif number in _TYPED_FIELDS:
+            typed = True
+    if not name:
+        raise _Malformed("an initializer has no name (ONNX requires one)")
+    label = repr(name)
+    dtype = _DTYPES.get(data_type)
+    if dtype is None:
+        kind = TensorProto.DataType.Name(data_type) if data_type in TensorProto.DataType.values() else data_type
+        raise _Malformed(f"initializer {label} has element type {kind}, which torch cannot hold")
+    if any(d < 0 for d in dims):
+        raise _Malformed(f"initializer {label} has negative dims {dims}")
+    nbytes = math.prod(dims) * dtype.itemsize
+    shape = tuple(dims)
+    if location == TensorProto.EXTERNAL or external:
+        file, offset, length = _external(path, name, external, nbytes)
+        return _Initializer(name, dtype, shape, file, offset, length)
+    if raw is not None:
+        if raw[1] - raw[0] != nbytes:
+            raise _Malformed(f"initializer {label} has {raw[1] - raw[0]} bytes of data; {dtype} {dims} needs {nbytes}")
+        return _Initializer(name, dtype, shape, path, raw[0], nbytes)
+    if math.prod(dims) > end - start:  # every typed value takes at least one byte
+        raise _Malformed(f"initializer {label} claims {math.prod(dims)} values in a {end - start}-byte message")
+    if math.prod(dims) and not typed:
+        raise _Malformed(f"initializer {label} has no data")
+    return _Initializer(name, dtype, shape, path, start, end - start, typed=True)
+
+
+def _external(path: Path, name: str, info: dict[str, str], nbytes: int | None) -> tuple[Path, int, int]:
+    """The checked (file, offset, length) of an external tensor: inside the model's folder, within the
+    file, and as long as its dtype and dims need (when modelkit knows the dtype: `nbytes`)."""
+    data = _data_file(path, info.get("location", ""), name)
+    size = data.stat().st_size
+    try:
+        offset = int(info.get("offset", "0"))
+        length = int(info["length"]) if "length" in info else nbytes if nbytes is not None else size - offset
+    except ValueError as e:
+        raise _Malformed(f"initializer {name!r} has a non-numeric external offset or length") from e
+    if offset < 0 or length < 0 or (nbytes is not None and length != nbytes) or offset + length > size:
+        raise _Malformed(f"initializer {name!r} wants bytes {offset}..{offset + length} (needs {nbytes}) "
+                         f"of {data.name}, which has {size}")
+    return data, offset, length
+
+
+def _data_file(path: Path, location: str, name: str) -> Path:
+    """Resolve an external data location; refuse anything that is not a file inside the model's folder."""
+    folder = path.absolute().parent.resolve()
+    if not location or "\x00" in location:
+        raise _Malformed(f"initializer {name!r} has external data without a location")
+    relative = Path(location.replace("\\", "/"))
+    if relative.is_absolute() or relative.drive or ".." in relative.parts or location.startswith(("/", "\\")):
+        raise _Malformed(f"initializer {name!r} has external data at {location!r}; only file names inside "
+                         f"the model's folder are allowed (no '..', no absolute paths), so it was not read")
+    target = (folder / relative).resolve()
+    if not target.is_relative_to(folder):
+        raise _Malformed(f"initializer {name!r} has external data {location!r}, which links outside the "
+                         f"model's folder to {target}; refusing to follow it")
+    if not target.is_file():
+        raise _Malformed(f"initializer {name!r} has external data {location!r}, which is missing or not a file")
+    return target
+
+
+def _named_tensors(path: Path, initializers: dict[str, _Initializer], names_json: str | None) -> dict[str, LazyTensor]:
+    if names_json is None:  # not written by modelkit: the initializers as they are named
+        return {name: _lazy(init) for name, init in initializers.items()}
+    try:
+        names = json.loads(names_json)
+    except json.JSONDecodeError as e:
+        raise FormatError(path, f"the {NAMES_KEY} entry is not valid JSON ({e})") from e
+    if not isinstance(names, dict):
+        raise FormatError(path, f"the {NAMES_KEY} entry must map state_dict names to initializers")
+    tensors = {}
+    for name, entry in names.items():
+        source = entry.get("initializer") if isinstance(entry, dict) else None
+        init = initializers.get(source) if isinstance(source, str) else None
+        if init is None:
+            raise FormatError(path, f"{NAMES_KEY} maps {name!r} to {source!r}, which is not an initializer in the file")
+        perm = entry.get("transpose")
+        if perm is None:
+            tensors[name] = _lazy(init)
+            continue
+        if not isinstance(perm, list) or not all(type(p) is int for p in perm) or sorted(perm) != list(range(len(init.shape))):
+            raise FormatError(path, f"{NAMES_KEY} gives {name!r} the transpose {perm!r}, which does not fit "
+                                    f"{list(init.shape)}")
+        shape = tuple(init.shape[p] for p in perm)
+        tensors[name] = LazyTensor(init.dtype, shape, lambda init=init, perm=perm: _load(init).permute(perm).contiguous(),
+                                   f"{init.file}:{name}")
+    return tensors
+
+
+def _lazy(init: _Initializer) -> LazyTensor:
+    return LazyTensor(init.dtype, init.shape, lambda: _load(init), f"{init.file}:{init.name}")
+
+
+def _load(init: _Initializer) -> torch.Tensor:
+    data = bytearray(init.length)         # checked against the file size when the header was read
+    try:
+        with init.file.open("rb") as f:
+            f.seek(init.offset)
+            got = f.readinto(data)
+    except OSError as e:
+        raise FormatError(init.file, f"cannot read tensor {init.name!r} ({e.strerror})") from e
+    if got != init.length:
+        raise FormatError(init.file, f"tensor {init.name!r} is cut short: {got} of {init.length} bytes")
+    if init.typed:
+        try:
+            data = bytearray(numpy_helper.to_array(TensorProto.FromString(bytes(data))).tobytes())
+        except (DecodeError, ValueError, TypeError, IndexError) as e:
+            raise FormatError(init.file, f"tensor {init.name!r} has unreadable values ({e})") from e
+        if len(data) != math.prod(init.shape) * init.dtype.itemsize:
+            raise FormatError(init.file, f"tensor {init.name!r} holds {len(data)} bytes, not {list(init.shape)}")
+    if not data:
+        return torch.empty(init.shape, dtype=init.dtype)
+    return torch.frombuffer(data, dtype=torch.uint8).view(init.dtype).reshape(init.shape)
+
+
+def _fields(buf: Any, start: int, end: int) -> Iterator[tuple[int, int, Any]]:
+    """(number, wire type, value) of each field of the message in buf[start:end]; LEN values are (start, end)."""
+    pos = start
+    while pos < end:
+        key, pos = _varint(buf, pos, end)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise _Malformed(f"field number 0 at byte {pos}")
+        if wire == _Wire.VARINT:
+            value, pos = _varint(buf, pos, end)
+        elif wire in (_Wire.I64, _Wire.I32):
+            value, pos = pos, pos + (8 if wire == _Wire.I64 else 4)
+        elif wire == _Wire.LEN:
+            length, pos = _varint(buf, pos, end)
+            value, pos = (pos, pos + length), pos + length
+        else:
+            raise _Malformed(f"wire type {wire} at byte {pos} (ONNX uses no groups)")
+        if pos > end:
+            raise _Malformed(f"a field runs past the end of its message (byte {pos} > {end})")
+        yield number, wire, value
+
+
+def _varint(buf: Any, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while shift < 70:
+        if pos >= end:
+            raise _Malformed("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+    raise _Malformed("varint longer than 10 bytes")
+
+
+def _int64s(buf: Any, wire: int, value: Any) -> list[int]:
+    if wire == _Wire.VARINT:
+        values = [value]
+    elif wire == _Wire.LEN:  # packed
+        values, pos = [], value[0]
+        while pos < value[1]:
+            v, pos = _varint(buf, pos, value[1])
+            values.append(v)
+    else:
+        raise _Malformed(f"dims with wire type {wire}")
+    return [v - (1 << 64) if v >= 1 << 63 else v for v in values]
+
+
+def _text(buf: Any, span: tuple[int, int]) -> str:
+    try:
+        return bytes(buf[span[0]:span[1]]).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Malformed(f"a string field is not UTF-8 ({e})") from e
+
+
+# ---------------------------------------------------------------- running
+
+
+def runnable(path: Path, options: ReadOptions = ReadOptions()) -> Callable[..., Any]:
+    """An onnxruntime session (CPU) on the file, as a callable on torch tensors returning torch tensors.
+
+    Every tensor of the model (initializers, Constant nodes, subgraphs, functions) is checked
+    first: external data must be a file inside the model's folder, with offsets inside it.
+    """
+    import onnxruntime as ort
+
+    try:
+        data = path.read_bytes()
+        model = onnx.ModelProto.FromString(data)
+    except OSError as e:
+        raise FormatError(path, f"cannot read it ({e.strerror})") from e
+    except DecodeError as e:
+        raise FormatError(path, f"not a readable ONNX file ({e})") from e
+    try:
+        for tensor in _all_tensors(model):
+            if tensor.data_location == TensorProto.EXTERNAL or len(tensor.external_data):
+                info = {entry.key: entry.value for entry in tensor.external_data}
+                _external(path, tensor.name, info, _expected_bytes(tensor))
+    except _Malformed as e:
+        raise FormatError(path, f"refusing to run it: {e}") from e
+    session_options = ort.SessionOptions()
+    session_options.log_severity_level = 3      # errors only: ORT's warnings go to stderr otherwise
+    # Loaded from the bytes checked above; external data resolves against the model's own folder.
+    session_options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(path.absolute().parent))
+    try:
+        session = ort.InferenceSession(data, session_options, providers=["CPUExecutionProvider"])
+    except _ort_errors() as e:
+        if type(e).__name__ == "NotImplemented":   # a valid model using a kernel the CPU provider lacks
+            raise UnsupportedConversionError(path.name, "onnxruntime (CPU)", _first_line(e)) from e
+        raise FormatError(path, f"onnxruntime cannot load it ({_first_line(e)})") from e
+    return _OrtRunner(session)
+
+
+def _ort_errors() -> tuple[type[Exception], ...]:
+    """onnxruntime's exception types: they share no base class below Exception."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    names = ("Fail", "InvalidArgument", "NoSuchFile", "NoModel", "EngineError", "RuntimeException",
+             "InvalidProtobuf", "ModelLoaded", "NotImplemented", "InvalidGraph", "EPFail")
+    return tuple(getattr(state, name) for name in names if hasattr(state, name))
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+class _OrtRunner:
+    """Runs an onnxruntime session on torch tensors: `runner(x)` -> torch.Tensor (a tuple for several outputs)."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.input_names = [i.name for i in session.get_inputs()]
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if len(inputs) != len(self.input_names):
+            raise ConfigError(f"the model takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
+                              f"got {len(inputs)}")
+        feeds = {}
+        for name, tensor in zip(self.input_names, inputs, strict=True):
+            tensor = torch.as_tensor(tensor).detach().cpu().contiguous()
+            if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+                                    torch.int8, torch.uint8, torch.bool):
+                raise ConfigError(f"input {name!r} is {tensor.dtype}; feed one of the types numpy holds")
+            feeds[name] = tensor.numpy()
+        try:
+            results = self.session.run(None, feeds)
+        except _ort_errors() as e:
+            raise ConfigError(f"onnxruntime refused the inputs: {' '.join(str(e).split())}") from e
+        outputs = [torch.from_numpy(out) for out in results]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def _expected_bytes(tensor: TensorProto) -> int | None:
+    """Bytes the tensor's dtype and dims need; None for types torch lacks (4-bit, strings)."""
+    dtype = _DTYPES.get(tensor.data_type)
+    if any(d < 0 for d in tensor.dims):
+        raise _Malformed(f"tensor {tensor.name!r} has negative dims {list(tensor.dims)}")
+    return None if dtype is None else math.prod(tensor.dims) * dtype.itemsize
+
+
+def _all_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
+    """Every TensorProto a runtime would load: graphs, nested subgraphs, functions, training graphs."""
+    graphs: list[onnx.GraphProto] = [model.graph]
+    graphs += [g for info in model.training_info for g in (info.initialization, info.algorithm)]
+    nodes = [node for function in model.functions for node in function.node]
+    while graphs or nodes:
+        if graphs:
+            graph = graphs.pop()
+            yield from graph.initializer
+            for sparse in graph.sparse_initializer:
+                yield from (sparse.values, sparse.indices)
+            nodes += graph.node
+            continue
+        for attribute in nodes.pop().attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            for sparse in (*attribute.sparse_tensors, *([attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else [])):
+                yield from (sparse.values, sparse.indices)
+            graphs += [attribute.g] if attribute.HasField("g") else []
+            graphs += attribute.graphs
+
+
+# ---------------------------------------------------------------- writing
+
+# Axes each reference model leaves free beyond the batch axis (axis 0 of every input).
+_EXTRA_AXES: dict[str, Callable[[Any], dict[int, Any]]] = {
+    "tinylm": lambda model: {1: torch.export.Dim("sequence", max=model.config.max_position_embeddings)},
+}
+
+
+def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), *,
+          external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> None:
+    """Export the checkpoint's module to `path` and check it with onnx.checker (full_check).
+
+    Args:
+        ckpt: The weights, metadata and ArchSpec to store.
+        path: Where to write (api.save makes it a temporary name beside `options.final_path`).
+        options: `module` to export (else rebuilt from the ArchSpec), `example_inputs` (else the
+            reference model's own), `final_path` (names the external data file).
+        external_data_threshold: Weights larger than this (bytes, all tensors together) go to
+            `<final name>.data` beside the file as ONNX external data. Tests pass 0 to force it.
+
+    Raises:
+        UnsupportedConversionError: no module and no ArchSpec ("pass --arch"), quantized tensors,
+            or the exporter or onnx.checker refused the model.
+    """
+    quantized = [name for name, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)]
+    if quantized:
+        raise UnsupportedConversionError("quantized checkpoint", "onnx", f"tensor {quantized[0]!r} is quantized "
+                                         f"({ckpt.tensors[quantized[0]].scheme}); dequantize it first")
+    final = Path(options.final_path) if options.final_path is not None else path
+    module = options.module
+    if module is None:
+        module = instantiate(ckpt, source="the checkpoint", target="onnx")
+        # instantiate loads into the model's own dtype (float32): give every tensor the checkpoint's
+        # dtype and bits again, so a float16 checkpoint exports as a float16 graph.
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if name in ckpt.tensors and tensor.dtype != ckpt.tensors[name].dtype:
+                tensor.data = ckpt.tensors[name].load().to(tensor.device)
+    state = module.state_dict()
+    if set(state) != set(ckpt.tensors):
+        odd = sorted(set(state) ^ set(ckpt.tensors))
+        raise ConfigError(f"the module to export and the checkpoint name different tensors (e.g. {odd[0]!r})")
+    model = _export(module, _example_inputs(module, options.example_inputs))
+    names = _map_names(model.graph, state)
+    model.metadata_props.update(ckpt.metadata)
+    if ckpt.arch is not None:
+        model.metadata_props[ARCH_KEY] = ckpt.arch.to_json()
+    model.metadata_props[VERSION_KEY] = __version__
+    model.metadata_props[NAMES_KEY] = json.dumps(names, separators=(",", ":"))
+    _save(model, path, final, external_data_threshold)
+
+
+def _example_inputs(module: Any, given: Any) -> tuple[Any, ...]:
+    if given is not None:
+        return given if isinstance(given, tuple) else (given,)
+    arch = getattr(type(module), "arch", None)
+    if arch not in MODELS:
+        raise UnsupportedConversionError(type(module).__name__, "onnx", "exporting a graph needs example inputs "
+                                         "shaped like real ones: modelkit.export(module, path, example_inputs=...)")
+    example = load_model_module(arch).example_inputs()
+    example = example if isinstance(example, tuple) else (example,)
+    dtype = next((p.dtype for p in module.parameters() if p.dtype.is_floating_point), torch.float32)
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in example)
+
+
+def _export(module: Any, inputs: tuple[Any, ...]) -> Any:
+    """torch.onnx.export (torch.export-based, optimized) -> onnx_ir Model, with named dynamic axes."""
+    import torch.export
+    import torch.onnx
+
+    arch = getattr(type(module), "arch", None)
+    extra = _EXTRA_AXES[arch](module) if arch in _EXTRA_AXES else {}
+    batch = torch.export.Dim("batch")
+    dynamic = tuple({0: batch, **{a: d for a, d in extra.items() if a < x.dim()}}
+                    if isinstance(x, torch.Tensor) and x.dim() else None for x in inputs)
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with _quiet():
+            program = torch.onnx.export(module, inputs, dynamo=True, opset_version=OPSET, dynamic_shapes=dynamic,
+                                        optimize=True, verbose=False)
+    except torch.onnx.OnnxExporterError as e:
+        raise UnsupportedConversionError(type(module).__name__, "onnx",
+                                         f"torch.onnx.export failed: {_first_line(e.__cause__ or e)}") from e
+    finally:
+        for submodule, training in modes:   # as the caller had them, submodule by submodule
+            submodule.training = training
+    model = program.model
+    for node in model.graph.all_nodes():  # tracebacks with this machine's file paths: not for shipping
+        node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
+    wanted = [axes or {} for x, axes in zip(inputs, dynamic, strict=True) if isinstance(x, torch.Tensor)]
+    _check_dynamic(model, wanted, reference=arch in MODELS)
+    _name_outputs(model, "logits" if arch in MODELS else "output")   # every reference model returns logits
+    return model
+
+
+def _check_dynamic(model: Any, wanted: list[dict[int, Any]], *, reference: bool) -> None:
+    """The exporter quietly fixes an axis the model's code pins to one size; say so.
+
+    `wanted` holds the dynamic axes asked for each tensor input, in the order of the graph's inputs.
+    """
+    import onnx_ir as ir
+
+    fixed = [f"{value.name}[{axis}]" for value, axes in zip(model.graph.inputs, wanted, strict=False)
+             for axis in axes if not isinstance(value.shape[axis], ir.SymbolicDim)]
+    if not fixed:
+        return
+    message = f"the exporter fixed axes {', '.join(fixed)} to their example sizes"
+    if reference:
+        raise UnsupportedConversionError("reference model", "onnx", message)
+    logger.warning("%s; the ONNX model accepts only those sizes", message)
+
+
+def _name_outputs(model: Any, base: str) -> None:
+    outputs = model.graph.outputs
+    wanted = [base] if len(outputs) == 1 else [f"{base}_{i}" for i in range(len(outputs))]
+    taken = _value_names(model.graph)
+    for value, name in zip(outputs, wanted, strict=True):
+        if value.producer() is not None and name not in taken:
+            value.name = name
+
+
+def _value_names(graph: Any) -> set[str]:
+    names = {v.name for v in graph.inputs} | set(graph.initializers)
+    return names | {out.name for node in graph.all_nodes() for out in node.outputs}
+
+
+def _map_names(graph: Any, state: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """state_dict name -> the initializer holding its exact bytes (transposed or shared, as the
+    optimizer left it). A tensor the exporter folded into something else, or made a Constant, is
+    added as an unused initializer under its own name: onnxruntime ignores it, read() finds it."""
+    initializers = graph.initializers
+    exact = {name for name, t in state.items()
+             if name in initializers and initializers[name].const_value is not None
+             and _same(initializers[name].const_value, t)}
+    index = _digest_index(initializers) if len(exact) < len(state) else {}
+    taken = _value_names(graph)
+    names: dict[str, dict[str, Any]] = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu()
+        if name in exact:
+            names[name] = {"initializer": name}
+            continue
+        found = index.get((tensor.dtype, tuple(tensor.shape), _digest(tensor_bytes(tensor))))
+        if found is not None and _same_after(initializers[found[0]].const_value, found[1], tensor):
+            names[name] = {"initializer": found[0], **({"transpose": found[1]} if found[1] else {})}
+            continue
+        new = _free_name(name, taken)
+        graph.register_initializer(_ir_value(new, tensor))
+        taken.add(new)
+        names[name] = {"initializer": new}
+        logger.debug("%s: not among the exported initializers; stored as unused initializer %r", name, new)
+    return names
+
+
+def _digest(data: Any) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _digest_index(initializers: Any) -> dict[tuple[Any, ...], tuple[str, list[int] | None]]:
+    """(dtype, shape, digest) -> (initializer, transpose): each initializer as it is, and 2-D ones transposed."""
+    index: dict[tuple[Any, ...], tuple[str, list[int] | None]] = {}
+    for name, value in initializers.items():
+        tensor = value.const_value
+        dtype = _DTYPES.get(int(tensor.dtype)) if tensor is not None else None
+        if dtype is None:
+            continue
+        array = tensor.numpy()
+        index.setdefault((dtype, tuple(array.shape), _digest(array.tobytes())), (name, None))
+        if array.ndim == 2:
+            index.setdefault((dtype, tuple(array.shape[::-1]), _digest(array.T.tobytes())), (name, [1, 0]))
+    return index
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(stored: Any, tensor: torch.Tensor) -> bool:
+    if int(stored.dtype) != _ONNX_TYPES.get(tensor.dtype) or tuple(stored.shape) != tuple(tensor.shape):
+        return False
+    raw = getattr(stored, "raw", None)  # the exporter's TorchTensor wraps the parameter itself
+    if isinstance(raw, torch.Tensor) and raw.dtype == tensor.dtype:
+        return torch.equal(_bytes_of(raw), _bytes_of(tensor))
+    return stored.tobytes() == bytes(tensor_bytes(tensor))
+
+
+def _same_after(stored: Any, perm: list[int] | None, tensor: torch.Tensor) -> bool:
+    array = stored.numpy()
+    array = array.transpose(perm) if perm else array
+    return tuple(array.shape) == tuple(tensor.shape) and array.tobytes() == bytes(tensor_bytes(tensor))
+
+
+def _free_name(name: str, taken: set[str]) -> str:
+    candidate, n = name, 0
+    while candidate in taken:
+        n += 1
+        candidate = f"modelkit::{name}" + (f".{n}" if n > 1 else "")
+    return candidate
+
+
+def _ir_value(name: str, tensor: torch.Tensor) -> Any:
+    import onnx_ir as ir
+
+    onnx_type = _ONNX_TYPES.get(tensor.dtype)
+    if onnx_type is None:
+        raise UnsupportedConversionError(str(tensor.dtype), "onnx", f"tensor {name!r} has a dtype ONNX lacks")
+    dtype = ir.DataType(onnx_type)
+    t = tensor.detach().cpu().contiguous()
+    if t.dtype.is_floating_point and t.dtype not in (torch.float16, torch.float32, torch.float64):
+        array = t.view(torch.uint16 if t.dtype.itemsize == 2 else torch.uint8).numpy().view(dtype.numpy())
+    else:
+        array = t.numpy()
+    return ir.Value(name=name, shape=ir.Shape(t.shape), type=ir.TensorType(dtype),
+                    const_value=ir.Tensor(array, dtype=dtype, name=name))
+
+
+def _save(model: Any, path: Path, final: Path, threshold: int) -> None:
+    """Serialize, with external data beside `final` when the weights exceed `threshold` bytes.
+
+    External data is written under a temporary name, checked, then renamed to `<final name>.data`
+    at the end, so an error leaves neither a stray data file nor a damaged old one.
+    """
+    import onnx_ir as ir
+
+    total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if total <= threshold:
+        ir.save(model, path, format="protobuf")
+        _check(path)
+        return
+    if path.absolute().parent.resolve() != final.absolute().parent.resolve():
+        raise ConfigError(f"external data goes beside {final}, so write to a temporary name in {final.parent}")
+    data_name = f"{final.name}.data"
+    data_path = final.parent / data_name
+    if data_path.exists() and not final.exists():
+        raise ConfigError(f"{data_path} exists but {final} does not (another model's data or a leftover); "
+                          "remove it or choose another output name")
+    staging = path.parent / f".{data_name}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        ir.save(model, path, format="protobuf", external_data=staging.name, size_threshold_bytes=_INLINE_LIMIT,
+                alignment=_ALIGNMENT)
+        _check(path)
+        proto = onnx.load(str(path), load_external_data=False)
+        for tensor in _all_tensors(proto):
+            for entry in tensor.external_data:
+                if entry.key == "location" and entry.value == staging.name:
+                    entry.value = data_name
+        path.write_bytes(proto.SerializeToString())
+        with staging.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(staging, data_path)
+        logger.debug("wrote %d bytes of weights to external data %s", total, data_path)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def _check(path: Path) -> None:
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise UnsupportedConversionError("the exported graph", "onnx", f"onnx.checker rejects it ({_first_line(e)})") from e
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the exporter: its loggers, its warnings, and the graphs it prints when a capture fails.
+
+    Redirecting stdout/stderr is process-wide, so it lasts only for the export call; what was
+    captured goes to this module's debug log instead of being lost.
+    """
+    loggers = [logging.getLogger(name) for name in ("torch", *logging.root.manager.loggerDict)
+               if name == "torch" or name.startswith(("torch.", "onnxscript", "onnx_ir"))]
+    levels = [(lg, lg.level) for lg in loggers]
+    captured = io.StringIO()
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL + 1)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in levels:
+            lg.setLevel(level)
+        if captured.getvalue().strip():
+            logger.debug("torch.onnx.export printed:\n%s", captured.getvalue())

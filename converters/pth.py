@@ -1,0 +1,489 @@
+"""pth: `torch.save` checkpoints (.pt, .pth, .bin, .ckpt): a pickle plus raw tensor storages.
+
+Spec: the reader and writer in torch/serialization.py (`torch.save`, `torch.load`); safety:
+https://pytorch.org/docs/stable/notes/serialization.html#weights-only
+Layout (zip, torch >= 1.6): a zip archive whose members all sit under one folder `<archive>/`:
+    data.pkl     the pickled object; each tensor is `_rebuild_tensor_v2(<persistent id>, offset,
+                 size, stride, ...)` and the persistent id is ('storage', type, key, location, numel)
+    data/<key>   the storage's raw bytes, stored uncompressed at 64-byte aligned offsets
+    byteorder | version | .format_version | .storage_alignment | .data/serialization_id
+Layout (legacy, `_use_new_zipfile_serialization=False`): one stream of protocol-2 pickles:
+    magic number (LONG1 0x1950a86a20f9469cfc6c) | protocol version | sys info | the object |
+    storage keys | for each storage: 8-byte element count + raw bytes
+
+What modelkit writes (docs/formats/pth.md): exactly a state_dict, an OrderedDict of tensors, so
+`model.load_state_dict(torch.load(path, weights_only=True))` works. The ArchSpec and the str->str
+metadata ride in the OrderedDict's `_metadata` attribute (where `Module.state_dict()` keeps
+per-module versions) under the key `__modelkit__`; `load_state_dict` only looks that dict up by
+module prefix, and no module prefix is `__modelkit__` in practice.
+
+Reading never unpickles arbitrary code: `torch.load(weights_only=True)` with mmap for zip files
+(tensors stay views into the mapped file until touched). Whole-module pickles need `trust`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pickletools
+import re
+import zipfile
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint, QuantizedTensor
+from modelkit.errors import FormatError, UnsupportedConversionError
+from modelkit.formats import ReadOptions, WriteOptions
+
+logger = logging.getLogger(__name__)
+
+# torch.save's legacy stream starts with the pickled magic number (torch/serialization.py MAGIC_NUMBER).
+_LEGACY_HEAD = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + b"."
+_MODELKIT_KEY = "__modelkit__"          # entry of state_dict._metadata holding our metadata
+_LAYOUT = "modelkit.pth/1"
+SOURCE_KEY = "modelkit.pth.source"      # metadata: which entry or object the state_dict came from
+_PICKLE_LIMIT = 256 << 20               # bytes of pickle we walk; real ones are a few MB at most
+_WELL_KNOWN = ("state_dict", "model_state_dict", "model", "module", "net", "network", "model_state", "weights")
+_WRAPPER_PREFIXES = ("module", "model", "_orig_mod")   # DDP/DeepSpeed, Lightning, torch.compile
+# The modules of torch 2.13's weights_only allowlist: a plain weights pickle names globals from
+# these only. Any other global is an object to rebuild (a whole module, argparse.Namespace, numpy
+# arrays, ...) and needs trust. torch's weights_only unpickler stays the real gate for these ones.
+_DATA_MODULES = frozenset({
+    "_codecs", "builtins", "collections", "torch", "torch._tensor", "torch._utils", "torch.cuda",
+    "torch.cuda.sparse", "torch.nn.parameter", "torch.serialization", "torch.sparse", "torch.storage",
+})
+# Legacy storage classes -> element size, to check claimed sizes before torch allocates them.
+_ITEMSIZE = {"DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2, "LongStorage": 8,
+             "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1, "BoolStorage": 1,
+             "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16, "UntypedStorage": 1}
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, IndexError,
+               NotImplementedError, RuntimeError)
+
+
+def detect(path: Path) -> bool:
+    """A torch.save file: a zip with `<archive>/data.pkl` that is not TorchScript, or the legacy magic."""
+    try:
+        if not path.is_file():
+            return False
+        with path.open("rb") as f:
+            head = f.read(len(_LEGACY_HEAD))
+        if head == _LEGACY_HEAD:
+            return True
+        if not head.startswith(b"PK\x03\x04"):
+            return False
+        with zipfile.ZipFile(path) as zf:            # reads the central directory only
+            return _archive_prefix(zf.namelist()) is not None
+    except _ZIP_ERRORS:
+        return False
+
+
+def _archive_prefix(names: list[str]) -> str | None:
+    """The folder holding data.pkl in a torch.save zip; None for TorchScript and other zips."""
+    for name in names:
+        prefix, _, rest = name.partition("/")
+        if rest == "data.pkl":
+            torchscript = f"{prefix}/constants.pkl" in names or any(n.startswith(f"{prefix}/code/") for n in names)
+            return None if torchscript else prefix
+    return None
+
+
+def _gate(path: Path, options: ReadOptions) -> str:
+    """The scanner's gate: scan `path` before anything unpickles it; returns what it checked.
+
+    Dangerous content is refused with UnsafeFileError(path, report) even with trust; content that
+    needs trust (a whole-module pickle, unknown classes) is refused without it. torch's
+    weights_only unpickler then reads the file: the scan is defence in depth, not a replacement.
+    """
+    from modelkit.scan import gate
+
+    report = gate(path, trust=options.trust)
+    return f"scanned, {len(report.findings)} finding(s), none dangerous"
+
+
+def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
+    """Read the state_dict of a torch.save file (zip or legacy), lazily for zip files.
+
+    Nested checkpoints ({"model": ..., "optimizer": ...}, Lightning's {"state_dict": ...}) give
+    the state_dict under a well-known key when it is the only one; otherwise `options.key` picks
+    an entry ("model", "state_dict.model" for nested dicts, "module" to strip a `module.` prefix).
+    """
+    is_zip = _layout(path)            # the zip directory or the first bytes: nothing unpickled yet
+    if is_zip and not detect(path):
+        raise FormatError(path, "a zip archive without data.pkl, or a TorchScript archive "
+                                "(read those with --from torchscript)")
+    gate = _gate(path, options)
+    facts = _pickle_facts(path, is_zip)
+    obj = _load(path, is_zip, facts, options, gate)
+    notes: dict[str, str] = {}
+    if isinstance(obj, torch.nn.Module):
+        notes[SOURCE_KEY] = f"whole-module pickle of {type(obj).__module__}.{type(obj).__qualname__}"
+    state, where = _choose_state_dict(path, obj, options.key)
+    if where:
+        notes[SOURCE_KEY] = where
+    metadata, arch = _stored_metadata(path, state)
+    if arch is None and isinstance(obj, torch.nn.Module) and getattr(type(obj), "arch", None):
+        from modelkit.models import MODELS, arch_spec
+
+        arch = arch_spec(obj) if type(obj).arch in MODELS else None
+    tensors = _check_tensors(path, state, options.key)
+    _hint_prefix(path, tensors)
+    return Checkpoint.from_state_dict(tensors, arch=arch, metadata={**metadata, **notes})
+
+
+def _layout(path: Path) -> bool:
+    """True for the zip layout, False for the legacy stream; FormatError for anything else."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(_LEGACY_HEAD))
+    except OSError as e:
+        raise FormatError(path, f"cannot read the file ({e})") from e
+    if head == _LEGACY_HEAD:
+        return False
+    if head.startswith(b"PK\x03\x04"):
+        return True
+    raise FormatError(path, "not a torch.save checkpoint (neither a zip archive nor the legacy pickle stream)")
+
+
+@dataclass
+class _PickleFacts:
+    """What an opcode walk saw: the globals a pickle names and the storages it claims."""
+
+    globals: list[str] = field(default_factory=list)          # "module.name", in order of appearance
+    persistent_ids: list[Any] = field(default_factory=list)
+    module_like: bool = False                                 # names '_modules' and '_parameters'
+
+    @property
+    def classes(self) -> list[str]:
+        """Globals outside the modules a plain weights pickle uses: objects to rebuild."""
+        return [g for g in self.globals if g.rpartition(".")[0] not in _DATA_MODULES]
+
+
+_MARK, _UNKNOWN = object(), object()
+
+
+def _walk_pickle(stream: Any, facts: _PickleFacts) -> None:
+    """Follow one pickle's opcodes on a symbolic stack; nothing is unpickled or called.
+
+    Raises ValueError (or IndexError) on a malformed stream. The scanner (issue 4) walks pickles
+    the same way and more thoroughly; once it exists, its report should replace this walk.
+    """
+    stack: list[Any] = []
+    memo: dict[Any, Any] = {}
+    seen: set[str] = set()
+    start = stream.tell()
+    for op, arg, pos in pickletools.genops(stream):
+        if pos - start > _PICKLE_LIMIT:
+            raise ValueError(f"the pickle is larger than {_PICKLE_LIMIT} bytes")
+        name = op.name
+        if name == "MARK":
+            stack.append(_MARK)
+        elif name in ("GLOBAL", "INST"):
+            module, _, attr = str(arg).partition(" ")
+            facts.globals.append(f"{module}.{attr}")
+            if name == "INST":
+                _pop_mark(stack)
+            stack.append(_UNKNOWN if name == "INST" else ("global", module, attr))
+        elif name == "STACK_GLOBAL":
+            attr, module = stack.pop(), stack.pop()
+            ok = isinstance(module, str) and isinstance(attr, str)
+            facts.globals.append(f"{module}.{attr}" if ok else "<computed>.<computed>")
+            stack.append(("global", module, attr) if ok else _UNKNOWN)
+        elif name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_TUPLE"):
+            count = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "EMPTY_TUPLE": 0}.get(name)
+            items = _pop_mark(stack) if count is None else [stack.pop() for _ in range(count)][::-1]
+            stack.append(tuple(items))
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            stack.append(memo.get(arg, _UNKNOWN))
+        elif name in ("BINPERSID", "PERSID"):
+            facts.persistent_ids.append(stack.pop() if name == "BINPERSID" else arg)
+            stack.append(_UNKNOWN)
+        elif name == "NONE":
+            stack.append(None)
+        elif not op.stack_before and len(op.stack_after) == 1 and arg is not None:
+            stack.append(arg)                       # a literal: int, str, bytes, float
+            if arg in ("_modules", "_parameters"):
+                seen.add(arg)
+        else:                                       # everything else: pop its inputs, push unknowns
+            before = op.stack_before
+            if pickletools.markobject in before:
+                _pop_mark(stack)
+                below = before.index(pickletools.markobject)
+            else:
+                below = len(before)
+            if below > len(stack):
+                raise ValueError(f"{name} at byte {pos} needs more items than the stack holds")
+            del stack[len(stack) - below:]
+            stack.extend([_UNKNOWN] * len(op.stack_after))
+    facts.module_like = facts.module_like or len(seen) == 2
+
+
+def _pop_mark(stack: list[Any]) -> list[Any]:
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is _MARK:
+            items = stack[i + 1:]
+            del stack[i:]
+            return items
+    raise ValueError("no MARK on the stack")
+
+
+class _Capped:
+    """A stream that never reads past `size` bytes: genops trusts a pickle's length fields, which
+    would otherwise ask for gigabytes from a corrupt file."""
+
+    def __init__(self, stream: IO[bytes], size: int) -> None:
+        self._stream = stream
+        self._end = stream.tell() + size
+
+    def _left(self, n: int | None) -> int:
+        left = max(self._end - self._stream.tell(), 0)
+        return left if n is None or n < 0 else min(n, left)
+
+    def read(self, n: int | None = -1) -> bytes:
+        return self._stream.read(self._left(n))
+
+    def readline(self, n: int | None = -1) -> bytes:
+        return self._stream.readline(self._left(n))
+
+    def tell(self) -> int:
+        return self._stream.tell()
+
+
+def _pickle_facts(path: Path, is_zip: bool) -> _PickleFacts:
+    """Walk the pickle bytes (never the tensor data); for legacy files check claimed sizes too."""
+    facts = _PickleFacts()
+    try:
+        if is_zip:
+            with zipfile.ZipFile(path) as zf:
+                prefix = _archive_prefix(zf.namelist())
+                if prefix is None:
+                    raise FormatError(path, "a zip archive without data.pkl, or a TorchScript archive "
+                                            "(read those with --from torchscript)")
+                info = zf.getinfo(f"{prefix}/data.pkl")
+                if info.file_size > _PICKLE_LIMIT:
+                    raise FormatError(path, f"data.pkl is {info.file_size} bytes; refusing more than {_PICKLE_LIMIT}")
+                with zf.open(info) as stream:
+                    _walk_pickle(_Capped(stream, info.file_size), facts)
+            return facts
+        with path.open("rb") as f:
+            stream = _Capped(f, path.stat().st_size)
+            for _ in range(3):                      # magic number, protocol version, sys info
+                _walk_pickle(stream, _PickleFacts())
+            _walk_pickle(stream, facts)             # the object itself
+    except FormatError:
+        raise
+    except (*_ZIP_ERRORS, TypeError) as e:          # genops: ValueError; short or odd streams: the rest
+        raise FormatError(path, f"the pickle is malformed ({e})") from e
+    _check_legacy_sizes(path, facts)
+    return facts
+
+
+def _check_legacy_sizes(path: Path, facts: _PickleFacts) -> None:
+    """Legacy torch.load allocates each storage at its claimed size before reading it: check first."""
+    claimed: dict[Any, int] = {}
+    for pid in facts.persistent_ids:
+        # ('storage', ('global', 'torch', 'FloatStorage'), key, location, numel, view_metadata)
+        ok = (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], tuple)
+              and len(pid[1]) == 3 and isinstance(pid[4], int) and pid[4] >= 0 and isinstance(pid[2], str))
+        if not ok:
+            raise FormatError(path, "a storage reference in the legacy pickle is not ('storage', type, key, location, size)")
+        claimed[pid[2]] = pid[4] * _ITEMSIZE.get(str(pid[1][2]), 16)
+    size = path.stat().st_size
+    if sum(claimed.values()) > size:
+        raise FormatError(path, f"the pickle claims {sum(claimed.values())} bytes of tensor data but the file "
+                                f"has {size}; it is truncated or corrupt")
+
+
+def _load(path: Path, is_zip: bool, facts: _PickleFacts, options: ReadOptions, gate: str) -> Any:
+    """torch.load with weights_only=True; a whole-module pickle only with options.trust."""
+    classes = facts.classes
+    if classes and not options.trust:
+        what = "a whole module" if facts.module_like else "Python objects beyond tensors"
+        raise UnsupportedConversionError(
+            str(path), "a checkpoint without --trust",
+            f"this file pickles {what} (class {classes[0]}); loading it runs code: pass --trust "
+            "(API: trust=True) if you trust its source, or ask for a state_dict",
+        )
+    weights_only = not classes
+    if not weights_only:
+        logger.warning("%s: loading a pickle of class %s with weights_only=False because trust was given: "
+                       "this runs code from the file; scanner gate: %s", path, classes[0], gate)
+    try:
+        # mmap only works for the zip layout; there the tensors stay views into the mapped file.
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=is_zip)
+    except Exception as e:  # torch.load raises a wide, undocumented set of types on malformed input
+        hint = "" if weights_only else f" (with trust: the module defining {classes[0]} must be importable)"
+        raise FormatError(path, f"torch.load failed: {_short(e)}{hint}") from e
+
+
+def _short(error: Exception) -> str:
+    text = str(error)
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if refused:
+        return f"weights-only loading refuses the global {refused.group(1)} ({type(error).__name__})"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0][:300] if lines else 'no message'}"
+
+
+def _choose_state_dict(path: Path, obj: Any, key: str | None) -> tuple[Mapping[Any, Any], str]:
+    """The mapping holding the tensors, and where it came from ("" for the top level)."""
+    if isinstance(obj, torch.nn.Module):
+        obj = obj.state_dict()
+    if not isinstance(obj, Mapping):
+        raise FormatError(path, f"holds a {type(obj).__name__}, not a state_dict (a dict of tensors)")
+    if key is not None:
+        return _resolve_key(path, obj, key), key
+    if any(isinstance(v, torch.Tensor) for v in obj.values()):
+        return obj, ""
+    candidates = _candidates(obj)
+    if len(candidates) == 1 and candidates[0][0].rpartition(".")[2].lower() in _WELL_KNOWN:
+        where, state = candidates[0]
+        logger.info("%s: using the state_dict under %r (other entries: %s)", path, where,
+                    ", ".join(str(k) for k in obj if k != where) or "none")
+        return state, where
+    if not candidates:
+        raise FormatError(path, f"holds no tensors; top-level entries: {_listing(obj)}")
+    raise FormatError(path, "is a nested checkpoint; pick the state_dict with --key NAME (API: key=...); "
+                            f"candidates: {', '.join(f'{p} ({_count(m)} tensors)' for p, m in candidates)}")
+
+
+def _candidates(obj: Mapping[Any, Any], prefix: str = "", depth: int = 0) -> list[tuple[str, Mapping[Any, Any]]]:
+    """Nested str-keyed mappings that hold tensors directly (optimizer states are int-keyed)."""
+    found = []
+    for k, v in obj.items():
+        if isinstance(v, torch.nn.Module):
+            v = v.state_dict()
+        if not isinstance(k, str) or not isinstance(v, Mapping) or not all(isinstance(i, str) for i in v):
+            continue
+        where = f"{prefix}{k}"
+        if any(isinstance(t, torch.Tensor) for t in v.values()):
+            found.append((where, v))
+        elif depth < 3:
+            found += _candidates(v, f"{where}.", depth + 1)
+    return found
+
+
+def _resolve_key(path: Path, obj: Mapping[Any, Any], key: str) -> Mapping[Any, Any]:
+    """Follow `key` through nested dicts; a remainder that is a name prefix selects and strips it."""
+    node: Any = obj
+    rest = key
+    while rest:
+        if not isinstance(node, Mapping):
+            break
+        if rest in node:
+            node, rest = node[rest], ""
+            break
+        head = next((k for k in node if isinstance(k, str) and rest.startswith(f"{k}.")), None)
+        if head is not None and isinstance(node[head], Mapping | torch.nn.Module):
+            node, rest = node[head], rest[len(head) + 1:]
+            node = node.state_dict() if isinstance(node, torch.nn.Module) else node
+            continue
+        prefix = rest if rest.endswith(".") else f"{rest}."
+        picked = {k[len(prefix):]: v for k, v in node.items() if isinstance(k, str) and k.startswith(prefix)}
+        if picked:
+            return picked
+        break
+    if isinstance(node, torch.nn.Module):
+        node = node.state_dict()
+    if rest or not isinstance(node, Mapping):
+        candidates = ", ".join(p for p, _ in _candidates(obj)) or "none"
+        raise FormatError(path, f"--key {key!r} names no state_dict here; top-level entries: {_listing(obj)}; "
+                                f"nested state_dicts: {candidates}")
+    return node
+
+
+def _listing(obj: Mapping[Any, Any]) -> str:
+    shown = [f"{k} ({type(v).__name__})" for k, v in list(obj.items())[:12]]
+    return ", ".join(shown) + (", ..." if len(obj) > 12 else "") if shown else "none"
+
+
+def _count(obj: Mapping[Any, Any]) -> int:
+    return sum(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def _check_tensors(path: Path, state: Mapping[Any, Any], key: str | None) -> dict[str, torch.Tensor]:
+    """Every entry must be a dense tensor with a str name."""
+    bad = [(k, v) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        shown = ", ".join(f"{k!r} ({type(v).__name__})" for k, v in bad[:3])
+        nested = [p for p, _ in _candidates(state)]
+        hint = f"; pick one of its nested state_dicts with --key: {', '.join(nested)}" if nested else (
+            "" if key else "; if the tensors sit under one entry, pass --key NAME")
+        count = f"{len(bad)} entries that are not named tensors" if len(bad) > 1 else "an entry that is not a named tensor"
+        raise FormatError(path, f"the state_dict{f' under {key!r}' if key else ''} has {count}: {shown}{hint}")
+    for name, t in state.items():
+        if t.layout != torch.strided or t.is_quantized or t.device.type != "cpu":
+            raise FormatError(path, f"tensor {name!r} is a {t.layout} {t.dtype} tensor on {t.device}; "
+                                    "only dense CPU tensors are supported")
+    if not state:
+        raise FormatError(path, "the state_dict is empty")
+    return dict(state)
+
+
+def _hint_prefix(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    first = {name.partition(".")[0] for name in tensors}
+    if len(first) == 1 and next(iter(first)) in _WRAPPER_PREFIXES and all("." in n for n in tensors):
+        prefix = next(iter(first))
+        logger.info("%s: every tensor name starts with %r (a training wrapper's prefix); pass --key %s "
+                    "to strip it", path, f"{prefix}.", prefix)
+
+
+def _stored_metadata(path: Path, state: Mapping[Any, Any]) -> tuple[dict[str, str], ArchSpec | None]:
+    """modelkit's metadata and ArchSpec from state_dict._metadata['__modelkit__'], if present."""
+    versions = getattr(state, "_metadata", None)
+    entry = versions.get(_MODELKIT_KEY) if isinstance(versions, Mapping) else None
+    if entry is None:
+        return {}, None
+    metadata = entry.get("metadata") if isinstance(entry, Mapping) else None
+    arch_json = entry.get("arch") if isinstance(entry, Mapping) else None
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise FormatError(path, f"the {_MODELKIT_KEY} metadata entry must map str to str")
+    if arch_json is not None and not isinstance(arch_json, str):
+        raise FormatError(path, f"the {_MODELKIT_KEY} arch entry must be a JSON string")
+    arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
+    return dict(metadata), arch
+
+
+def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
+    """Write a plain state_dict with torch.save (zip layout); metadata goes in `_metadata`.
+
+    torch.save pickles every tensor before it writes any storage, so this holds the whole model
+    in memory (tensors that are mmap views, as from another .pt file, stay in the page cache).
+    """
+    aliases = _aliases(ckpt)
+    state: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name, entry in ckpt.tensors.items():
+        if isinstance(entry, QuantizedTensor):
+            raise UnsupportedConversionError("quantized checkpoint", "pth",
+                                             f"tensor {name!r} is quantized ({entry.scheme}); dequantize it first")
+    for name, entry in ckpt.tensors.items():
+        target = aliases.get(name)
+        if target in state:                         # tied: the same tensor object, saved once
+            state[name] = state[target]
+            continue
+        tensor = entry.load().detach()
+        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.clone()                 # a view of a larger buffer: save only its own bytes
+        state[name] = tensor
+    state._metadata = OrderedDict({_MODELKIT_KEY: {  # type: ignore[attr-defined]
+        "format": _LAYOUT,
+        "arch": ckpt.arch.to_json() if ckpt.arch is not None else None,
+        "metadata": dict(ckpt.metadata),
+    }})
+    # A file object, not a path: torch names the zip's folder after a path's stem, which here is
+    # the temporary name; with a file object it is always "archive".
+    with path.open("wb") as f:
+        torch.save(state, f)
+
+
+def _aliases(ckpt: Checkpoint) -> dict[str, str]:
+    try:
+        aliases = json.loads(ckpt.metadata.get(ALIASES_KEY, "{}"))
+    except json.JSONDecodeError:
+        return {}
+    return {a: t for a, t in aliases.items() if isinstance(t, str)} if isinstance(aliases, dict) else {}

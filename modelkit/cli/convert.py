@@ -1,0 +1,64 @@
+"""`modelkit convert`: any supported format to any other, verified before the output appears."""
+from __future__ import annotations
+
+import click
+
+from modelkit.cli import json_option
+from modelkit.cli.output import Progress, emit_json, human_bytes, note
+from modelkit.formats import FORMATS
+
+
+def describe_verify(verify: dict | None) -> str:
+    if verify is None:
+        return "not verified (--no-verify)"
+    if verify["method"] == "bit-exact":
+        return f"weights bit-exact ({verify['tensors_checked']} tensors)"
+    return (f"outputs match torch eager within {verify['atol']:.0e} (max abs err {verify['max_abs_err']:.2e} "
+            f"on {verify['inputs']} inputs); weights bit-exact ({verify['tensors_checked']} tensors)")
+
+
+@click.command()
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("dst", type=click.Path(dir_okay=True))
+@click.option("--to", "to", type=click.Choice(sorted(FORMATS)), help="Output format (default: from DST's suffix).")
+@click.option("--from", "source_format", type=click.Choice(sorted(FORMATS)), help="Input format (default: detected from content).")
+@click.option("--dtype", type=click.Choice(["f32", "f16", "bf16"]), help="Cast floating-point tensors.")
+@click.option("--arch", help="Model for graph outputs when SRC names none: a registered name or pkg.module:factory.")
+@click.option("--key", help="For nested checkpoints: the entry holding the state_dict (e.g. model, state_dict).")
+@click.option("--shard-size", help="safetensors: split into shards of at most this size (e.g. 2GB); DST is a folder.")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Check the output before it takes its name.")
+@click.option("--trust", is_flag=True, help="Allow inputs that run code when loaded (whole-module pickles, TorchScript).")
+@click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
+@json_option
+def convert(src: str, dst: str, to: str | None, source_format: str | None, dtype: str | None, arch: str | None,
+            key: str | None, shard_size: str | None, verify: bool, trust: bool, force: bool, as_json: bool) -> None:
+    """Convert SRC to DST. The input format is detected from content; the output's from --to or DST's suffix.
+
+    Weight formats (safetensors, pth, hdf5, gguf) convert tensor by tensor and are checked bit for
+    bit; graph formats (onnx, torchscript) are rebuilt from the file's ArchSpec (or --arch) and
+    checked by running both models. A failed check exits 2 and leaves no output.
+
+    \b
+    Examples:
+      modelkit convert runs/cnn/model.safetensors cnn.onnx
+      modelkit convert checkpoint.bin model.safetensors --key state_dict
+      modelkit convert runs/tinylm/model.safetensors tinylm.gguf --dtype f16
+      modelkit convert big.pt out/ --to safetensors --shard-size 2GB
+      modelkit convert weights.safetensors m.onnx --arch mypkg.models:make_model
+    """
+    from modelkit.conversion import convert as run_convert
+
+    with Progress("convert", enabled=not as_json, unit="bytes") as progress:
+        report = run_convert(src, dst, to=to, source_format=source_format, dtype=dtype, arch=arch,
+                             shard_size=shard_size, verify=verify, force=force, trust=trust, key=key,
+                             progress=progress)
+    if as_json:
+        emit_json({"schema": "modelkit.convert/1", "ok": True, **report.to_dict()})
+        return
+    for line in report.notes:
+        note(line)
+    target = report.target
+    click.echo(f"{report.source['path']} ({report.source['format']}) -> {target['path']} ({target['format']}"
+               f"{', ' + target['dtype'] if target.get('dtype') else ''}), {human_bytes(target['bytes'])}, "
+               f"{report.tensors} tensors, {report.seconds:.1f}s")
+    click.echo(f"verified: {describe_verify(report.verify)}")

@@ -1,0 +1,63 @@
+"""`modelkit prune`: make a model sparse or smaller, with the accuracy cost measured."""
+from __future__ import annotations
+
+import click
+
+from modelkit.cli import json_option
+from modelkit.cli.output import Progress, emit_json, human_bytes, table
+
+
+def _value(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+@click.command()
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("dst", type=click.Path(dir_okay=True))
+@click.option("--method", type=click.Choice(["magnitude", "2:4", "structured"]), default="magnitude", show_default=True)
+@click.option("--sparsity", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.5, show_default=True,
+              help="Fraction of weights (magnitude) or of units (structured) to remove; 2:4 is always 0.5.")
+@click.option("--scope", type=click.Choice(["layer", "global"]), default="layer", show_default=True,
+              help="magnitude: prune each layer to the sparsity, or rank all weights together.")
+@click.option("--skip", multiple=True, metavar="PATTERN", help="Module names to leave dense (fnmatch, repeatable).")
+@click.option("--finetune-epochs", type=click.IntRange(0), default=0, show_default=True,
+              help="Recover accuracy with the zoo's training loop; pruned weights stay zero.")
+@click.option("--lr", type=float, help="Fine-tuning learning rate (default: the model's own).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
+@json_option
+def prune(src: str, dst: str, method: str, sparsity: float, scope: str, skip: tuple[str, ...], finetune_epochs: int,
+          lr: float | None, seed: int, device: str, force: bool, as_json: bool) -> None:
+    """Prune the reference model in SRC and save it to DST (any format, from DST's suffix).
+
+    Prints parameters and file size before and after, the sparsity of each layer, and the metric
+    before pruning, after pruning and after fine-tuning. structured pruning removes whole units,
+    so DST is a smaller model that rebuilds from its ArchSpec.
+
+    \b
+    Examples:
+      modelkit prune runs/cnn/model.safetensors cnn-s50.safetensors --method structured --sparsity 0.5 --finetune-epochs 10
+      modelkit prune runs/cnn/model.safetensors cnn-24.safetensors --method 2:4 --finetune-epochs 10
+      modelkit prune runs/tinylm/model.safetensors lm-m80.safetensors --sparsity 0.8 --scope global --json
+    """
+    from modelkit.compression import prune_file
+    from modelkit.quantizers.prune import PruneConfig
+
+    config = PruneConfig(method=method, sparsity=sparsity, scope=scope, skip=skip)
+    with Progress("fine-tune", enabled=not as_json) as progress:
+        report = prune_file(src, dst, config, finetune_epochs=finetune_epochs, lr=lr, seed=seed, device=device,
+                            force=force, progress=progress)
+    if as_json:
+        emit_json({"schema": "modelkit.prune/1", "ok": True, **report.to_dict()})
+        return
+    p, b, v = report.parameters, report.bytes, report.values
+    click.echo(f"{report.source} -> {report.target}: {method}"
+               + (f" {sparsity:.0%}" if method != "2:4" else "") + (f" + {finetune_epochs} fine-tune epochs" if finetune_epochs else ""))
+    click.echo(table(["", "before", "after"], [
+        ("parameters", f"{p['before']:,}", f"{p['after']:,}"),
+        ("file", human_bytes(b["before"]), human_bytes(b["after"])),
+        (report.metric, _value(v["before"]), f"{_value(v['after'])} pruned, {_value(v['finetuned'])} fine-tuned"),
+    ], align="lrl"))
+    click.echo(table(["layer", "sparsity", "zeros"], [(r["layer"], f"{r['sparsity']:.1%}", f"{r['zeros']:,}/{r['total']:,}")
+                                                     for r in report.layers], align="lrr"))

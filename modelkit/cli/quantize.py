@@ -1,0 +1,132 @@
+"""`modelkit quantize`: make a model smaller with one or several schemes and print what it cost."""
+from __future__ import annotations
+
+import click
+
+from modelkit.cli import json_option
+from modelkit.cli.output import Progress, emit_json, human_bytes, note, table
+from modelkit.formats import FORMATS
+
+SCHEMA = "modelkit.quantize/1"
+
+
+def _schemes(values: tuple[str, ...]) -> list[str]:
+    """--scheme int8 --scheme int4, or --scheme int8,int4: in order, without repeats."""
+    names: list[str] = []
+    for value in values:
+        for name in value.split(","):
+            if name.strip() and name.strip() not in names:
+                names.append(name.strip())
+    return names
+
+
+def _metric_cells(report) -> list[str]:
+    metric = report.metric
+    if metric is None:
+        return ["-", "-", "-"]
+    if metric["name"] == "accuracy":     # points, as the bars are written
+        return [f"{100 * metric['float']:.2f}%", f"{100 * metric['quantized']:.2f}%", f"{100 * metric['delta']:+.2f} pt"]
+    return [f"{metric['float']:.4f}", f"{metric['quantized']:.4f}", f"{100 * metric['relative']:+.2f}%"]
+
+
+def _latency_cells(report) -> list[str]:
+    if report.latency_ms is None:
+        return ["-", "-"]
+    f, q = report.latency_ms["float"], report.latency_ms["quantized"]
+    return [f"{f[k]:.2f} -> {q[k]:.2f}" for k in ("batch_1", "batch_64")]
+
+
+def _verified(verify: dict | None) -> str:
+    if verify is None:
+        return "not verified (--no-verify)"
+    if verify.get("method") == "both sessions":
+        return (f"verified: float and quantized sessions agree within {verify['max_relative_err']:.1%} "
+                f"(bound {verify['bound']:.0%})")
+    return "verified: stored tensors bit-exact, model rebuilt from the file gives identical outputs"
+
+
+def render(reports: list) -> str:
+    """The comparison table: one row per scheme."""
+    metric = next((r.metric["name"] for r in reports if r.metric), "metric")
+    label = "bits/byte" if metric == "bits_per_byte" else metric
+    headers = ["scheme", "bits/w", "file", "ratio", f"{label} float", "quantized", "delta",
+               "ms b1 (f->q)", "ms b64 (f->q)", "quantize s"]
+    rows = []
+    for r in reports:
+        bpw = r.stats.get("bits_per_weight")
+        size = human_bytes(r.target["bytes"]) if r.target.get("bytes") is not None else "-"
+        rows.append([r.scheme, f"{bpw:.2f}" if bpw is not None else "-", size,
+                     f"{r.size_ratio:.3f}" if r.size_ratio is not None else "-",
+                     *_metric_cells(r), *_latency_cells(r), f"{r.seconds_quantize:.3g}"])
+    return table(headers, rows, align="lrrrrrrrrr")
+
+
+@click.command()
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("dst", type=click.Path(dir_okay=True))
+@click.option("--scheme", "scheme_values", multiple=True, required=True,
+              help="Scheme (repeat or comma-separate for a comparison run): int8, int8-dynamic, int4, gptq, "
+                   "q8_0, q4_0, q4_1, q5_0, q5_1, fp16, bf16; for .onnx input: int8-dynamic, int8-static, int4.")
+@click.option("--group-size", type=int, help="int4 / gptq: input columns per scale (32, 64 or 128).")
+@click.option("--skip", multiple=True, help="Keep modules matching this fnmatch pattern in float (repeatable).")
+@click.option("--to", "to", type=click.Choice(sorted(FORMATS)), help="Output format (default: from DST's suffix).")
+@click.option("--qat", is_flag=True, help="Quantization-aware training first (int8, int4, int8-dynamic).")
+@click.option("--epochs", type=int, default=1, show_default=True, help="QAT epochs.")
+@click.option("--steps", type=int, help="QAT: stop each epoch after this many steps.")
+@click.option("--lr", type=float, help="QAT peak learning rate (default: a tenth of the model's recipe).")
+@click.option("--eval", "evaluate", is_flag=True, help="Measure the metric before and after, and CPU latency.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Draw the metric against size for every scheme (PNG).")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Read the output back and rebuild the model.")
+@click.option("--force", is_flag=True, help="Overwrite existing outputs.")
+@json_option
+def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int | None, skip: tuple[str, ...],
+             to: str | None, qat: bool, epochs: int, steps: int | None, lr: float | None, evaluate: bool,
+             plot: str | None, verify: bool, force: bool, as_json: bool) -> None:
+    """Quantize SRC into DST and report the cost: bits per weight, file size and ratio, the
+    model's metric before and after (--eval), CPU latency at batch 1 and 64, and the time taken.
+
+    With several schemes DST is a folder and each output is DST/<scheme>.<suffix> (--to picks the
+    format; default safetensors, or onnx for .onnx input). GGUF outputs take the q* schemes.
+
+    \b
+    Examples:
+      modelkit quantize runs/cnn/model.safetensors cnn-int8.safetensors --scheme int8 --eval
+      modelkit quantize runs/tinylm/model.safetensors tinylm-q4_0.gguf --scheme q4_0
+      modelkit quantize runs/tinylm/model.safetensors out/ --scheme q8_0,q4_0,int4,gptq --eval --plot q.png
+      modelkit quantize runs/cnn/model.safetensors cnn-qat.safetensors --scheme int4 --qat --epochs 3 --eval
+      modelkit quantize cnn.onnx cnn-int8.onnx --scheme int8-static --eval
+    """
+    from pathlib import Path
+
+    from modelkit.errors import ConfigError
+    from modelkit.quantization import compare, plot_reports
+    from modelkit.quantization import quantize as run_quantize
+
+    names = _schemes(scheme_values)
+    if not names:
+        raise ConfigError("--scheme needs at least one scheme name")
+    options = {"group_size": group_size, "skip": skip, "qat": qat, "epochs": epochs, "steps": steps, "lr": lr,
+               "verify": verify}
+    with Progress("qat", enabled=qat and not as_json) as progress:
+        if len(names) == 1:
+            reports = [run_quantize(src, dst, scheme=names[0], format=to, evaluate=evaluate, force=force,
+                                    progress=progress, **options)]
+        else:
+            reports = compare(src, dst, scheme_names=names, format=to or "safetensors", evaluate=evaluate,
+                              force=force, progress=progress, **options)
+    if plot:
+        plot_reports(reports, Path(plot), title=Path(src).name)
+    if as_json:
+        emit_json({"schema": SCHEMA, "ok": True, "source": reports[0].source,
+                   "reports": [r.to_dict() for r in reports], "plot": plot})
+        return
+    for report in reports:
+        for line in report.notes:
+            note(line)
+    click.echo(f"{src}: {reports[0].stats.get('parameters', '?')} parameters")
+    click.echo(render(reports))
+    for report in reports:
+        if report.target.get("path"):
+            click.echo(f"{report.scheme}: {report.target['path']} ({report.target['format']}), {_verified(report.verify)}")
+    if plot:
+        click.echo(f"plot: {plot}")

@@ -1,0 +1,218 @@
+"""Prune and distill model files: the API behind `modelkit prune` and `modelkit distill`.
+
+The transforms themselves live in `modelkit.quantizers.prune` and `modelkit.quantizers.distill`
+and work on modules; this module reads and writes files, measures, and fine-tunes through the
+zoo's training loop (so torchrun DDP works here too).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from modelkit.checkpoint import Checkpoint
+from modelkit.errors import ConfigError, UnsupportedConversionError
+
+PathLike = str | os.PathLike[str]
+PRUNE_KEY = "modelkit.prune"
+DISTILL_KEY = "modelkit.distill"
+
+# A student about a tenth to a quarter of the default teacher, for `--student NAME` alone.
+DEFAULT_STUDENTS: dict[str, dict[str, Any]] = {
+    "mlp": {"hidden": [8, 8]},
+    "cnn": {"channels": [8, 16], "hidden": 32},
+    "tinylm": {"hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2},
+}
+
+
+def _arch_name(model: nn.Module) -> str:
+    name = getattr(type(model), "arch", None)
+    if name is None:
+        raise UnsupportedConversionError(type(model).__name__, "prune/distill report",
+                                         "metrics and fine-tuning need a reference model (mlp, cnn, tinylm)")
+    return name
+
+
+def _metric(model: nn.Module, device: str) -> dict[str, Any]:
+    from modelkit.api import evaluate
+
+    return evaluate(model, device=device)
+
+
+def _parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _file_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+@dataclass
+class PruneReport:
+    source: str
+    target: str
+    config: dict[str, Any]
+    metric: str
+    parameters: dict[str, int]          # before / after
+    bytes: dict[str, int]               # before / after
+    values: dict[str, float | None]     # metric before / after pruning / after fine-tuning
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    finetune_epochs: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def finetune(model: nn.Module, *, epochs: int, lr: float | None = None, seed: int = 0, device: str = "auto",
+             keep_zeros: bool = True, progress=None) -> nn.Module:
+    """Train `model` in place for a few epochs with its own recipe, keeping pruned weights at zero."""
+    from modelkit.quantizers.prune import keep_masks
+    from modelkit.training import TrainConfig, train
+
+    handles = keep_masks(model) if keep_zeros else []
+    try:
+        with tempfile.TemporaryDirectory(prefix="modelkit-finetune-") as scratch:
+            train(_arch_name(model), scratch, model=model,
+                  config=TrainConfig(epochs=epochs, lr=lr, seed=seed, device=device), progress=progress)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return model.cpu().eval()
+
+
+def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: int = 0, lr: float | None = None,
+               seed: int = 0, device: str = "auto", force: bool = False, progress=None) -> PruneReport:
+    """Prune the model in `src`, optionally fine-tune it, and save it to `dst` (any format by suffix).
+
+    Example:
+        >>> from modelkit.quantizers.prune import PruneConfig
+        >>> report = prune_file("runs/cnn/model.safetensors", "cnn-pruned.safetensors",        # doctest: +SKIP
+        ...                     PruneConfig(method="structured", sparsity=0.5), finetune_epochs=10)
+    """
+    from modelkit import api
+    from modelkit.quantizers import prune
+
+    started = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    model = api.load_module(src)
+    name = _arch_name(model)
+    before = _metric(model, device)
+    pruned = prune.apply(model, config)
+    after = _metric(pruned, device)
+    tuned = None
+    if finetune_epochs:
+        finetune(pruned, epochs=finetune_epochs, lr=lr, seed=seed, device=device, progress=progress)
+        tuned = _metric(pruned, device)
+    metric = before["split"] + " " + _headline(name)
+    final = tuned or after
+    metadata = {PRUNE_KEY: json.dumps({**prune.config_dict(config), "finetune_epochs": finetune_epochs}),
+                "modelkit.metrics": json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})}
+    api.save(Checkpoint.from_module(pruned, metadata=metadata), dst, force=force)
+    return PruneReport(
+        source=str(src), target=str(dst), config=prune.config_dict(config), metric=metric,
+        parameters={"before": _parameters(model), "after": _parameters(pruned)},
+        bytes={"before": _file_bytes(src), "after": _file_bytes(dst)},
+        values={"before": before[_headline(name)], "after": after[_headline(name)],
+                "finetuned": tuned[_headline(name)] if tuned else None},
+        layers=prune.sparsity_report(pruned), finetune_epochs=finetune_epochs,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _headline(name: str) -> str:
+    from modelkit.models import load_model_module
+
+    return load_model_module(name).TASK.metric
+
+
+def parse_student(spec: str, teacher_arch: str) -> tuple[str, dict[str, Any]]:
+    """'cnn' -> the default student; 'cnn:channels=[8,16],hidden=32' or 'cnn:{"hidden": 32}' -> that config."""
+    name, _, rest = spec.partition(":")
+    if name != teacher_arch:
+        raise ConfigError(f"student {name!r} must be the teacher's kind of model ({teacher_arch!r}): "
+                          "they learn the same task from the same data")
+    if not rest:
+        return name, dict(DEFAULT_STUDENTS[name])
+    if rest.lstrip().startswith("{"):
+        try:
+            values = json.loads(rest)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--student {spec!r}: the config is not valid JSON ({e})") from e
+        return name, values
+    values = {}
+    for item in re.split(r",(?![^\[]*\])", rest):          # commas outside [...] separate keys
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--student {spec!r}: expected KEY=VALUE pairs after the colon, got {item!r}")
+        try:
+            values[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            values[key.strip()] = raw
+    return name, values
+
+
+@dataclass
+class DistillReport:
+    teacher: dict[str, Any]
+    student: dict[str, Any]
+    scratch: dict[str, Any] | None
+    config: dict[str, Any]
+    metric: str
+    higher_is_better: bool
+    epochs: int
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def distill_file(teacher: PathLike, student: str, out: PathLike, config: Any, *, epochs: int | None = None,
+                 seed: int = 0, device: str = "auto", baseline: bool = True, force: bool = False,
+                 progress=None) -> DistillReport:
+    """Train a student on the teacher's soft targets; with `baseline`, also the same student from scratch.
+
+    Writes OUT/student/model.safetensors (and OUT/scratch/model.safetensors for the baseline).
+    """
+    from modelkit import api
+    from modelkit.models import load_model_module
+    from modelkit.quantizers.distill import DistillationLoss, config_dict
+    from modelkit.training import TrainConfig, train
+
+    started = time.perf_counter()
+    out = Path(out)
+    teacher_model = api.load_module(teacher)
+    name = _arch_name(teacher_model)
+    student_name, student_config = parse_student(student, name)
+    task = load_model_module(name).TASK
+    recipe = TrainConfig(epochs=epochs, seed=seed, device=device)
+    loss = DistillationLoss(teacher_model, config, augment=getattr(task, "augment", None))
+    distilled = train(student_name, out / "student", config=recipe, model_config=student_config, loss=loss,
+                      force=force, progress=progress,
+                      metadata={DISTILL_KEY: json.dumps({**config_dict(config), "teacher": str(teacher)})})
+    scratch = None
+    if baseline:
+        scratch = train(student_name, out / "scratch", config=recipe, model_config=student_config, force=force,
+                        progress=progress)
+    metric, split = task.metric, task.default_split
+
+    def summary(path: Path, model: nn.Module | None = None) -> dict[str, Any]:
+        model = model or api.load_module(path)
+        return {"path": str(path), "parameters": _parameters(model), "bytes": _file_bytes(path),
+                "value": api.evaluate(model, split=split, device=device)[metric]}
+
+    return DistillReport(
+        teacher=summary(Path(teacher), teacher_model), student=summary(distilled.path),
+        scratch=summary(scratch.path) if scratch else None, config=config_dict(config),
+        metric=f"{split} {metric}", higher_is_better=task.higher_is_better,
+        epochs=recipe.resolved(name).epochs, seconds=time.perf_counter() - started,
+    )
+

@@ -1,0 +1,431 @@
+"""Quantize model files and modules, measured: the API behind `modelkit quantize`.
+
+The schemes themselves live in `modelkit.quantizers.<scheme>` and work on modules; this module
+reads and writes files, trains QAT through the zoo's loop, rebuilds quantized models from
+files, and measures what each scheme costs: bits per weight, file size, the model's own metric
+before and after, CPU latency, and the time quantization took.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from modelkit import schemes
+from modelkit._atomic import atomic_path
+from modelkit.checkpoint import METRICS_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
+from modelkit.errors import ConfigError, UnsupportedConversionError
+
+PathLike = str | os.PathLike[str]
+QUANT_KEY = "modelkit.quantization"     # metadata: the scheme's config as JSON (config_to_dict)
+LATENCY_BATCHES = (1, 64)
+
+
+# ------------------------------------------------------------------------------- configs
+
+
+def make_config(scheme: str | Any, *, group_size: int | None = None, skip: Sequence[str] = (), **options: Any) -> Any:
+    """A scheme's config from its name and the CLI-level options (a config passes through).
+
+    `group_size` applies to schemes that have one (int4, gptq) and is an error elsewhere;
+    `skip` patterns are added to the config's own.
+    """
+    if not isinstance(scheme, str):
+        config = scheme
+    else:
+        values: dict[str, Any] = {"scheme": scheme, **options}
+        if group_size is not None:
+            values["group_size"] = group_size
+        config = schemes.config_from_dict(values)
+    if skip:
+        config = replace(config, skip=(*config.skip, *skip))
+    return config
+
+
+# ------------------------------------------------------------------------------- modules
+
+
+def quantize_module(model: nn.Module, config: Any, *, calibration: Iterable[Any] | None = None) -> nn.Module:
+    """Quantize a module with `config` (a new module; the input is left unchanged).
+
+    Example:
+        >>> from modelkit.models import build
+        >>> from modelkit.quantizers.int8 import Int8Config
+        >>> q = quantize_module(build("mlp", seed=0), Int8Config())
+    """
+    module = schemes.scheme_module(type(config).scheme)
+    if calibration is not None:
+        if type(config).scheme != "gptq":
+            raise ConfigError(f"{type(config).scheme} takes no calibration data (only gptq does)")
+        return module.apply(model, config, calibration=calibration)
+    return module.apply(model, config)
+
+
+def prepare_qat(model: nn.Module, config: Any) -> nn.Module:
+    """Fake-quantize `model`'s layers for `config` (int8, int4 or int8-dynamic); see quantizers/qat.py."""
+    from modelkit.quantizers.qat import prepare_qat as prepare
+
+    return prepare(model, make_config(config))
+
+
+def convert_qat(model: nn.Module) -> nn.Module:
+    """Fold a trained QAT model into real quantized layers (what the PTQ scheme gives for its weights)."""
+    from modelkit.quantizers.qat import convert_qat as convert
+
+    return convert(model)
+
+
+def train_qat(model: nn.Module, config: Any, *, epochs: int = 1, lr: float | None = None, steps: int | None = None,
+              out: PathLike | None = None, progress: Callable[..., None] | None = None, seed: int = 0) -> nn.Module:
+    """Prepare, train with the zoo's loop (torchrun DDP works), convert: the quantized model.
+
+    Args:
+        model: A reference model (trained float weights).
+        config: int8, int4 or int8-dynamic config (or scheme name).
+        epochs: Passes over the training split.
+        lr: Peak learning rate; default a tenth of the model's recipe (fine-tuning, not training).
+        steps: Stop each epoch after this many steps.
+        out: Folder for the training checkpoints (default: a temporary folder).
+    """
+    from modelkit.models import load_model_module
+    from modelkit.training import TrainConfig, train
+
+    name = _arch_name(model)
+    recipe = load_model_module(name).TRAINING
+    prepared = prepare_qat(model, config)
+    train_config = TrainConfig(epochs=epochs, lr=lr or recipe.lr / 10, warmup_steps=0, steps_per_epoch=steps, seed=seed)
+    with contextlib.ExitStack() as stack:
+        folder = Path(out) if out is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        train(name, folder, config=train_config, model=prepared, force=True, progress=progress)
+    return convert_qat(prepared.cpu())
+
+
+def _arch_name(model: nn.Module) -> str:
+    from modelkit.models import MODELS
+
+    name = getattr(type(model), "arch", None)
+    if name not in MODELS:
+        raise UnsupportedConversionError(type(model).__name__, "quantization report",
+                                         "metrics, QAT and calibration need a reference model (mlp, cnn, tinylm)")
+    return name
+
+
+def instantiate_quantized(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source: str = "checkpoint") -> nn.Module:
+    """Rebuild a runnable quantized model: the float model from the ArchSpec, quantized layers
+    holding the file's QuantizedTensors as stored (nothing is re-quantized), the rest loaded."""
+    from modelkit.models import build_from_spec, load_factory
+    from modelkit.quantizers import _modules
+
+    if isinstance(arch, str) and ":" in arch:
+        model = load_factory(arch)()
+    else:
+        if isinstance(arch, str):
+            arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
+        spec = arch or ckpt.arch
+        if spec is None:
+            raise UnsupportedConversionError(source, "a runnable model", "the file names no architecture; pass --arch NAME")
+        model = build_from_spec(spec)
+    quantized = {n: t for n, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)}
+    model = _modules.rebuild(model, quantized, source=source)
+    state = {n: t.load() for n, t in ckpt.tensors.items() if not isinstance(t, QuantizedTensor)}
+    owners = {n.rpartition(".")[0] for n in quantized}
+    expected = {k for k in model.state_dict()
+                if k.rpartition(".")[0] not in owners or k.rpartition(".")[2] in ("bias",)}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - set(model.state_dict()))
+    if missing or unexpected:
+        raise ConfigError(f"{source}: weights do not fit the architecture"
+                          + (f"; missing {missing[:3]}" if missing else "") + (f"; unexpected {unexpected[:3]}" if unexpected else ""))
+    current = model.state_dict()
+    wrong = [k for k in state if tuple(current[k].shape) != tuple(state[k].shape)]
+    if wrong:
+        raise ConfigError(f"{source}: {wrong[0]} is {list(state[wrong[0]].shape)}, the model expects {list(current[wrong[0]].shape)}")
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------- measuring
+
+
+@torch.no_grad()
+def latency_ms(model: nn.Module, inputs: Any, *, repeats: int = 20, min_seconds: float = 0.2) -> float:
+    """Median wall time of one forward pass on CPU, in milliseconds (after two warm-up calls)."""
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    model.eval()
+    for _ in range(2):
+        model(*args)
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - started < min_seconds and len(times) < 10 * repeats):
+        t0 = time.perf_counter()
+        model(*args)
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def latencies(model: nn.Module, batches: Sequence[int] = LATENCY_BATCHES) -> dict[str, float]:
+    """CPU latency at each batch size on the model's example inputs (tinylm: 16-token windows)."""
+    from modelkit.models import load_model_module
+
+    make = load_model_module(_arch_name(model)).example_inputs
+    return {f"batch_{b}": round(latency_ms(model.cpu(), make(b)), 4) for b in batches}
+
+
+def checkpoint_stats(ckpt: Checkpoint) -> dict[str, Any]:
+    """Parameters, stored tensor bytes and bits per weight (all tensors, quantized or not)."""
+    params = ckpt.num_parameters
+    quantized = [t for t in ckpt.tensors.values() if isinstance(t, QuantizedTensor)]
+    return {"parameters": params, "tensor_bytes": ckpt.nbytes,
+            "bits_per_weight": round(8 * ckpt.nbytes / max(params, 1), 3),
+            "quantized_tensors": len(quantized), "quantized_parameters": sum(t.numel for t in quantized)}
+
+
+def _metric(model: nn.Module, device: str = "cpu") -> dict[str, Any]:
+    from modelkit.api import evaluate
+
+    return evaluate(model, device=device)
+
+
+@dataclass
+class QuantizeReport:
+    """What one scheme did to one model; `to_dict()` is a row of the CLI's --json document."""
+
+    scheme: str
+    config: dict[str, Any]
+    source: dict[str, Any]
+    target: dict[str, Any]
+    stats: dict[str, Any]
+    seconds_quantize: float
+    size_ratio: float | None = None
+    metric: dict[str, Any] | None = None           # {"name", "higher_is_better", "float", "quantized", "delta"}
+    latency_ms: dict[str, dict[str, float]] | None = None   # {"float": {"batch_1": ..}, "quantized": {...}}
+    verify: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------- files
+
+
+def _load_float(src: PathLike | nn.Module) -> tuple[nn.Module, dict[str, Any], dict[str, str]]:
+    from modelkit.api import load, load_module
+
+    if isinstance(src, nn.Module):
+        return src.eval(), {"path": None, "module": type(src).__name__}, {}
+    from modelkit.formats import detect_format
+
+    path = Path(src)
+    fmt = detect_format(path)
+    ckpt = load(path, format=fmt)
+    if any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
+        raise ConfigError(f"{path} is already quantized; quantize the float model instead")
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+    metadata = {k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}
+    return load_module(path, format=fmt), {"path": str(path), "format": fmt, "bytes": size}, metadata
+
+
+def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str | None = None, force: bool = False,
+                   metadata: dict[str, str] | None = None, verify: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Write a quantized model, read it back and check it: the stored tensors bit for bit, and the
+    model rebuilt from the file against `model` on sample inputs (identical outputs expected).
+
+    Returns (target info, verification result).
+    """
+    from modelkit.conversion import verify_weights
+    from modelkit.formats import ReadOptions, WriteOptions, format_for_output, load_format
+    from modelkit.testing import assert_same_outputs
+
+    dst = Path(dst)
+    fmt = format_for_output(dst, format)
+    meta = {**(metadata or {}), QUANT_KEY: schemes.config_to_json(config)}
+    ckpt = Checkpoint.from_module(model, metadata=meta)
+    converter = load_format(fmt)
+    result = None
+    with atomic_path(dst, force=force) as tmp:
+        converter.write(ckpt, tmp, WriteOptions(final_path=dst))
+        if verify:
+            written = converter.read(tmp, ReadOptions(trust=True))
+            result = verify_weights(ckpt, written, label=str(dst))
+            name = getattr(type(model), "arch", None)
+            if name is not None:
+                from modelkit.models import load_model_module
+
+                rebuilt = instantiate_quantized(written, source=str(dst))
+                inputs = load_model_module(name).example_inputs(3)
+                err = assert_same_outputs(model.cpu().eval(), rebuilt, inputs, atol=0.0)
+                result = {**result, "rebuilt_outputs": "identical", "max_abs_err": err}
+        size = tmp.stat().st_size
+    return {"path": str(dst), "format": fmt, "bytes": size}, result
+
+
+def quantize(
+    src: PathLike | nn.Module, dst: PathLike | None, *, scheme: str | Any, group_size: int | None = None,
+    skip: Sequence[str] = (), format: str | None = None, qat: bool = False, epochs: int = 1, lr: float | None = None,
+    steps: int | None = None, evaluate: bool = False, latency: bool | None = None, verify: bool = True,
+    force: bool = False, reference: dict[str, Any] | None = None, progress: Callable[..., None] | None = None,
+) -> QuantizeReport:
+    """Quantize a model file (or module) with one scheme, write it, and measure the cost.
+
+    Args:
+        src: A float model file any reader handles (with an ArchSpec), or an nn.Module.
+        dst: Output file; its format comes from `format` or the suffix (None: measure only).
+        scheme: A name from modelkit.schemes.SCHEMES or a config object.
+        group_size: int4 / gptq group size.
+        skip: fnmatch patterns of module names kept in float.
+        qat: Train with fake quantization first (int8, int4, int8-dynamic), then convert.
+        epochs, lr, steps: QAT training length (epochs, peak learning rate, steps per epoch).
+        evaluate: Measure the model's own metric (accuracy, bits per byte) before and after.
+        latency: Measure CPU latency at batch 1 and 64 (default: with `evaluate`).
+        verify: Read the written file back and check it rebuilds the same model.
+        force: Overwrite `dst`.
+        reference: Float metric and latency measured earlier (comparison runs measure them once).
+        progress: QAT training progress callback.
+
+    Example:
+        >>> report = modelkit.quantize("runs/cnn/model.safetensors", "cnn-int8.safetensors",
+        ...                            scheme="int8", evaluate=True)                        # doctest: +SKIP
+        >>> report.metric["delta"]                                                          # doctest: +SKIP
+        0.0
+    """
+    if isinstance(src, (str, os.PathLike)) and str(src).endswith(".onnx"):
+        from modelkit.onnx_quantization import quantize_onnx
+
+        return quantize_onnx(src, dst, scheme=scheme, group_size=group_size, skip=skip, evaluate=evaluate,
+                             latency=latency, verify=verify, force=force, reference=reference)
+    config = make_config(scheme, group_size=group_size, skip=skip)
+    model, source, metadata = _load_float(src)
+    started = time.perf_counter()
+    if qat:
+        quantized = train_qat(model, config, epochs=epochs, lr=lr, steps=steps, progress=progress)
+    else:
+        quantized = quantize_module(model, config)
+    seconds = time.perf_counter() - started
+    notes = [f"QAT: {epochs} epoch(s){f' of {steps} steps' if steps else ''} at lr {lr or 'recipe/10'}"] if qat else []
+    ckpt = Checkpoint.from_module(quantized)
+    float_ckpt = Checkpoint.from_module(model)
+    target, verified = {"path": None, "format": None, "bytes": None}, None
+    if dst is not None:
+        target, verified = save_quantized(quantized, dst, config=config, format=format, force=force,
+                                          metadata=metadata, verify=verify)
+    stats = checkpoint_stats(ckpt)
+    ratio = round(ckpt.nbytes / max(float_ckpt.nbytes, 1), 4)
+    if target["bytes"] is not None:
+        overhead = target["bytes"] - ckpt.nbytes                  # header and metadata, the same for the float file
+        float_bytes = source.get("bytes") if source.get("format") == target["format"] else float_ckpt.nbytes + overhead
+        ratio = round(target["bytes"] / max(float_bytes or 1, 1), 4)
+    report = QuantizeReport(scheme=type(config).scheme, config=schemes.config_to_dict(config), source=source,
+                            target=target, stats=stats, seconds_quantize=round(seconds, 3), size_ratio=ratio,
+                            verify=verified, notes=notes)
+    if evaluate or latency:
+        reference = reference or measure_float(model, evaluate=evaluate, latency=bool(latency or evaluate))
+        _measure(report, quantized, reference, evaluate=evaluate, latency=bool(latency or evaluate))
+    return report
+
+
+def measure_float(model: nn.Module, *, evaluate: bool = True, latency: bool = True) -> dict[str, Any]:
+    """The float model's metric and latency, for comparison with each scheme."""
+    from modelkit.models import load_model_module
+
+    task = load_model_module(_arch_name(model)).TASK
+    out: dict[str, Any] = {"metric_name": task.metric, "higher_is_better": task.higher_is_better}
+    if evaluate:
+        out["metric"] = _metric(model)
+    if latency:
+        out["latency_ms"] = latencies(model)
+    return out
+
+
+def _measure(report: QuantizeReport, quantized: nn.Module, reference: dict[str, Any], *, evaluate: bool,
+             latency: bool) -> None:
+    if evaluate:
+        name = reference["metric_name"]
+        before = reference["metric"][name]
+        after = _metric(quantized)[name]
+        report.metric = {"name": name, "higher_is_better": reference["higher_is_better"], "float": before,
+                         "quantized": after, "delta": after - before,
+                         "relative": (after - before) / before if before else math.nan}
+    if latency:
+        report.latency_ms = {"float": reference["latency_ms"], "quantized": latencies(quantized)}
+
+
+def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], format: str = "safetensors",
+            evaluate: bool = True, force: bool = False, **options: Any) -> list[QuantizeReport]:
+    """Run several schemes on one model (float metric and latency measured once), one file each.
+
+    Files are `out_dir/<scheme>.<suffix>`; `options` go to `quantize` (group_size, skip, qat, ...).
+    """
+    from modelkit.formats import FORMATS
+
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    reference = None
+    if evaluate and str(src).endswith(".onnx"):
+        from modelkit.onnx_quantization import float_reference
+
+        reference = float_reference(src)
+    elif evaluate:
+        model, _, _ = _load_float(src)
+        reference = measure_float(model)
+    suffix = ".onnx" if str(src).endswith(".onnx") else FORMATS[format].suffixes[0]
+    reports = []
+    for name in scheme_names:
+        fmt = None if suffix == ".onnx" else format
+        reports.append(quantize(src, folder / f"{name}{suffix}", scheme=name, format=fmt, evaluate=evaluate,
+                                force=force, reference=reference, **options))
+    return reports
+
+
+def report_json(reports: Sequence[QuantizeReport]) -> str:
+    return json.dumps([r.to_dict() for r in reports], indent=2, default=str)
+
+
+def describe(entry: QuantizedTensor | LazyTensor) -> str:
+    """'int4 affine g32' / 'q4_0 gguf' / 'float32': one word on how a tensor is stored."""
+    if isinstance(entry, QuantizedTensor):
+        group = entry.params.get("group_size")
+        return f"{entry.scheme} {entry.layout}" + (f" g{group}" if group else "")
+    return str(entry.dtype).removeprefix("torch.")
+
+
+def plot_reports(reports: Sequence[QuantizeReport], path: Path, *, title: str = "") -> Path:
+    """Draw each scheme's metric (or, without --eval, bits per weight) against its size ratio as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError as e:
+        from modelkit.errors import MissingDependencyError
+
+        raise MissingDependencyError("--plot needs matplotlib: pip install matplotlib") from e
+    figure, axes = plt.subplots(figsize=(6, 4), dpi=120)
+    metric = next((r.metric for r in reports if r.metric), None)
+    for index, r in enumerate(reports):
+        y = r.metric["quantized"] if r.metric else r.stats.get("bits_per_weight")
+        axes.scatter([r.size_ratio], [y], zorder=3)
+        axes.annotate(r.scheme, (r.size_ratio, y), textcoords="offset points", fontsize=8,
+                      xytext=(4, 5 if index % 2 == 0 else -11))          # alternate, so close points stay legible
+    if metric is not None:
+        axes.axhline(metric["float"], color="gray", linestyle="--", linewidth=1, label="float")
+        axes.legend(loc="best", fontsize=8)
+    axes.set_xlabel("size (fraction of float)")
+    axes.set_ylabel(metric["name"].replace("_", " ") if metric else "bits per weight")
+    axes.set_title(title or "quantization: metric against size")
+    axes.grid(True, alpha=0.3)
+    figure.tight_layout()
+    with atomic_path(path, force=True) as tmp:
+        figure.savefig(tmp, format="png")
+    plt.close(figure)
+    return path

@@ -1,0 +1,191 @@
+"""The safety scanner: what a model file would import, call or mislead a reader into, found without loading it.
+
+`scan(path)` reads a file's (or a folder's) bytes, picks the analysis by content, never by
+extension, and returns a `ScanReport`. It imports only the standard library and never unpickles,
+imports or runs anything from the file. `gate(path, trust=...)` is the check loaders run first.
+
+`modelkit.scan` is both this package and a function: the package object is callable, so
+`modelkit.scan(path)`, `modelkit.scan.scan(path)` and `from modelkit.scan import scan` all work,
+whichever of `import modelkit.scan` and `modelkit.scan(...)` a process does first.
+
+Example:
+    >>> import modelkit
+    >>> report = modelkit.scan("model.pt")                         # doctest: +SKIP
+    >>> [(f.severity.label, f.rule, f.callable) for f in report.findings]   # doctest: +SKIP
+    [('dangerous', 'pickle.global.denied', 'os.system')]
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import sys
+import time
+import types
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from modelkit.errors import UnsafeFileError
+from modelkit.scan.containers import Context, ScanFailure, polyglot_zip, scan_buffer
+from modelkit.scan.model import Finding, ScanError, ScannedFile, ScanReport, Severity
+from modelkit.scan.pickle import Limits
+from modelkit.scan.policy import NEEDS_TRUST_RULES
+
+__all__ = ["Finding", "Limits", "ScanError", "ScanReport", "ScannedFile", "Severity", "gate", "iter_files",
+           "needs_trust", "scan", "scan_paths"]
+
+log = logging.getLogger(__name__)
+PathLike = str | os.PathLike[str]
+_NO_PICKLE = {"safetensors": "safetensors", "onnx": "ONNX", "gguf": "GGUF", "hdf5": "HDF5"}
+
+
+def scan(path: PathLike, *, recursive: bool = False, limits: Limits = Limits(),
+         progress: Callable[[int, int], None] | None = None) -> ScanReport:
+    """Scan a file, or the files in a folder, without loading anything.
+
+    Args:
+        path: A model file, or a folder (its files; with `recursive`, everything beneath it).
+        recursive: Descend into sub-folders of a folder.
+        limits: Per-pickle bounds (opcodes, memo, depth, seconds); reaching one is a DANGEROUS finding.
+        progress: Called as progress(done, total) after each file.
+
+    Returns:
+        A ScanReport: findings (severity, rule, location, callable, why), the files with their
+        detected format and what was examined, and errors for files that could not be scanned.
+        A report with errors is never clean; a folder with no files is an error.
+
+    Example:
+        >>> from modelkit.scan import scan
+        >>> scan("model.pt").worst                                   # doctest: +SKIP
+        <Severity.SAFE: 0>
+    """
+    return scan_paths([path], recursive=recursive, limits=limits, progress=progress)
+
+
+def scan_paths(paths: Iterable[PathLike], *, recursive: bool = False, limits: Limits = Limits(),
+               progress: Callable[[int, int], None] | None = None) -> ScanReport:
+    """Scan several paths into one report (see `scan`)."""
+    report = ScanReport()
+    files: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        found, error = iter_files(path, recursive=recursive)
+        if error:
+            report.errors.append(ScanError(path=str(path), message=error))
+        files.extend(found)
+    if not files and not report.errors:
+        report.errors.append(ScanError(path=", ".join(str(p) for p in paths) or ".",
+                                       message="no files to scan (a scan that looks at nothing is not clean)"))
+    for done, file in enumerate(files, 1):
+        report.extend(scan_file(file, limits=limits))
+        if progress is not None:
+            progress(done, len(files))
+    return report
+
+
+def iter_files(path: Path, *, recursive: bool) -> tuple[list[Path], str | None]:
+    """The files `path` names (itself, or a folder's files, sorted); an error message if there are none."""
+    try:
+        if path.is_file():
+            return [path], None
+        if not path.exists():
+            return [], "no such file or folder"
+        if not path.is_dir():
+            return [], "not a regular file or folder"
+        if recursive:
+            found = [Path(root) / name for root, _, names in os.walk(path) for name in names]
+        else:
+            found = [p for p in path.iterdir() if p.is_file()]
+    except OSError as e:
+        return [], f"cannot be listed ({e.strerror or e})"
+    found = sorted(p for p in found if p.is_file())
+    if not found:
+        return [], "folder has no files" + ("" if recursive else " (pass --recursive / recursive=True for sub-folders)")
+    return found, None
+
+
+def scan_file(path: Path, *, limits: Limits = Limits()) -> ScanReport:
+    """Scan one file; never raises for what the file contains."""
+    report = ScanReport()
+    display = str(path)
+    ctx = Context(display=display, directory=path.resolve().parent, limits=limits,
+                  deadline=time.monotonic() + limits.seconds)
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise ScanFailure("empty file: nothing to scan")
+            ctx.fileobj = f
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                fmt = scan_buffer(buf, 0, size, ctx, display, hint=path.name)
+            if fmt in _NO_PICKLE:
+                ctx.sink(display).add(Severity.SAFE, "container.no_pickle",
+                                      f"{_NO_PICKLE[fmt]} holds no pickle and no code; its header was checked")
+            polyglot_zip(path, fmt, ctx, display)
+    except ScanFailure as e:
+        report.errors.append(ScanError(path=display, message=str(e)))
+        return report
+    except OSError as e:
+        report.errors.append(ScanError(path=display, message=f"cannot be read ({e.strerror or e})"))
+        return report
+    except Exception as e:  # noqa: BLE001 - a scanner bug must fail closed, not pass a file as clean
+        log.debug("internal error scanning %s", display, exc_info=True)
+        report.errors.append(ScanError(path=display, message=f"internal scanner error ({type(e).__name__}: {e})"))
+        return report
+    report.findings.extend(ctx.findings)
+    report.files.append(ScannedFile(path=display, format=fmt, examined=tuple(ctx.examined)))
+    return report
+
+
+def needs_trust(finding: Finding) -> bool:
+    """True for SUSPICIOUS findings that mean "loading runs the file's own code" (whole-module pickles,
+    TorchScript code, custom Keras objects): the gate accepts them only with trust=True."""
+    return finding.severity == Severity.SUSPICIOUS and finding.rule in NEEDS_TRUST_RULES
+
+
+def gate(path: PathLike, *, trust: bool, limits: Limits = Limits()) -> ScanReport:
+    """The check every loader of a pickle-bearing format runs before it reads anything.
+
+    Args:
+        path: The file about to be loaded.
+        trust: The user's --trust / trust=True: allow content that runs the file's own code
+            (whole-module pickles, TorchScript). DANGEROUS findings are refused even then.
+        limits: Scan limits.
+
+    Returns:
+        The ScanReport, when the file may be loaded.
+
+    Raises:
+        UnsafeFileError: (carries .path and .report) when the scan has errors (the file could not
+            be scanned), any DANGEROUS finding, or, without trust, any finding that needs trust.
+    """
+    report = scan(path, limits=limits)
+    if report.errors:
+        raise UnsafeFileError(path, report, f"{path}: refused: it could not be scanned ({report.errors[0].message})")
+    dangerous = report.at_least(Severity.DANGEROUS)
+    if dangerous:
+        raise UnsafeFileError(path, report, f"{path}: refused: {_summary(dangerous)} "
+                                            f"(run `modelkit scan {path}` for the full report)")
+    trusted = [f for f in report.findings if needs_trust(f)]
+    if trusted and not trust:
+        raise UnsafeFileError(path, report, f"{path}: loading it runs code from the file: {_summary(trusted)}; "
+                                            "pass --trust (API: trust=True) if you trust where it came from")
+    return report
+
+
+def _summary(findings: list[Finding]) -> str:
+    shown = "; ".join(f"{f.rule} {f.callable or f.name}".rstrip() + f" in {f.path}" for f in findings[:3])
+    return shown + (f" and {len(findings) - 3} more" if len(findings) > 3 else "")
+
+
+class _CallablePackage(types.ModuleType):
+    """Lets the package stand for its main function: modelkit.scan(path) is modelkit.scan.scan(path)."""
+
+    def __call__(self, path: PathLike, **kwargs) -> ScanReport:
+        return scan(path, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
+# What modelkit/__init__.py's lazy table resolves `modelkit.scan` to: this package (the same object the
+# import system binds), so the attribute never flips between the package and the function.
+_PACKAGE = sys.modules[__name__]

@@ -1,0 +1,565 @@
+"""Format dispatch by content (never by extension) and the container formats: zip, tar, npy, compressed pickles.
+
+`scan_buffer` looks at the first bytes of a file or archive member and hands it to the analysis for
+what it is; containers call it again on their members, up to `MAX_NESTING` levels. Tensor data is
+never read: torch storages are skipped by name (from the pickle's persistent ids), and header-only
+formats are checked against the file size. Standard library only.
+"""
+from __future__ import annotations
+
+import io
+import re
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelkit.scan.model import Finding, Severity
+from modelkit.scan.pickle import (
+    Limits,
+    PickleResult,
+    Sink,
+    StreamResult,
+    looks_like_pickle,
+    probe_pickle,
+    walk,
+    walk_stream,
+)
+
+MAX_NESTING = 3                      # archives inside archives
+MAX_MEMBERS = 200_000
+MAX_MEMBER_BYTES = 1 << 30           # one member read into memory (pickles, configs); more is a limit finding
+MAX_TOTAL_READ = 4 << 30             # all members of one file
+BOMB_RATIO = 200                     # uncompressed / compressed, with...
+BOMB_MIN_BYTES = 64 << 20            # ...at least this much declared output
+_HEAD = 16
+
+
+class ScanFailure(Exception):
+    """The file cannot be scanned at all (unrecognised content): reported as an error, never as clean."""
+
+
+@dataclass
+class Context:
+    """What every analysis of one top-level file shares."""
+
+    display: str
+    directory: Path | None
+    limits: Limits
+    deadline: float
+    fileobj: Any = None              # the open top-level file, for zipfile (an mmap is not a file)
+    findings: list[Finding] = field(default_factory=list)
+    examined: list[str] = field(default_factory=list)
+    depth: int = 0
+    read_total: int = 0
+
+    def sink(self, label: str, base: int = 0) -> Sink:
+        return Sink(label, base, self.findings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch.
+
+def _is_safetensors(head: bytes, size: int) -> bool:
+    """An 8-byte length, then '{': a length that does not fit the file is reported, not a reason to look away."""
+    return len(head) >= 9 and head[8:9] == b"{" and struct.unpack_from("<Q", head)[0] > 0
+
+
+def sniff(buf, start: int, end: int) -> str | None:
+    """The format name for content at buf[start:end], from its first bytes; None if not recognised."""
+    head = bytes(buf[start:start + 512])
+    size = end - start
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return "zip"
+    if looks_like_pickle(head):
+        return "pickle"
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if head.startswith(b"GGUF"):
+        return "gguf"
+    if head.startswith(b"\x89HDF\r\n\x1a\n"):
+        return "hdf5"
+    if _is_safetensors(head, size):
+        return "safetensors"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    for magic, name in _COMPRESSED:
+        if head.startswith(magic):
+            return name
+    if head[:1] == b"\x08":
+        from modelkit.scan import onnx
+        if onnx.looks_like_onnx(buf, start, end):
+            return "onnx"
+    return None
+
+
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x5d\x00\x00", "lzma"),
+               (b"\x78\x01", "zlib"), (b"\x78\x5e", "zlib"), (b"\x78\x9c", "zlib"), (b"\x78\xda", "zlib"))
+
+
+def scan_buffer(buf, start: int, end: int, ctx: Context, label: str, *, hint: str = "") -> str:
+    """Analyse buf[start:end] (a file or a member) as whatever its content is; returns the format name."""
+    fmt = sniff(buf, start, end)
+    if fmt is None:
+        fmt = _sniff_text(buf, start, end, ctx, label, hint)
+    handler = _HANDLERS.get(fmt)
+    if handler is not None:
+        return handler(buf, start, end, ctx, label) or fmt   # a handler may name the format more exactly
+    return fmt
+
+
+def _sniff_text(buf, start: int, end: int, ctx: Context, label: str, hint: str) -> str:
+    """Protocol 0/1 pickles, JSON, Python source and text; anything else cannot be scanned."""
+    probe = Sink(label, start)
+    result = walk(buf, start, end, probe, ctx.limits, deadline=ctx.deadline)
+    # A walk that resolved a real global (valid names), or reached STOP, is a pickle whatever else it
+    # looks like: the unpickler would have imported that global before failing.
+    if result.complete or result.globals:
+        _scan_pickle(buf, start, end, ctx, label)
+        return "pickle"
+    if end - start == 0:
+        raise ScanFailure("empty file: nothing to scan")
+    head = bytes(buf[start:start + 4096])
+    try:
+        if b"\x00" in head:
+            raise UnicodeDecodeError("utf-8", head, head.index(b"\x00"), head.index(b"\x00") + 1, "NUL byte")
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if len(head) < 4096 or e.start < len(head) - 4:
+            raise ScanFailure("unrecognised content: not a model format modelkit can scan") from e
+    stripped = head.lstrip()
+    if stripped[:1] in (b"{", b"["):
+        from modelkit.scan import keras
+        keras.scan_json(buf, start, end, ctx, label)
+        return "json"
+    if hint.endswith(".py"):
+        ctx.sink(label).add(Severity.SUSPICIOUS, "code.python_source",
+                            "Python source shipped with a model runs when a loader trusts remote code")
+        return "python"
+    if ctx.depth == 0:
+        ctx.examined.append(f"{label}: text")
+    return "text"
+
+
+def _scan_pickle(buf, start: int, end: int, ctx: Context, label: str, *, note: bool = True) -> StreamResult:
+    stream = walk_stream(buf, start, end, ctx.sink(label, start), ctx.limits, deadline=ctx.deadline)
+    kind = "legacy torch.save stream" if stream.legacy_torch else "pickle stream"
+    ops = sum(p.opcodes for p in stream.pickles)
+    if note:
+        ctx.examined.append(f"{label}: {kind}, {len(stream.pickles)} pickle(s), {ops} opcodes")
+    if stream.trailing is not None:
+        trailing(buf, stream.trailing, end, ctx, label, base=start)
+    return stream
+
+
+# ---------------------------------------------------------------------------------------------
+# npy: a header, then raw data, or a pickle when the dtype holds Python objects.
+
+def _itemsize(descr: Any) -> int | None:
+    if not isinstance(descr, str):
+        return None
+    match = re.fullmatch(r"[<>|=]?([a-zA-Z?])(\d*)(\[\w+\])?", descr)
+    if not match:
+        return None
+    kind, digits = match.group(1), match.group(2)
+    if kind in "?b" and not digits:
+        return 1
+    n = int(digits or 0)
+    return 4 * n if kind == "U" else n or None
+
+
+def _has_object(descr: Any) -> bool:
+    if isinstance(descr, str):
+        return descr.lstrip("<>|=").startswith("O")
+    if isinstance(descr, (list, tuple)):
+        return any(_has_object(part) for part in descr)
+    return False
+
+
+def _scan_npy(buf, start: int, end: int, ctx: Context, label: str) -> None:
+    sink = ctx.sink(label, start)
+    if end - start < 10:
+        sink.add(Severity.DANGEROUS, "npy.header.malformed", "truncated .npy header", offset=start)
+        return
+    major = buf[start + 6]
+    if major == 1:
+        hlen, hstart = struct.unpack_from("<H", buf, start + 8)[0], start + 10
+    elif major in (2, 3):
+        hlen, hstart = struct.unpack_from("<I", buf, start + 8)[0], start + 12
+    else:
+        sink.add(Severity.DANGEROUS, "npy.header.malformed", f"unknown .npy version {major}", offset=start)
+        return
+    if hlen > 1 << 20 or hstart + hlen > end:
+        sink.add(Severity.DANGEROUS, "npy.header.malformed", f"header length {hlen} does not fit the file", offset=start)
+        return
+    import ast
+    try:
+        header = ast.literal_eval(bytes(buf[hstart:hstart + hlen]).decode("latin-1"))
+        descr, shape = header["descr"], tuple(header["shape"])
+        numel = 1
+        for dim in shape:
+            if not isinstance(dim, int) or dim < 0:
+                raise ValueError(f"bad dimension {dim!r}")
+            numel *= dim
+    except (ValueError, SyntaxError, TypeError, KeyError, MemoryError, RecursionError) as e:
+        sink.add(Severity.DANGEROUS, "npy.header.malformed", f"header is not a valid dict literal ({e})", offset=start)
+        return
+    data = hstart + hlen
+    if _has_object(descr):
+        sink.add(Severity.SUSPICIOUS, "npy.object_dtype",
+                 "object dtype: the data is a pickle, loaded only with allow_pickle=True", offset=data)
+        _scan_pickle(buf, data, end, ctx, label)
+        ctx.examined.append(f"{label}: .npy header (object dtype, shape {shape})")
+        return
+    ctx.examined.append(f"{label}: .npy header ({descr}, shape {shape})")
+    size = _itemsize(descr)
+    if size is None:
+        return
+    expected = data + numel * size
+    if expected > end:
+        sink.add(Severity.DANGEROUS, "npy.header.size_mismatch",
+                 f"header claims {numel * size} data bytes, the file has {end - data}", offset=start)
+    elif expected < end:
+        trailing(buf, expected, end, ctx, label)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trailing data and polyglots.
+
+def trailing(buf, pos: int, end: int, ctx: Context, label: str, *, base: int = 0) -> None:
+    """Bytes after a complete file: another format hidden there is a polyglot (DANGEROUS)."""
+    sink = ctx.sink(label, base)
+    inner = sniff(buf, pos, end)
+    if inner is None and buf.find(b"PK\x05\x06", pos, end) >= 0:
+        inner = "zip"
+    if inner is None and probe_pickle(buf, pos, end, sink, ctx.limits, ctx.deadline):
+        sink.add(Severity.DANGEROUS, "polyglot.appended",
+                 "a second pickle follows the end of the first; a loader that reads on runs it", offset=pos)
+        return
+    if inner is None:
+        sink.add(Severity.SUSPICIOUS, "container.trailing_data",
+                 f"{end - pos} bytes follow the end of the file's content; no reader needs them", offset=pos)
+        return
+    sink.add(Severity.DANGEROUS, "polyglot.appended",
+             f"a {inner} follows the end of the file's content: one file, two readings", offset=pos)
+    if ctx.depth < MAX_NESTING:
+        ctx.depth += 1
+        try:
+            scan_buffer(buf, pos, end, ctx, f"{label}@{pos}")
+        except ScanFailure:
+            pass
+        finally:
+            ctx.depth -= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Zip: torch checkpoints, TorchScript, npz, .keras. Names, sizes and local headers are checked
+# before anything is read; members are read from the raw bytes, ignoring flag bits (as torch does).
+
+def _bad_name(name: str) -> str | None:
+    if "\x00" in name:
+        return "contains a NUL byte"
+    parts = re.split(r"[\\/]", name)
+    if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name):
+        return "is an absolute path"
+    if ".." in parts:
+        return "climbs out of the extraction folder with '..'"
+    return None
+
+
+def _member_reader(buf, info: zipfile.ZipInfo, end: int) -> tuple[int, str | None]:
+    """Offset of the member's data in `buf`, or an error; checks the local header against the directory."""
+    off = info.header_offset
+    if off < 0 or off + 30 > end or bytes(buf[off:off + 4]) != b"PK\x03\x04":
+        return 0, "no local header where the central directory points"
+    nlen, xlen = struct.unpack_from("<HH", buf, off + 26)
+    local_name = bytes(buf[off + 30:off + 30 + nlen])
+    central = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
+    if local_name != central:
+        return 0, f"local header names {local_name[:60]!r}, the central directory {info.orig_filename[:60]!r}"
+    data = off + 30 + nlen + xlen
+    if data + info.compress_size > end:
+        return 0, "member data runs past the end of the archive"
+    return data, None
+
+
+def _read_member(buf, data: int, info: zipfile.ZipInfo, limit: int) -> bytes:
+    """Up to `limit` bytes of the member, decompressed; raises ValueError for what cannot be read."""
+    raw = buf[data:data + info.compress_size]
+    if info.compress_type == zipfile.ZIP_STORED:
+        return bytes(raw[:limit])
+    if info.compress_type == zipfile.ZIP_DEFLATED:
+        d = zlib.decompressobj(-15)
+        try:
+            return d.decompress(bytes(raw), limit)
+        except zlib.error as e:
+            raise ValueError(f"corrupt deflate data ({e})") from e
+    if info.compress_type in (zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA):
+        return _bounded_decompress(bytes(raw), "bzip2" if info.compress_type == zipfile.ZIP_BZIP2 else "zip-lzma", limit)
+    raise ValueError(f"compression method {info.compress_type} is not supported")
+
+
+def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None:
+    sink = ctx.sink(label, start)
+    top = start == 0 and end == len(buf) and ctx.fileobj is not None and ctx.depth == 0
+    view = buf if start == 0 and end == len(buf) else bytes(buf[start:end])
+    try:
+        archive = zipfile.ZipFile(ctx.fileobj if top else io.BytesIO(view))
+        infos = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error, NotImplementedError,
+            UnicodeDecodeError, OverflowError) as e:
+        sink.add(Severity.DANGEROUS, "zip.malformed", f"the zip directory cannot be parsed ({e}); loaders may "
+                 "read it differently than scanners", offset=start)
+        return None
+    base_buf = view
+    if len(infos) > MAX_MEMBERS:
+        sink.add(Severity.DANGEROUS, "scan.limit.members", f"{len(infos)} members; more than {MAX_MEMBERS}")
+        infos = infos[:MAX_MEMBERS]
+    names = [i.filename for i in infos]
+    roots = {n.split("/", 1)[0] for n in names if n.endswith("data.pkl") and n.count("/") == 1}
+    is_torchscript = any("/code/" in n or n.startswith("code/") for n in names) and any(
+        n.endswith("constants.pkl") for n in names)
+    kind = "TorchScript archive" if is_torchscript else "torch zip checkpoint" if roots else (
+        "npz archive" if names and all(n.endswith(".npy") for n in names) else
+        "Keras archive" if "config.json" in names and "metadata.json" in names else "zip archive")
+    seen: set[str] = set()
+    storages: set[str] = set()
+    declared = 0
+    # Pickles first: their persistent ids name the storage members that are then skipped unread.
+    order = sorted(infos, key=lambda i: (not i.filename.endswith(".pkl"), i.filename))
+    counts = {"pickles": 0, "storages": 0, "code": 0, "other": 0}
+    for info in order:
+        name = info.filename
+        member = f"{label}:{name}"
+        problem = _bad_name(name)
+        if problem:
+            sink.add(Severity.DANGEROUS, "zip.path_traversal", f"member {name!r} {problem}", module="", name=name)
+        if name in seen:
+            sink.add(Severity.DANGEROUS, "zip.duplicate_member",
+                     f"{name!r} appears twice; torch and Python's zipfile pick different copies", name=name)
+        seen.add(name)
+        if (info.external_attr >> 16) & 0o170000 == 0o120000:
+            sink.add(Severity.SUSPICIOUS, "zip.symlink", f"member {name!r} is a symbolic link", name=name)
+        declared += info.file_size
+        if info.file_size > BOMB_MIN_BYTES and info.file_size > BOMB_RATIO * max(info.compress_size, 1):
+            sink.add(Severity.DANGEROUS, "zip.bomb", f"{name!r} expands {info.compress_size} bytes to "
+                     f"{info.file_size} (ratio {info.file_size // max(info.compress_size, 1)})", name=name)
+            continue
+        if info.flag_bits & 0x1:
+            sink.add(Severity.SUSPICIOUS, "zip.encrypted_flag",
+                     f"{name!r} has the encryption flag, which torch ignores and zipfile refuses", name=name)
+        if name.endswith("/"):
+            continue
+        data, error = _member_reader(base_buf, info, len(base_buf))
+        if error:
+            sink.add(Severity.DANGEROUS, "zip.header_mismatch", f"{name!r}: {error}", name=name)
+            continue
+        if _is_storage(name, roots, storages):
+            counts["storages"] += 1
+            continue
+        limit = min(info.file_size, MAX_MEMBER_BYTES)
+        if ctx.read_total + limit > MAX_TOTAL_READ:
+            sink.add(Severity.DANGEROUS, "scan.limit.bytes", f"more than {MAX_TOTAL_READ} bytes of members to read")
+            break
+        try:
+            content = _read_member(base_buf, data, info, limit + 1)
+        except (ValueError, OSError, EOFError, MemoryError, _lzma_error()) as e:
+            severity = Severity.DANGEROUS if name.endswith("pkl") else Severity.SUSPICIOUS
+            sink.add(severity, "zip.unreadable_member", f"{name!r} cannot be read ({e})", name=name)
+            continue
+        ctx.read_total += len(content)
+        if len(content) > info.file_size:
+            sink.add(Severity.DANGEROUS, "zip.size_mismatch",
+                     f"{name!r} expands past its declared size {info.file_size}", name=name)
+            content = content[:info.file_size]
+        if info.file_size > MAX_MEMBER_BYTES:
+            sink.add(Severity.DANGEROUS, "scan.limit.bytes", f"{name!r} is larger than {MAX_MEMBER_BYTES} bytes; "
+                     "only its start was examined", name=name)
+        counts[_scan_member(content, name, member, ctx, roots, storages, is_torchscript, kind)] += 1
+    if declared > BOMB_MIN_BYTES * 1024:
+        sink.add(Severity.DANGEROUS, "zip.bomb", f"members declare {declared} bytes in all")
+    if is_torchscript:
+        from modelkit.scan import torchscript
+        torchscript.trust_finding(ctx.sink(label), counts["code"])
+    ctx.examined.append(f"{label}: {kind}, {len(infos)} members ({counts['pickles']} pickles, "
+                        f"{counts['storages']} tensor storages skipped unread, {counts['code']} code files)")
+    return _ZIP_FORMATS[kind]
+
+
+_ZIP_FORMATS = {"TorchScript archive": "torchscript", "torch zip checkpoint": "pth", "npz archive": "npz",
+                "Keras archive": "keras", "zip archive": "zip"}
+
+
+def _is_storage(name: str, roots: set[str], storages: set[str]) -> bool:
+    parts = name.split("/")
+    if len(parts) == 3 and parts[0] in roots and parts[1] in ("data", "constants"):
+        return f"{parts[0]}/{parts[1]}/{parts[2]}" in storages
+    return False
+
+
+def _scan_member(content: bytes, name: str, member: str, ctx: Context, roots: set[str], storages: set[str],
+                 is_torchscript: bool, kind: str) -> str:
+    root = name.split("/", 1)[0]
+    if name.endswith((".pkl", ".debug_pkl")) or looks_like_pickle(content[:2]):
+        stream = _scan_pickle(content, 0, len(content), ctx, member, note=not name.endswith(".debug_pkl"))
+        if root in roots and stream.pickles:
+            folder = "constants" if name.endswith("constants.pkl") else "data"
+            storages.update(f"{root}/{folder}/{key}" for key in _storage_keys(stream.pickles[0]))
+        return "pickles"
+    if is_torchscript and "/code/" in f"/{name}" and name.endswith(".py"):
+        from modelkit.scan import torchscript
+        torchscript.scan_code(content, ctx.sink(member), ctx.limits)
+        return "code"
+    if kind == "Keras archive" and name == "config.json":
+        from modelkit.scan import keras
+        keras.scan_json(content, 0, len(content), ctx, member, keras_archive=True)
+        return "other"
+    fmt = sniff(content, 0, len(content))
+    if fmt in ("zip", "tar", "gzip", "bzip2", "xz", "lzma", "zlib"):
+        ctx.sink(member).add(Severity.SUSPICIOUS, "zip.nested_archive",
+                             f"an archive ({fmt}) inside an archive; scanned to depth {MAX_NESTING}")
+    if ctx.depth >= MAX_NESTING:
+        ctx.sink(member).add(Severity.DANGEROUS, "scan.limit.nesting", f"archives nested deeper than {MAX_NESTING}")
+        return "other"
+    ctx.depth += 1
+    try:
+        scan_buffer(content, 0, len(content), ctx, member, hint=name)
+    except ScanFailure:
+        if name.startswith(tuple(f"{r}/" for r in roots)) or kind != "zip archive":
+            pass   # opaque records inside a known container (tensor bytes, metadata)
+        else:
+            ctx.sink(member).add(Severity.SUSPICIOUS, "zip.unknown_member", f"{name!r} is not a format modelkit knows")
+    finally:
+        ctx.depth -= 1
+    return "other"
+
+
+def _storage_keys(result: PickleResult) -> list[str]:
+    keys = []
+    for pid in result.persistent_ids:
+        if isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage" and isinstance(pid[2], str):
+            keys.append(pid[2])
+    return keys
+
+
+# ---------------------------------------------------------------------------------------------
+# tar (the oldest torch.save format, and model bundles) and compressed streams (joblib).
+
+def _scan_tar(buf, start: int, end: int, ctx: Context, label: str) -> None:
+    import tarfile
+    sink = ctx.sink(label, start)
+    count = 0
+    try:
+        with tarfile.open(fileobj=io.BytesIO(bytes(buf[start:end])), mode="r:") as tar:
+            for member in tar:
+                count += 1
+                if count > MAX_MEMBERS:
+                    sink.add(Severity.DANGEROUS, "scan.limit.members", f"more than {MAX_MEMBERS} members")
+                    break
+                problem = _bad_name(member.name)
+                if problem:
+                    sink.add(Severity.DANGEROUS, "tar.path_traversal", f"member {member.name!r} {problem}",
+                             name=member.name)
+                if member.issym() or member.islnk():
+                    target = member.linkname
+                    severity = Severity.DANGEROUS if _bad_name(target) else Severity.SUSPICIOUS
+                    sink.add(severity, "tar.link", f"{member.name!r} links to {target!r}", name=member.name)
+                    continue
+                if not member.isfile() or member.size == 0:
+                    continue
+                handle = tar.extractfile(member)
+                content = handle.read(MAX_MEMBER_BYTES) if handle else b""
+                if ctx.depth >= MAX_NESTING:
+                    sink.add(Severity.DANGEROUS, "scan.limit.nesting", f"archives nested deeper than {MAX_NESTING}")
+                    break
+                ctx.depth += 1
+                try:
+                    scan_buffer(content, 0, len(content), ctx, f"{label}:{member.name}", hint=member.name)
+                except ScanFailure:
+                    pass   # raw storage bytes in old torch tar checkpoints
+                finally:
+                    ctx.depth -= 1
+    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+        sink.add(Severity.SUSPICIOUS, "tar.malformed", f"the tar archive cannot be read ({e})")
+    ctx.examined.append(f"{label}: tar archive, {count} members")
+
+
+def _bounded_decompress(raw: bytes, codec: str, limit: int) -> bytes:
+    import bz2
+    import lzma
+    if codec == "zlib":
+        return zlib.decompressobj().decompress(raw, limit)
+    if codec == "gzip":
+        return zlib.decompressobj(16 + 15).decompress(raw, limit)
+    if codec == "bzip2":
+        return bz2.BZ2Decompressor().decompress(raw, limit)
+    if codec == "zip-lzma":   # zip's LZMA: 2-byte version, 2-byte properties size, properties, raw stream
+        psize = struct.unpack_from("<H", raw, 2)[0]
+        filters = [lzma._decode_filter_properties(lzma.FILTER_LZMA1, raw[4:4 + psize])]
+        return lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=filters).decompress(raw[4 + psize:], limit)
+    fmt = lzma.FORMAT_XZ if codec == "xz" else lzma.FORMAT_ALONE
+    return lzma.LZMADecompressor(fmt).decompress(raw, limit)
+
+
+def _scan_compressed(codec: str) -> Callable[..., None]:
+    def scan(buf, start: int, end: int, ctx: Context, label: str) -> None:
+        sink = ctx.sink(label, start)
+        raw = bytes(buf[start:end])
+        try:
+            content = _bounded_decompress(raw, codec, MAX_MEMBER_BYTES + 1)
+        except (OSError, EOFError, ValueError, zlib.error, MemoryError, struct.error, _lzma_error()) as e:
+            sink.add(Severity.SUSPICIOUS, "compressed.malformed", f"{codec} data cannot be decompressed ({e})")
+            return
+        if len(content) > MAX_MEMBER_BYTES or len(content) > BOMB_RATIO * len(raw) > BOMB_MIN_BYTES:
+            sink.add(Severity.DANGEROUS, "compressed.bomb",
+                     f"{codec} data expands {len(raw)} bytes to more than {len(content)}; not examined further")
+            return
+        ctx.examined.append(f"{label}: {codec}-compressed, {len(content)} bytes inside")
+        if ctx.depth >= MAX_NESTING:
+            sink.add(Severity.DANGEROUS, "scan.limit.nesting", f"compressed layers nested deeper than {MAX_NESTING}")
+            return
+        ctx.depth += 1
+        try:
+            scan_buffer(content, 0, len(content), ctx, f"{label}[{codec}]")
+        finally:
+            ctx.depth -= 1
+    return scan
+
+
+def _lzma_error() -> type[Exception]:
+    import lzma
+    return lzma.LZMAError
+
+
+def _lazy(module: str, function: str) -> Callable[..., str | None]:
+    """A handler in another scan module, imported the first time a file needs it (keeps startup short)."""
+    def handler(*args):
+        import importlib
+        return getattr(importlib.import_module(f"modelkit.scan.{module}"), function)(*args)
+    return handler
+
+
+_HANDLERS: dict[str, Callable[..., None]] = {
+    "zip": _scan_zip, "pickle": lambda *args: "pth" if _scan_pickle(*args).legacy_torch else "pickle", "npy": _scan_npy, "tar": _scan_tar,
+    "safetensors": _lazy("headers", "scan_safetensors"), "gguf": _lazy("headers", "scan_gguf"),
+    "hdf5": _lazy("keras", "scan_hdf5"), "onnx": _lazy("onnx", "scan_onnx"),
+    **{codec: _scan_compressed(codec) for _, codec in _COMPRESSED},
+}
+
+
+def polyglot_zip(path: Path, fmt: str, ctx: Context, label: str) -> None:
+    """A file that is not a zip by its first bytes but has a zip directory at its end: two readings."""
+    try:
+        with path.open("rb") as f:
+            if f.read(4) in (b"PK\x03\x04", b"PK\x05\x06"):
+                return
+        if not zipfile.is_zipfile(path):
+            return
+    except OSError:
+        return
+    ctx.sink(label).add(Severity.DANGEROUS, "polyglot.zip",
+                        f"the file reads as {fmt} from its start and as a zip archive from its end; "
+                        "loaders that check differently see different content")

@@ -1,0 +1,139 @@
+"""Keras model configs (in .h5 files and .keras archives) and JSON files: Lambda layers and named code.
+
+Keras stores a model's architecture as JSON: the `model_config` attribute of a legacy .h5 file,
+`config.json` in a .keras zip. A `Lambda` layer carries Python bytecode that runs on load (Keras 3
+refuses it unless safe_mode=False; Keras 2 runs it), and `module`/`class_name` pairs name classes
+and functions to import. The scanner imports only the standard library, so it does not use h5py:
+HDF5 stores a string attribute's bytes contiguously, so the JSON is found by searching the file
+for where a Keras config starts (`{"class_name"` / `{"module"`), bounded by the NUL that ends the
+attribute, and parsed with json; the raw bytes are also searched for a Lambda class name, so a
+config that cannot be parsed still cannot hide one.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from modelkit.scan import headers
+from modelkit.scan.model import Severity
+from modelkit.scan.policy import classify
+
+if TYPE_CHECKING:
+    from modelkit.scan.containers import Context
+
+MAX_JSON = 64 << 20
+MAX_NODES = 1_000_000
+MAX_CANDIDATES = 10_000
+_STARTS = (b'{"class_name"', b'{"module"')
+_LAMBDA_MARKERS = (b'"class_name": "Lambda"', b'"class_name":"Lambda"', b'"class_name": "__lambda__"',
+                   b'"class_name":"__lambda__"')
+_SAFE_MODULES = ("keras", "tf_keras", "tensorflow.keras", "tensorflow.python.keras")
+_OP_LAMBDAS = frozenset({"TFOpLambda", "SlicingOpLambda"})
+
+
+def _module_ok(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in _SAFE_MODULES)
+
+
+def analyse_config(config: Any, ctx: Context, label: str) -> int:
+    """Walk a Keras config tree; returns the number of layers/objects seen."""
+    sink = ctx.sink(label)
+    stack, seen, objects = [(config, 0)], 0, 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_NODES or depth > 500:
+            sink.add(Severity.DANGEROUS, "scan.limit.json", "the Keras config is too large or deep to examine")
+            return objects
+        if isinstance(node, list):
+            stack.extend((item, depth + 1) for item in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend((value, depth + 1) for value in node.values())
+        class_name = node.get("class_name")
+        if not isinstance(class_name, str):
+            continue
+        objects += 1
+        layer = (node.get("config") or {}).get("name", "") if isinstance(node.get("config"), dict) else ""
+        if class_name in ("Lambda", "__lambda__"):
+            sink.add(Severity.DANGEROUS, "keras.lambda",
+                     f"Lambda layer {layer!r} carries Python bytecode that runs when the model is loaded",
+                     name="Lambda")
+        elif class_name in _OP_LAMBDAS:
+            sink.add(Severity.SUSPICIOUS, "keras.config.op_lambda",
+                     f"{class_name} layer {layer!r} calls a TensorFlow function named in the file", name=layer)
+        module = node.get("module")
+        if isinstance(module, str) and not _module_ok(module):
+            target = node.get("config") if class_name == "function" and isinstance(node.get("config"), str) else class_name
+            verdict = classify(module, str(target))
+            if verdict.severity == Severity.DANGEROUS:
+                sink.add(Severity.DANGEROUS, "keras.config.module", f"the config names {module}.{target}: "
+                         f"{verdict.detail}", module=module, name=str(target))
+            else:
+                sink.add(Severity.SUSPICIOUS, "keras.config.custom_object",
+                         f"the config names {module}.{target}, code outside Keras that loads only when "
+                         "registered as a custom object", module=module, name=str(target))
+        registered = node.get("registered_name")
+        if isinstance(registered, str) and ">" in registered:
+            sink.add(Severity.SUSPICIOUS, "keras.config.custom_object",
+                     f"registered custom object {registered!r} runs the user's own code", name=registered)
+    return objects
+
+
+def scan_json(buf, start: int, end: int, ctx: Context, label: str, *, keras_archive: bool = False) -> None:
+    """A JSON file: Keras configs, and chat templates in tokenizer configs."""
+    sink = ctx.sink(label)
+    if end - start > MAX_JSON:
+        sink.add(Severity.SUSPICIOUS, "scan.limit.json", f"JSON larger than {MAX_JSON} bytes was not examined")
+        return
+    try:
+        doc = json.loads(bytes(buf[start:end]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        severity = Severity.DANGEROUS if keras_archive else Severity.SUSPICIOUS
+        sink.add(severity, "json.malformed", f"not valid JSON ({e})")
+        return
+    what = []
+    if isinstance(doc, dict) and ("class_name" in doc or keras_archive):
+        what.append(f"Keras config, {analyse_config(doc, ctx, label)} objects")
+    if isinstance(doc, dict) and "chat_template" in doc:
+        templates = doc["chat_template"]
+        if isinstance(templates, str):
+            templates = [{"name": "default", "template": templates}]
+        for item in templates if isinstance(templates, list) else []:
+            if isinstance(item, dict) and isinstance(item.get("template"), str):
+                headers.check_template(item["template"], f"chat_template[{item.get('name')}]", ctx, label)
+        what.append("chat template")
+    ctx.examined.append(f"{label}: JSON" + (f" ({', '.join(what)})" if what else ""))
+
+
+def scan_hdf5(buf, start: int, end: int, ctx: Context, label: str) -> None:
+    """An HDF5 file: look for a Keras model config; HDF5 itself holds no pickles."""
+    sink = ctx.sink(label)
+    configs = objects = candidates = 0
+    pos = start
+    while candidates < MAX_CANDIDATES:
+        hits = [h for h in (buf.find(s, pos, end) for s in _STARTS) if h >= 0]
+        if not hits:
+            break
+        at = min(hits)
+        candidates += 1
+        stop = buf.find(b"\x00", at, min(end, at + MAX_JSON))
+        stop = stop if stop >= 0 else min(end, at + MAX_JSON)
+        try:
+            doc, used = json.JSONDecoder().raw_decode(bytes(buf[at:stop]).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            pos = at + 1
+            continue
+        configs += 1
+        objects += analyse_config(doc, ctx, label)
+        pos = at + max(used, 1)
+    for marker in _LAMBDA_MARKERS:   # a backstop for configs the JSON search could not parse
+        at = buf.find(marker, start, end)
+        if at >= 0:
+            sink.add(Severity.DANGEROUS, "keras.lambda",
+                     "the file holds a Keras Lambda layer, whose bytecode runs when the model is loaded",
+                     offset=at - start, name="Lambda")
+            break
+    ctx.examined.append(f"{label}: HDF5 file" + (f", {configs} Keras config(s) with {objects} objects" if configs
+                                                  else ", no Keras config"))

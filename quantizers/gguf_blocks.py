@@ -1,0 +1,411 @@
+"""GGUF block types q8_0, q4_0, q4_1, q5_0, q5_1: llama.cpp's block quantization in vectorized torch.
+
+Each row (the last dimension, GGML's ne[0]) is cut into blocks of 32 weights; each block stores
+its own fp16 scale (and minimum) followed by the packed values. Byte layouts, little-endian, as
+`block_q*` in ggml-common.h:
+
+    q8_0  34 B: d f16 | qs 32 x int8                         w = d * q
+    q4_0  18 B: d f16 | qs 16 B (low nibbles: w[0:16], high: w[16:32])   w = d * (q - 8)
+    q4_1  20 B: d f16 | m f16 | qs 16 B                         w = d * q + m
+    q5_0  22 B: d f16 | qh u32 (bit i = bit 4 of q[i]) | qs 16 B   w = d * (q - 16)
+    q5_1  24 B: d f16 | m f16 | qh u32 | qs 16 B                 w = d * q + m
+
+Quantization reproduces gguf-py's reference `gguf.quants.quantize` byte for byte (the same
+float32 operations in the same order: a division stays a division, nothing is fused), and
+dequantization reproduces `gguf.quants.dequantize` bit for bit; tests/test_quant_gguf.py checks
+both with hypothesis. The work is whole-tensor torch: blocks are a reshape, a tensor is cut
+into chunks of 4,096 blocks (512 KiB of float32, so every intermediate stays in cache), and
+torch's thread count of worker threads take shares of the chunks; no Python loop ever runs per block.
+
+Quantized tensors are `QuantizedTensor(layout="gguf", parts={"qdata": uint8 (rows, row bytes)},
+params={"ggml_type": "Q4_0"})`, the form modelkit's GGUF converter reads and writes natively.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from modelkit.checkpoint import DEQUANTIZERS, LazyTensor, QuantizedTensor
+from modelkit.errors import ConfigError, FormatError, MissingDependencyError
+from modelkit.quantizers import _modules
+
+BLOCK = 32                  # weights per block for every type here (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0)
+_CHUNK_BLOCKS = 4096        # 128 Ki floats (512 KiB) per chunk: every intermediate stays in L2
+_ROUND = 0.49999997         # float32(0.5 - 2**-25): trunc(|x| + this) == gguf-py's np_roundf(x) for |x| < 2**22
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """One GGUF block type: its name in ggml (`GGMLQuantizationType` member) and block geometry."""
+
+    name: str                                       # "Q4_0"
+    type_size: int                                  # bytes per block of BLOCK weights
+    quantize: Callable[[torch.Tensor, torch.Tensor, _Workspace], None]
+    dequantize: Callable[[torch.Tensor], torch.Tensor]
+    bits: int                                       # bits of each quantized value
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.type_size / BLOCK
+
+
+class _Workspace:
+    """Scratch tensors for one chunk of blocks, reused chunk after chunk by one thread."""
+
+    def __init__(self, n: int) -> None:
+        self.f = torch.empty(n, BLOCK)
+        self.i = torch.empty(n, BLOCK, dtype=torch.int32)
+        self.h = torch.empty(n, BLOCK // 2, dtype=torch.int32)
+        self.lo = torch.empty(n, 1)
+        self.hi = torch.empty(n, 1)
+        self.inv = torch.empty(n, 1)
+
+    def rows(self, n: int) -> _Workspace:
+        """A view of the first n blocks (the last chunk is shorter)."""
+        if n == self.f.shape[0]:
+            return self
+        view = object.__new__(_Workspace)
+        for name, value in vars(self).items():
+            setattr(view, name, value[:n])
+        return view
+
+
+def _inverse(d: torch.Tensor, ws: _Workspace) -> torch.Tensor:
+    """id = where(d == 0, 0, 1 / d), as gguf-py computes it (1 / +-0 is +-inf, mapped to 0)."""
+    return torch.reciprocal(d, out=ws.inv).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _put_half(out: torch.Tensor, value: torch.Tensor) -> None:
+    """Write float32 (n, 1) values as f16 (round to nearest even) into (n, 2) uint8 columns."""
+    out.view(torch.float16).copy_(value)
+
+
+def _signed_absmax(x: torch.Tensor, ws: _Workspace) -> torch.Tensor:
+    """Each block's value of largest magnitude, the first one where several tie (gguf-py's argmax).
+
+    max and min decide it unless they tie in magnitude (+m and -m both present, or an all-zero
+    block where the sign of zero matters); those few blocks are settled with argmax.
+    """
+    torch.amax(x, -1, keepdim=True, out=ws.hi)
+    torch.amin(x, -1, keepdim=True, out=ws.lo)
+    value = torch.where(-ws.lo > ws.hi, ws.lo, ws.hi)
+    ties = (ws.hi == -ws.lo).view(-1)
+    if bool(ties.any()):
+        rows = ties.nonzero().view(-1)
+        first = x[rows].abs().argmax(-1, keepdim=True)          # argmax returns the first maximum
+        value[rows] = x[rows].gather(-1, first)
+    return value
+
+
+def _pack_nibbles(q: torch.Tensor, ws: _Workspace, out: torch.Tensor) -> None:
+    """(n, 32) int32 levels 0..15 -> (n, 16) bytes: low nibble from w[0:16], high from w[16:32]."""
+    torch.add(q[:, :BLOCK // 2], q[:, BLOCK // 2:], alpha=16, out=ws.h)      # lo | hi << 4: no carries
+    out.copy_(ws.h)
+
+
+_BIT_WEIGHTS = torch.arange(BLOCK, dtype=torch.int32)
+
+
+def _pack_high_bits(q: torch.Tensor, out: torch.Tensor) -> None:
+    """qh: bit i of a little-endian u32 is bit 4 of q[i] (np.packbits(..., bitorder="little"))."""
+    bits = (q >> 4).bitwise_left_shift_(_BIT_WEIGHTS)
+    word = bits.sum(-1, keepdim=True, dtype=torch.int32)      # distinct bits: the sum is their OR
+    out.copy_(word.view(torch.uint8))
+
+
+def _levels(f: torch.Tensor, ws: _Workspace, top: int) -> torch.Tensor:
+    """trunc(f) clipped to 0..top as int32: gguf-py's .astype(uint8).clip(0, top) for f in (-1, 2 * top)."""
+    return ws.i.copy_(f.clamp_(max=top))
+
+
+def _q8_0(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
+    f = torch.abs(x, out=ws.f)
+    d = torch.amax(f, -1, keepdim=True, out=ws.hi).div_(127)        # d = max|x| / 127
+    f.mul_(_inverse(d, ws)).add_(_ROUND)                            # |x * id| + (0.5 - 2**-25)
+    sign = torch.bitwise_and(x.view(torch.int32), -0x80000000, out=ws.i)
+    f.view(torch.int32).bitwise_or_(sign)                           # copysign: roundf(x * id) after trunc
+    out[:, 2:].view(torch.int8).copy_(f)                            # float -> int8 truncates
+    _put_half(out[:, :2], d)
+
+
+def _q4_0(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
+    d = _signed_absmax(x, ws).div_(-8)                              # d = max / -8
+    torch.mul(x, _inverse(d, ws), out=ws.f).add_(8.5)
+    _pack_nibbles(_levels(ws.f, ws, 15), ws, out[:, 2:])
+    _put_half(out[:, :2], d)
+
+
+def _q4_1(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
+    lo = torch.amin(x, -1, keepdim=True, out=ws.lo)
+    hi = torch.amax(x, -1, keepdim=True, out=ws.hi)
+    d = hi.sub_(lo).div_(15)                                        # d = (max - min) / 15
+    torch.sub(x, lo, out=ws.f).mul_(_inverse(d, ws)).add_(0.5)
+    _pack_nibbles(_levels(ws.f, ws, 15), ws, out[:, 4:])
+    _put_half(out[:, :2], d)
+    _put_half(out[:, 2:4], lo)
+
+
+def _q5_0(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
+    d = _signed_absmax(x, ws).div_(-16)                             # d = max / -16
+    torch.mul(x, _inverse(d, ws), out=ws.f).add_(16.5)
+    q = _levels(ws.f, ws, 31)
+    _pack_high_bits(q, out[:, 2:6])
+    _pack_nibbles(q.bitwise_and_(0x0F), ws, out[:, 6:])
+    _put_half(out[:, :2], d)
+
+
+def _q5_1(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
+    lo = torch.amin(x, -1, keepdim=True, out=ws.lo)
+    hi = torch.amax(x, -1, keepdim=True, out=ws.hi)
+    d = hi.sub_(lo).div_(31)                                        # d = (max - min) / 31
+    torch.sub(x, lo, out=ws.f).mul_(_inverse(d, ws)).add_(0.5)
+    q = _levels(ws.f, ws, 31)
+    _pack_high_bits(q, out[:, 4:8])
+    _pack_nibbles(q.bitwise_and_(0x0F), ws, out[:, 8:])
+    _put_half(out[:, :2], d)
+    _put_half(out[:, 2:4], lo)
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The f16 at byte `start` of each block, as (n, 1) float32."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 16) bytes -> (n, 32) values 0..15: low nibbles first, then high nibbles."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """(n, 4) bytes of a little-endian u32 -> (n, 32) values 0 or 16 (bit i -> value i)."""
+    word = qh.contiguous().view(torch.int32)                          # (n, 1)
+    return ((word >> _BIT_WEIGHTS) & 1).to(torch.uint8) << 4
+
+
+def _dq8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:].contiguous().view(torch.int8).float() * _half(b, 0)
+
+
+def _dq4_0(b: torch.Tensor) -> torch.Tensor:
+    return _half(b, 0) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
+
+
+def _dq4_1(b: torch.Tensor) -> torch.Tensor:
+    return _half(b, 0) * _nibbles(b[:, 4:]).float() + _half(b, 2)
+
+
+def _dq5_0(b: torch.Tensor) -> torch.Tensor:
+    q = (_nibbles(b[:, 6:]) | _high_bits(b[:, 2:6])).to(torch.int8) - 16
+    return _half(b, 0) * q.float()
+
+
+def _dq5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 8:]) | _high_bits(b[:, 4:8])
+    return _half(b, 0) * q.float() + _half(b, 2)
+
+
+BLOCK_TYPES: dict[str, BlockType] = {t.name.lower(): t for t in (
+    BlockType("Q8_0", 34, _q8_0, _dq8_0, 8),
+    BlockType("Q4_0", 18, _q4_0, _dq4_0, 4),
+    BlockType("Q4_1", 20, _q4_1, _dq4_1, 4),
+    BlockType("Q5_0", 22, _q5_0, _dq5_0, 5),
+    BlockType("Q5_1", 24, _q5_1, _dq5_1, 5),
+)}
+
+
+def block_type(name: str) -> BlockType:
+    """The BlockType called `name` ("q4_0" or "Q4_0")."""
+    found = BLOCK_TYPES.get(name.lower())
+    if found is None:
+        from modelkit.errors import did_you_mean
+
+        raise ConfigError(f"unknown GGUF block type {name!r}; known: {', '.join(BLOCK_TYPES)}"
+                          f"{did_you_mean(name.lower(), BLOCK_TYPES)}")
+    return found
+
+
+def _check_rows(shape: tuple[int, ...], kind: BlockType) -> None:
+    if not shape or shape[-1] % BLOCK:
+        raise ConfigError(f"{kind.name} needs rows whose length is a multiple of {BLOCK} (the block size); "
+                          f"the tensor is {list(shape)}: keep it in float (skip it) or pick another scheme")
+
+
+def quantize(tensor: torch.Tensor, type_name: str, *, threads: int | None = None) -> torch.Tensor:
+    """Quantize a float tensor to GGUF blocks along its last dimension.
+
+    Args:
+        tensor: Any shape whose last dimension is a multiple of 32; cast to float32 first,
+            as gguf-py does.
+        type_name: "q8_0", "q4_0", "q4_1", "q5_0" or "q5_1".
+        threads: Worker threads (default: torch's intra-op thread count).
+
+    Returns:
+        uint8 (rows, bytes per row): rows = all leading dimensions, the same bytes and shape
+        that `gguf.quants.quantize` gives for the tensor viewed as (rows, last dimension).
+
+    Raises:
+        ConfigError: the last dimension is not a multiple of 32, or the type is unknown.
+
+    Example:
+        >>> w = torch.randn(4, 64)
+        >>> quantize(w, "q8_0").shape          # 2 blocks of 34 bytes per row
+        torch.Size([4, 68])
+    """
+    kind = block_type(type_name)
+    shape = tuple(tensor.shape)
+    _check_rows(shape, kind)
+    rows = math.prod(shape[:-1])
+    blocks = tensor.detach().to("cpu", torch.float32).contiguous().view(-1, BLOCK)   # (rows * nb, 32)
+    out = torch.empty(blocks.shape[0], kind.type_size, dtype=torch.uint8)
+    starts = list(range(0, blocks.shape[0], _CHUNK_BLOCKS))
+    workers = max(1, min(threads or torch.get_num_threads(), len(starts)))
+
+    def run(part: list[int]) -> None:
+        ws = _Workspace(_CHUNK_BLOCKS)
+        for start in part:
+            stop = min(start + _CHUNK_BLOCKS, blocks.shape[0])
+            kind.quantize(blocks[start:stop], out[start:stop], ws.rows(stop - start))
+
+    # Our own threads, each op single-threaded inside them: torch's intra-op threads would split
+    # every small op again and wait on each other at each one (slow on a busy machine).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if workers == 1:
+            run(starts)
+        else:    # torch releases the GIL inside each op, so the threads overlap
+            share = math.ceil(len(starts) / workers)
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(run, [starts[i:i + share] for i in range(0, len(starts), share)]))
+    finally:
+        torch.set_num_threads(previous)
+    return out.view(rows, -1)
+
+
+def dequantize(data: torch.Tensor, type_name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """GGUF block bytes (rows, bytes per row) back to float32, as `gguf.quants.dequantize` gives them.
+
+    Args:
+        data: uint8 with a last dimension that is a whole number of blocks.
+        type_name: The block type.
+        shape: The logical shape to return (default: rows x weights per row).
+    """
+    kind = block_type(type_name)
+    data = data.to("cpu", torch.uint8)
+    if data.ndim == 0 or data.shape[-1] % kind.type_size:
+        raise FormatError("<tensor>", f"{kind.name} data rows of {list(data.shape)} bytes are not whole "
+                                      f"{kind.type_size}-byte blocks")
+    row_weights = data.shape[-1] // kind.type_size * BLOCK
+    values = kind.dequantize(data.reshape(-1, kind.type_size))             # (rows * nb, 32)
+    values = values.reshape(*data.shape[:-1], row_weights)
+    if shape is not None:
+        if math.prod(shape) != values.numel():
+            raise FormatError("<tensor>", f"{kind.name} data holds {values.numel()} weights, not {list(shape)}")
+        values = values.reshape(shape)
+    return values
+
+
+def _dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
+    """Layout "gguf": block bytes in parts["qdata"], the block type in params["ggml_type"]."""
+    ggml_type = str(q.params.get("ggml_type", ""))
+    if ggml_type.lower() in BLOCK_TYPES:
+        return dequantize(q.parts["qdata"].load(), ggml_type, q.shape).to(q.dtype)
+    # Other block types (K-quants, i-quants) only come from GGUF files: gguf-py dequantizes them.
+    try:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+    except ModuleNotFoundError as e:
+        raise MissingDependencyError(f"GGUF type {ggml_type} needs the gguf package: pip install 'modelkit[gguf]'") from e
+    if ggml_type not in GGMLQuantizationType.__members__:
+        raise FormatError(q.source or "<tensor>", f"unknown GGUF block type {ggml_type!r}")
+    try:
+        values = gguf_dequantize(q.parts["qdata"].load().numpy(), GGMLQuantizationType[ggml_type])
+    except NotImplementedError as e:
+        raise FormatError(q.source or "<tensor>", f"gguf-py cannot dequantize {ggml_type} yet") from e
+    return torch.from_numpy(values.astype("float32", copy=False)).reshape(q.shape).to(q.dtype)
+
+
+DEQUANTIZERS.setdefault("gguf", _dequantize_layout)
+
+
+def quantized_tensor(weight: torch.Tensor, type_name: str, *, scheme: str | None = None) -> QuantizedTensor:
+    """`weight` as a QuantizedTensor of GGUF blocks (the form the GGUF writer stores natively)."""
+    kind = block_type(type_name)
+    qdata = quantize(weight, kind.name)
+    return QuantizedTensor(scheme=scheme or kind.name.lower(), layout="gguf", shape=tuple(weight.shape),
+                           dtype=weight.dtype if weight.dtype.is_floating_point else torch.float32,
+                           parts={"qdata": LazyTensor.of(qdata)}, params={"ggml_type": kind.name})
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    """Quantize every Linear and Embedding weight whose rows are whole 32-weight blocks.
+
+    Args:
+        skip: fnmatch patterns of module names left in float, e.g. ("lm_head",). Norms,
+            biases and every 1-D tensor always stay float32, as llama.cpp keeps them; so does
+            any weight whose rows are not a multiple of 32 (logged).
+
+    Example:
+        >>> from modelkit.models import build
+        >>> q = apply(build("tinylm", {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}),
+        ...           Q8_0Config())
+        >>> type(q.lm_head).__name__
+        'QuantizedLinear'
+    """
+
+    scheme: ClassVar[str] = ""
+    skip: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _modules.check_skip(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q8_0Config(BlockConfig):
+    __doc__ = BlockConfig.__doc__
+    scheme: ClassVar[str] = "q8_0"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q4_0Config(BlockConfig):
+    __doc__ = BlockConfig.__doc__
+    scheme: ClassVar[str] = "q4_0"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q4_1Config(BlockConfig):
+    __doc__ = BlockConfig.__doc__
+    scheme: ClassVar[str] = "q4_1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q5_0Config(BlockConfig):
+    __doc__ = BlockConfig.__doc__
+    scheme: ClassVar[str] = "q5_0"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q5_1Config(BlockConfig):
+    __doc__ = BlockConfig.__doc__
+    scheme: ClassVar[str] = "q5_1"
+
+
+def apply(model: nn.Module, config: BlockConfig) -> nn.Module:
+    """Return a copy of `model` whose Linear and Embedding weights are GGUF blocks of `config.scheme`."""
+    kind = block_type(config.scheme)
+
+    def convert(name: str, module: nn.Module) -> nn.Module | None:
+        weight = module.weight.detach()
+        if weight.ndim != 2 or weight.shape[-1] % BLOCK:
+            _modules.log_kept(name, f"rows of {weight.shape[-1]} weights are not whole {BLOCK}-weight blocks")
+            return None
+        return _modules.quantized_module(module, quantized_tensor(weight, kind.name, scheme=config.scheme))
+
+    return _modules.replace(model, config, convert, kinds=(nn.Linear, nn.Embedding))
