@@ -251,6 +251,8 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
     fmt = format_for_output(dst, format)
     meta = {**(metadata or {}), QUANT_KEY: schemes.config_to_json(config)}
     ckpt = Checkpoint.from_module(model, metadata=meta)
+    if fmt == "gguf":
+        ckpt = _as_gguf_blocks(ckpt)
     converter = load_format(fmt)
     result = None
     with atomic_path(dst, force=force) as tmp:
@@ -268,6 +270,17 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
                 result = {**result, "rebuilt_outputs": "identical", "max_abs_err": err}
         size = tmp.stat().st_size
     return {"path": str(dst), "format": fmt, "bytes": size}, result
+
+
+def _as_gguf_blocks(ckpt: Checkpoint) -> Checkpoint:
+    """Affine tensors that are exactly a GGUF block type (symmetric int4 g32 = Q4_0) in that form."""
+    from modelkit.quantizers.gguf_blocks import from_affine
+
+    tensors = {}
+    for name, entry in ckpt.tensors.items():
+        blocks = from_affine(entry) if isinstance(entry, QuantizedTensor) else None
+        tensors[name] = blocks if blocks is not None else entry
+    return Checkpoint(tensors, ckpt.metadata, ckpt.arch)
 
 
 def quantize(

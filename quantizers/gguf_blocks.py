@@ -14,7 +14,7 @@ Quantization reproduces gguf-py's reference `gguf.quants.quantize` byte for byte
 float32 operations in the same order: a division stays a division, nothing is fused), and
 dequantization reproduces `gguf.quants.dequantize` bit for bit; tests/test_quant_gguf.py checks
 both with hypothesis. The work is whole-tensor torch: blocks are a reshape, a tensor is cut
-into chunks of 4,096 blocks (512 KiB of float32, so every intermediate stays in cache), and
+into chunks of 8,192 blocks (1 MiB of float32, so the intermediates stay in cache), and
 torch's thread count of worker threads take shares of the chunks; no Python loop ever runs per block.
 
 Quantized tensors are `QuantizedTensor(layout="gguf", parts={"qdata": uint8 (rows, row bytes)},
@@ -36,7 +36,7 @@ from modelkit.errors import ConfigError, FormatError, MissingDependencyError
 from modelkit.quantizers import _modules
 
 BLOCK = 32                  # weights per block for every type here (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0)
-_CHUNK_BLOCKS = 4096        # 128 Ki floats (512 KiB) per chunk: every intermediate stays in L2
+_CHUNK_BLOCKS = 8192        # 256 Ki floats (1 MiB) per chunk: the intermediates stay in L2
 _ROUND = 0.49999997         # float32(0.5 - 2**-25): trunc(|x| + this) == gguf-py's np_roundf(x) for |x| < 2**22
 
 
@@ -174,7 +174,7 @@ def _q5_1(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The f16 at byte `start` of each block, as (n, 1) float32."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+    return blocks[:, start:start + 2].clone(memory_format=torch.contiguous_format).view(torch.float16).float()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -184,7 +184,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _high_bits(qh: torch.Tensor) -> torch.Tensor:
     """(n, 4) bytes of a little-endian u32 -> (n, 32) values 0 or 16 (bit i -> value i)."""
-    word = qh.contiguous().view(torch.int32)                          # (n, 1)
+    word = qh.clone(memory_format=torch.contiguous_format).view(torch.int32)        # (n, 1), aligned
     return ((word >> _BIT_WEIGHTS) & 1).to(torch.uint8) << 4
 
 
@@ -409,3 +409,28 @@ def apply(model: nn.Module, config: BlockConfig) -> nn.Module:
         return _modules.quantized_module(module, quantized_tensor(weight, kind.name, scheme=config.scheme))
 
     return _modules.replace(model, config, convert, kinds=(nn.Linear, nn.Embedding))
+
+
+def from_affine(q: QuantizedTensor) -> QuantizedTensor | None:
+    """The same weights as Q4_0 blocks when that is exact, else None.
+
+    Symmetric int4 with groups of 32 along the rows and fp16 scales (int4 and GPTQ at
+    group_size 32) is Q4_0 by another name: d = scale and each nibble = q + 8, so the
+    dequantized values are bit for bit the same. This lets GGUF files (and llama.cpp) hold them.
+    """
+    params = q.params
+    if (q.layout != "affine" or int(params.get("bits", 0)) != 4 or not params.get("symmetric", False)
+            or int(params.get("group_size", 0)) != BLOCK or len(q.shape) != 2 or "zero_point" in q.parts):
+        return None
+    scale = q.parts["scale"].load()
+    if scale.dtype != torch.float16:
+        return None
+    packed = q.parts["qdata"].load()                                         # (rows, cols / 2), low nibble first
+    values = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(q.shape[0], -1).to(torch.int16)
+    nibbles = ((values + 8) & 0x0F).to(torch.uint8).reshape(-1, BLOCK)      # two's complement -> q + 8
+    blocks = torch.empty(nibbles.shape[0], 18, dtype=torch.uint8)            # block: d f16 | 16 B nibbles
+    blocks[:, :2].view(torch.float16).copy_(scale.reshape(-1, 1))
+    blocks[:, 2:] = nibbles[:, :BLOCK // 2] | (nibbles[:, BLOCK // 2:] << 4)
+    return QuantizedTensor(scheme=q.scheme, layout="gguf", shape=q.shape, dtype=q.dtype,
+                           parts={"qdata": LazyTensor.of(blocks.reshape(q.shape[0], -1))},
+                           params={"ggml_type": "Q4_0"}, source=q.source)

@@ -194,8 +194,8 @@ class TinyLM(nn.Module):
                 f"tinylm: input of {T} tokens exceeds max_position_embeddings "
                 f"{self.config.max_position_embeddings}"
             )
-        cos, sin = rotary_tables(self.config, T, input_ids.device)
         x = self.model.embed_tokens(input_ids)                                           # (B, T, C)
+        cos, sin = (t.to(x.dtype) for t in rotary_tables(self.config, T, input_ids.device))  # f16/bf16 models too
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.model.norm(x))                                          # (B, T, vocab)
