@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 
 from modelkit.compression import distill_file, prune_file
-from modelkit.quantizers.distill import DistillConfig
 from modelkit.quantizers.prune import PruneConfig
 from modelkit.training import MODEL_FILE, train
 
@@ -60,7 +59,7 @@ def bench_distillation(name: str, teacher: Path, scratch: Path, seeds: list[int]
     print(f"\n{name} distillation (student <= 1/4 of the teacher; bar: distilled beats the student alone)")
     gaps = []
     for seed in seeds:
-        report = distill_file(teacher, name, scratch / f"distill-{name}-{seed}", DistillConfig(), seed=seed, force=True)
+        report = distill_file(teacher, name, scratch / f"distill-{name}-{seed}", None, seed=seed, force=True)
         s, b, t = report.student, report.scratch, report.teacher
         gap = (s["value"] - b["value"]) * (1 if report.higher_is_better else -1)
         gaps.append(gap)

@@ -54,6 +54,8 @@ from gguf import (
 )
 from gguf.quants import dequantize as gguf_dequantize
 
+from modelkit._mapped import MappedFile
+from modelkit._metadata import json_object
 from modelkit._tensors import dtype_name
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, DEQUANTIZERS, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError
@@ -182,8 +184,9 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         llama = fields.get(_KEYS.ARCHITECTURE) == _LLAMA_ARCH
         heads = _head_counts(fields) if llama else None
         tensors: dict[str, LazyTensor | QuantizedTensor] = {}
+        mapped = MappedFile(path)
         for tensor in reader.tensors:
-            name, entry = _entry(path, tensor, records.get(tensor.name, {}), llama, heads, options)
+            name, entry = _entry(path, mapped, tensor, records.get(tensor.name, {}), llama, heads, options)
             if name in tensors:
                 raise FormatError(path, f"two tensors map to the name {name!r}")
             tensors[name] = entry
@@ -239,8 +242,8 @@ def _hf_name(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-def _entry(path: Path, tensor: Any, record: dict[str, Any], llama: bool, heads: tuple[int, int] | None,
-           options: ReadOptions) -> tuple[str, LazyTensor | QuantizedTensor]:
+def _entry(path: Path, mapped: MappedFile, tensor: Any, record: dict[str, Any], llama: bool,
+           heads: tuple[int, int] | None, options: ReadOptions) -> tuple[str, LazyTensor | QuantizedTensor]:
     """One ReaderTensor as a Checkpoint entry: (name, lazy tensor)."""
     name, permuted = _hf_name(tensor.name) if llama else (tensor.name, None)
     if permuted is not None and heads is None:
@@ -253,7 +256,8 @@ def _entry(path: Path, tensor: Any, record: dict[str, Any], llama: bool, heads: 
     ggml_type = GGMLQuantizationType(tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))        # GGML order -> numpy order
     source = f"{path}:{tensor.name}"
-    data = tensor.data                                                    # a view of the memory map
+    data = tensor.data                                                    # gguf's view: shape and bounds
+    span = (int(tensor.data_offset), int(data.nbytes))                    # our copy-on-write view's bytes
     if n_heads is not None and not _rows_pair_up(data.shape, n_heads):
         raise FormatError(path, f"tensor {tensor.name!r} of shape {list(data.shape)}: its rows do not "
                                 f"split into RoPE pairs for {n_heads} heads")
@@ -261,9 +265,9 @@ def _entry(path: Path, tensor: Any, record: dict[str, Any], llama: bool, heads: 
         dtype, shape = _original(path, tensor.name, record, ggml_type, shape)
         if n_heads is not None and not _rows_pair_up(shape, n_heads):
             raise FormatError(path, f"tensor {tensor.name!r}: recorded shape {list(shape)} does not fit {n_heads} heads")
-        return name, LazyTensor(dtype, shape, lambda: _load(data, ggml_type, dtype, shape, n_heads), source)
+        return name, LazyTensor(dtype, shape, lambda: _load(mapped, span, ggml_type, dtype, shape, n_heads), source)
     byte_shape = tuple(data.shape)       # gguf's reader gives block data as (rows, bytes per row)
-    qdata = LazyTensor(torch.uint8, byte_shape, lambda: _load(data, ggml_type, torch.uint8, byte_shape, n_heads), source)
+    qdata = LazyTensor(torch.uint8, byte_shape, lambda: _load(mapped, span, ggml_type, torch.uint8, byte_shape, n_heads), source)
     quantized = QuantizedTensor(scheme=ggml_type.name.lower(), layout="gguf", shape=shape, dtype=torch.float32,
                                 parts={"qdata": qdata}, params={"ggml_type": ggml_type.name}, source=source)
     if options.dequantize:
@@ -291,10 +295,11 @@ def _original(path: Path, name: str, record: dict[str, Any], ggml_type: GGMLQuan
     return dtype, tuple(original)
 
 
-def _load(data: np.ndarray, ggml_type: GGMLQuantizationType, dtype: torch.dtype, shape: tuple[int, ...],
-          n_heads: int | None) -> torch.Tensor:
-    """Copy one tensor out of the memory map and give it its dtype, shape and row order."""
-    stored = torch.from_numpy(np.array(data, copy=True).reshape(-1)).view(_NATIVE.get(ggml_type, torch.uint8))
+def _load(mapped: MappedFile, span: tuple[int, int], ggml_type: GGMLQuantizationType, dtype: torch.dtype,
+          shape: tuple[int, ...], n_heads: int | None) -> torch.Tensor:
+    """One tensor as a view of the file's pages with its dtype, shape and row order (copied only
+    where a cast or llama.cpp's row permutation needs new memory)."""
+    stored = mapped.view(*span, f"tensor at offset {span[0]}").view(_NATIVE.get(ggml_type, torch.uint8))
     if dtype.itemsize == stored.dtype.itemsize:
         tensor = stored.view(torch.uint8).view(dtype)
     else:
@@ -304,12 +309,7 @@ def _load(data: np.ndarray, ggml_type: GGMLQuantizationType, dtype: torch.dtype,
 
 
 def _restore_aliases(path: Path, tensors: dict[str, Any], metadata: dict[str, str]) -> None:
-    try:
-        aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))
-    except json.JSONDecodeError as e:
-        raise FormatError(path, f"the {ALIASES_KEY} entry is not valid JSON") from e
-    if not isinstance(aliases, dict):
-        raise FormatError(path, f"the {ALIASES_KEY} entry must map names to names")
+    aliases = json_object(path, ALIASES_KEY, metadata.get(ALIASES_KEY, "{}"), what="map names to names")
     for alias, target in aliases.items():
         if alias in tensors:
             continue

@@ -17,8 +17,18 @@ de-duplicates initializers, so the state_dict name of every tensor is stored in
 `metadata_props["modelkit.names"]` ({name: {"initializer": ..., "transpose": [1, 0]}}); a tensor
 the exporter folded away is kept as an extra, unused initializer, so reading back is bit-exact.
 `metadata_props` also holds the ArchSpec (`modelkit.arch`), `modelkit.version` and the
-Checkpoint's str->str metadata. Models over 2 GiB keep their weights in `<name>.onnx.data`
-beside the file (ONNX external data); the file itself stays under protobuf's 2 GiB limit.
+Checkpoint's str->str metadata.
+
+Models over 2 GiB keep their weights in `<name>.onnx.data` beside the file (ONNX external data);
+the file itself stays under protobuf's 2 GiB limit.
+
+Quantized checkpoints are written as QDQ weight-only graphs at opset 21: the float model holding
+the dequantized weights is exported, then each quantized weight's initializer is replaced by
+integer (INT8 / UINT8 / INT4 / UINT4), float32 scale and zero point initializers feeding a
+DequantizeLinear node whose output has the old initializer's name (modelkit/qdq.py has the
+mapping). `metadata_props["modelkit.quantized"]` records, per weight, what rebuilds the
+QuantizedTensor bit for bit on reading (scheme, layout, shape, dtype, params, encoding, transpose,
+scale dtype, initializer names); its `modelkit.names` entry is `{"quantized": true}`.
 
 Read: the header is walked here without loading tensor data (and without onnx.load, which would
 read every byte): each initializer becomes a LazyTensor reading its bytes from the file or from
@@ -30,6 +40,7 @@ onnxruntime sees it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -50,7 +61,8 @@ import torch
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
-from modelkit import __version__
+from modelkit import __version__, qdq, quantized_layout
+from modelkit._metadata import json_object
 from modelkit._tensors import tensor_bytes
 from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError
@@ -60,6 +72,8 @@ from modelkit.models import MODELS, instantiate, load_model_module
 logger = logging.getLogger(__name__)
 
 OPSET = 20                          # torch.onnx's default; onnxruntime >= 1.17 runs it
+QDQ_OPSET = 21                      # quantized weights: DequantizeLinear's block_size and INT4/UINT4 arrived in 21
+QDQ_ACCURACY_LEVEL = "session.qdq_matmulnbits_accuracy_level"   # onnxruntime session config key
 NAMES_KEY = "modelkit.names"        # state_dict name -> {"initializer": name, "transpose": perm}
 VERSION_KEY = "modelkit.version"
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24   # weights above this go to external data (protobuf caps a file at 2 GiB)
@@ -78,6 +92,9 @@ _DTYPES: dict[int, torch.dtype] = {
     TensorProto.FLOAT8E4M3FNUZ: torch.float8_e4m3fnuz, TensorProto.FLOAT8E5M2FNUZ: torch.float8_e5m2fnuz,
 }
 _ONNX_TYPES: dict[torch.dtype, int] = {v: k for k, v in _DTYPES.items()}
+# 4-bit types (opset 21): raw data packs two values a byte, the first in the low nibble; read as
+# one int8 / uint8 value per element.
+_PACKED4: dict[int, torch.dtype] = {TensorProto.INT4: torch.int8, TensorProto.UINT4: torch.uint8}
 
 
 class _Wire(IntEnum):
@@ -164,6 +181,7 @@ class _Initializer:
     offset: int
     length: int
     typed: bool = False          # offset/length span the whole TensorProto: parse it with onnx
+    packed4: bool = False        # INT4 / UINT4: two values a byte, loaded unpacked as `dtype`
 
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
@@ -174,7 +192,11 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     except _Malformed as e:
         raise FormatError(path, f"not a readable ONNX file ({e})") from e
     names = metadata.pop(NAMES_KEY, None)
-    tensors = _named_tensors(path, initializers, names)
+    record = metadata.pop(quantized_layout.QUANTIZED_KEY, None)
+    quantized, claimed = _quantized_tensors(path, initializers, record) if record is not None else ({}, set())
+    if quantized and names is None:
+        raise FormatError(path, f"it has a {quantized_layout.QUANTIZED_KEY} entry but no {NAMES_KEY} entry")
+    tensors = _named_tensors(path, initializers, names, quantized, claimed)
     arch_json = metadata.pop(ARCH_KEY, None)
     arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
     return Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
@@ -237,26 +259,28 @@ def _initializer(buf: Any, path: Path, start: int, end: int) -> _Initializer:
     if not name:
         raise _Malformed("an initializer has no name (ONNX requires one)")
     label = repr(name)
-    dtype = _DTYPES.get(data_type)
+    packed4 = data_type in _PACKED4
+    dtype = _PACKED4.get(data_type) or _DTYPES.get(data_type)
     if dtype is None:
         kind = TensorProto.DataType.Name(data_type) if data_type in TensorProto.DataType.values() else data_type
         raise _Malformed(f"initializer {label} has element type {kind}, which torch cannot hold")
     if any(d < 0 for d in dims):
         raise _Malformed(f"initializer {label} has negative dims {dims}")
-    nbytes = math.prod(dims) * dtype.itemsize
+    nbytes = (math.prod(dims) + 1) // 2 if packed4 else math.prod(dims) * dtype.itemsize
     shape = tuple(dims)
     if location == TensorProto.EXTERNAL or external:
         file, offset, length = _external(path, name, external, nbytes)
-        return _Initializer(name, dtype, shape, file, offset, length)
+        return _Initializer(name, dtype, shape, file, offset, length, packed4=packed4)
     if raw is not None:
         if raw[1] - raw[0] != nbytes:
-            raise _Malformed(f"initializer {label} has {raw[1] - raw[0]} bytes of data; {dtype} {dims} needs {nbytes}")
-        return _Initializer(name, dtype, shape, path, raw[0], nbytes)
-    if math.prod(dims) > end - start:  # every typed value takes at least one byte
+            kind = "4-bit" if packed4 else str(dtype)
+            raise _Malformed(f"initializer {label} has {raw[1] - raw[0]} bytes of data; {kind} {dims} needs {nbytes}")
+        return _Initializer(name, dtype, shape, path, raw[0], nbytes, packed4=packed4)
+    if math.prod(dims) > 2 * (end - start):  # every typed value takes at least half a byte
         raise _Malformed(f"initializer {label} claims {math.prod(dims)} values in a {end - start}-byte message")
     if math.prod(dims) and not typed:
         raise _Malformed(f"initializer {label} has no data")
-    return _Initializer(name, dtype, shape, path, start, end - start, typed=True)
+    return _Initializer(name, dtype, shape, path, start, end - start, typed=True, packed4=packed4)
 
 
 def _external(path: Path, name: str, info: dict[str, str], nbytes: int | None) -> tuple[Path, int, int]:
@@ -293,19 +317,23 @@ def _data_file(path: Path, location: str, name: str) -> Path:
     return target
 
 
-def _named_tensors(path: Path, initializers: dict[str, _Initializer], names_json: str | None) -> dict[str, LazyTensor]:
+def _named_tensors(path: Path, initializers: dict[str, _Initializer], names_json: str | None,
+                   quantized: dict[str, QuantizedTensor], claimed: set[str]) -> dict[str, LazyTensor | QuantizedTensor]:
+    """The state_dict names in their order; a `{"quantized": true}` entry takes its tensor from `quantized`,
+    and no other entry may name an initializer of `claimed` (the quantized tensors' parts)."""
     if names_json is None:  # not written by modelkit: the initializers as they are named
         return {name: _lazy(init) for name, init in initializers.items()}
-    try:
-        names = json.loads(names_json)
-    except json.JSONDecodeError as e:
-        raise FormatError(path, f"the {NAMES_KEY} entry is not valid JSON ({e})") from e
-    if not isinstance(names, dict):
-        raise FormatError(path, f"the {NAMES_KEY} entry must map state_dict names to initializers")
-    tensors = {}
+    names = json_object(path, NAMES_KEY, names_json, what="map state_dict names to initializers")
+    tensors: dict[str, LazyTensor | QuantizedTensor] = {}
     for name, entry in names.items():
+        if entry == {"quantized": True}:
+            if name not in quantized:
+                raise FormatError(path, f"{NAMES_KEY} says {name!r} is quantized, but the "
+                                        f"{quantized_layout.QUANTIZED_KEY} entry does not describe it")
+            tensors[name] = quantized[name]
+            continue
         source = entry.get("initializer") if isinstance(entry, dict) else None
-        init = initializers.get(source) if isinstance(source, str) else None
+        init = initializers.get(source) if isinstance(source, str) and source not in claimed else None
         if init is None:
             raise FormatError(path, f"{NAMES_KEY} maps {name!r} to {source!r}, which is not an initializer in the file")
         perm = entry.get("transpose")
@@ -318,7 +346,83 @@ def _named_tensors(path: Path, initializers: dict[str, _Initializer], names_json
         shape = tuple(init.shape[p] for p in perm)
         tensors[name] = LazyTensor(init.dtype, shape, lambda init=init, perm=perm: _load(init).permute(perm).contiguous(),
                                    f"{init.file}:{name}")
+    missing = sorted(set(quantized) - set(tensors))
+    if missing:
+        raise FormatError(path, f"quantized tensor {missing[0]!r} is not among the {NAMES_KEY} entries")
     return tensors
+
+
+# Roles of DequantizeLinear's inputs -> suffix of their initializers' names (onnxruntime's quantizer's names).
+_QDQ_SUFFIXES = {"data": "_quantized", "scale": "_scale", "zero_point": "_zero_point"}
+
+
+def _quantized_tensors(path: Path, initializers: dict[str, _Initializer],
+                       raw: str) -> tuple[dict[str, QuantizedTensor], set[str]]:
+    """QuantizedTensors from the "modelkit.quantized" record, and the initializers they claim. Each part
+    is decoded from DequantizeLinear's integer, scale and zero point initializers when it is loaded;
+    every field of the record is checked first."""
+    record = quantized_layout.parse_record(path, raw)
+    claimed: set[str] = set()
+    tensors = {}
+    for name, info in record.items():
+        bad = functools.partial(_bad_record, path, name)
+        transpose = info.get("transpose")
+        if transpose not in (None, [1, 0]):
+            raise bad(f"transpose {transpose!r} is not [1, 0]")
+        try:
+            layout = qdq.layout(info["scheme"], info["layout"], tuple(info["shape"]), info["params"],
+                                transposed=transpose is not None)
+        except UnsupportedConversionError as e:
+            raise bad(e.reason) from e
+        if info.get("encoding") != layout.encoding:
+            raise bad(f"encoding {info.get('encoding')!r} does not fit its layout and params ({layout.encoding})")
+        # affine scales come back in their stored dtype; GGUF's d is always f16 inside the block bytes
+        scale_dtype = quantized_layout.LOGICAL_DTYPES.get(info.get("scale_dtype") if layout.encoding == "affine" else "float16")
+        if scale_dtype is None:
+            raise bad(f"scale_dtype {info.get('scale_dtype')!r} is not one of {', '.join(quantized_layout.LOGICAL_DTYPES)}")
+        inputs = _qdq_inputs(layout)
+        if set(info["parts"]) != set(inputs):
+            raise bad(f"parts {sorted(info['parts'])} are not the DequantizeLinear inputs {sorted(inputs)}")
+        found = {}
+        for role, stored in info["parts"].items():
+            init = initializers.get(stored)
+            if init is None or stored in claimed:
+                raise bad(f"{role} names {stored!r}, which is missing or belongs to another tensor")
+            if (init.dtype, init.packed4, init.shape) != inputs[role]:
+                raise bad(f"{role} {stored!r} is not {_describe_input(*inputs[role])}")
+            claimed.add(stored)
+            found[role] = init
+        parts = {part: LazyTensor(dtype, shape, functools.partial(_decode_part, path, name, part, layout, scale_dtype, found),
+                                  f"{path}:{found['data'].name}")
+                 for part, (dtype, shape) in qdq.part_specs(layout, scale_dtype).items()}
+        tensors[name] = quantized_layout.quantized_tensor(path, name, info, parts)
+    return tensors, claimed
+
+
+def _bad_record(path: Path, name: str, why: str) -> FormatError:
+    return FormatError(path, f"quantized tensor {name!r}: {why}")
+
+
+def _qdq_inputs(layout: qdq.QDQLayout) -> dict[str, tuple[torch.dtype, bool, tuple[int, ...]]]:
+    """role -> (dtype as loaded, 4-bit, dims) of each DequantizeLinear input the layout has."""
+    data = (torch.int8 if layout.signed else torch.uint8, layout.bits == 4)
+    inputs = {"data": (*data, layout.data_shape), "scale": (torch.float32, False, layout.scale_shape)}
+    if layout.zero_point:
+        inputs["zero_point"] = (*data, layout.scale_shape)
+    return inputs
+
+
+def _describe_input(dtype: torch.dtype, packed4: bool, shape: tuple[int, ...]) -> str:
+    kind = "FLOAT" if dtype == torch.float32 else ("INT" if dtype == torch.int8 else "UINT") + ("4" if packed4 else "8")
+    return f"{kind} {list(shape)}"
+
+
+def _decode_part(path: Path, name: str, part: str, layout: qdq.QDQLayout, scale_dtype: torch.dtype,
+                 found: dict[str, _Initializer]) -> torch.Tensor:
+    try:
+        return qdq.decode_part(part, layout, scale_dtype, lambda role: _load(found[role]))
+    except ValueError as e:
+        raise FormatError(path, f"quantized tensor {name!r}: {e}") from e
 
 
 def _lazy(init: _Initializer) -> LazyTensor:
@@ -337,11 +441,15 @@ def _load(init: _Initializer) -> torch.Tensor:
         raise FormatError(init.file, f"tensor {init.name!r} is cut short: {got} of {init.length} bytes")
     if init.typed:
         try:
-            data = bytearray(numpy_helper.to_array(TensorProto.FromString(bytes(data))).tobytes())
+            array = numpy_helper.to_array(TensorProto.FromString(bytes(data)))
+            data = bytearray((array.astype(str(init.dtype).removeprefix("torch.")) if init.packed4 else array).tobytes())
         except (DecodeError, ValueError, TypeError, IndexError) as e:
             raise FormatError(init.file, f"tensor {init.name!r} has unreadable values ({e})") from e
         if len(data) != math.prod(init.shape) * init.dtype.itemsize:
             raise FormatError(init.file, f"tensor {init.name!r} holds {len(data)} bytes, not {list(init.shape)}")
+    elif init.packed4 and data:
+        values = qdq.unpack4(torch.frombuffer(data, dtype=torch.uint8), math.prod(init.shape), signed=init.dtype == torch.int8)
+        return values.reshape(init.shape)
     if not data:
         return torch.empty(init.shape, dtype=init.dtype)
     return torch.frombuffer(data, dtype=torch.uint8).view(init.dtype).reshape(init.shape)
@@ -411,6 +519,11 @@ def runnable(path: Path, options: ReadOptions = ReadOptions()) -> Callable[..., 
 
     Every tensor of the model (initializers, Constant nodes, subgraphs, functions) is checked
     first: external data must be a file inside the model's folder, with offsets inside it.
+
+    Quantized weights (DequantizeLinear -> MatMul) run as the graph says, in float32:
+    onnxruntime's default fuses them into MatMulNBits that round activations to int8
+    (`session.qdq_matmulnbits_accuracy_level` 4), an approximation of its own; see
+    docs/formats/onnx.md for what that costs.
     """
     import onnxruntime as ort
 
@@ -433,6 +546,7 @@ def runnable(path: Path, options: ReadOptions = ReadOptions()) -> Callable[..., 
     # Loaded from the bytes checked above; external data resolves against the model's own folder.
     session_options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                              str(path.absolute().parent))
+    session_options.add_session_config_entry(QDQ_ACCURACY_LEVEL, "1")      # 1: float32 MatMulNBits
     try:
         session = ort.InferenceSession(data, session_options, providers=["CPUExecutionProvider"])
     except _ort_errors() as e:
@@ -483,10 +597,12 @@ class _OrtRunner:
 
 
 def _expected_bytes(tensor: TensorProto) -> int | None:
-    """Bytes the tensor's dtype and dims need; None for types torch lacks (4-bit, strings)."""
+    """Bytes the tensor's dtype and dims need; None for types torch lacks (strings, 2-bit, ...)."""
     dtype = _DTYPES.get(tensor.data_type)
     if any(d < 0 for d in tensor.dims):
         raise _Malformed(f"tensor {tensor.name!r} has negative dims {list(tensor.dims)}")
+    if tensor.data_type in _PACKED4:
+        return (math.prod(tensor.dims) + 1) // 2
     return None if dtype is None else math.prod(tensor.dims) * dtype.itemsize
 
 
@@ -533,29 +649,41 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), 
         external_data_threshold: Weights larger than this (bytes, all tensors together) go to
             `<final name>.data` beside the file as ONNX external data. Tests pass 0 to force it.
 
+    Quantized tensors are stored as QDQ weights (opset 21): the float model holding their
+    dequantized values, always rebuilt from the ArchSpec, is exported, then each one's initializer
+    is replaced by its integer, scale and zero point initializers feeding a DequantizeLinear node
+    whose output keeps the initializer's name (`_to_qdq`).
+
     Raises:
-        UnsupportedConversionError: no module and no ArchSpec ("pass --arch"), quantized tensors,
-            or the exporter or onnx.checker refused the model.
+        UnsupportedConversionError: no module and no ArchSpec ("pass --arch"), quantized tensors
+            no DequantizeLinear computes exactly (q4_1, q5_1), or the exporter or onnx.checker
+            refused the model.
     """
-    quantized = [name for name, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)]
-    if quantized:
-        raise UnsupportedConversionError("quantized checkpoint", "onnx", f"tensor {quantized[0]!r} is quantized "
-                                         f"({ckpt.tensors[quantized[0]].scheme}); dequantize it first")
+    quantized = {name: t for name, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)}
+    for entry in quantized.values():
+        qdq.layout_of(entry, transposed=False)      # refuses what has no DequantizeLinear form, before exporting
     final = Path(options.final_path) if options.final_path is not None else path
+    narrow = {} if quantized else _narrow_weights(ckpt)
     module = options.module
-    if module is None:
+    if module is None or quantized or narrow:
         module = instantiate(ckpt, source="the checkpoint", target="onnx")
         # instantiate loads into the model's own dtype (float32): give every tensor the checkpoint's
-        # dtype and bits again, so a float16 checkpoint exports as a float16 graph.
+        # dtype and bits again, so a float16 checkpoint exports as a float16 graph. 16-bit weights
+        # in a float32 model (fp16 / bf16 schemes) stay float32 here; _cast_up stores them narrow.
         for name, tensor in module.state_dict(keep_vars=True).items():
-            if name in ckpt.tensors and tensor.dtype != ckpt.tensors[name].dtype:
+            if name in ckpt.tensors and tensor.dtype != ckpt.tensors[name].dtype and name not in narrow:
                 tensor.data = ckpt.tensors[name].load().to(tensor.device)
     state = module.state_dict()
     if set(state) != set(ckpt.tensors):
         odd = sorted(set(state) ^ set(ckpt.tensors))
         raise ConfigError(f"the module to export and the checkpoint name different tensors (e.g. {odd[0]!r})")
-    model = _export(module, _example_inputs(module, options.example_inputs))
+    model = _export(module, _example_inputs(module, options.example_inputs), opset=QDQ_OPSET if quantized else OPSET)
     names = _map_names(model.graph, state)
+    if narrow:
+        _cast_up(model.graph, narrow, names, ckpt)
+    if quantized:
+        record = _to_qdq(model.graph, quantized, names, state)
+        model.metadata_props[quantized_layout.QUANTIZED_KEY] = json.dumps(record, separators=(",", ":"))
     model.metadata_props.update(ckpt.metadata)
     if ckpt.arch is not None:
         model.metadata_props[ARCH_KEY] = ckpt.arch.to_json()
@@ -577,7 +705,7 @@ def _example_inputs(module: Any, given: Any) -> tuple[Any, ...]:
     return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in example)
 
 
-def _export(module: Any, inputs: tuple[Any, ...]) -> Any:
+def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET) -> Any:
     """torch.onnx.export (torch.export-based, optimized) -> onnx_ir Model, with named dynamic axes."""
     import torch.export
     import torch.onnx
@@ -591,7 +719,7 @@ def _export(module: Any, inputs: tuple[Any, ...]) -> Any:
     module.eval()
     try:
         with _quiet():
-            program = torch.onnx.export(module, inputs, dynamo=True, opset_version=OPSET, dynamic_shapes=dynamic,
+            program = torch.onnx.export(module, inputs, dynamo=True, opset_version=opset, dynamic_shapes=dynamic,
                                         optimize=True, verbose=False)
     except torch.onnx.OnnxExporterError as e:
         raise UnsupportedConversionError(type(module).__name__, "onnx",
@@ -665,6 +793,145 @@ def _map_names(graph: Any, state: dict[str, torch.Tensor]) -> dict[str, dict[str
         names[name] = {"initializer": new}
         logger.debug("%s: not among the exported initializers; stored as unused initializer %r", name, new)
     return names
+
+
+def _to_qdq(graph: Any, quantized: dict[str, QuantizedTensor], names: dict[str, dict[str, Any]],
+            state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Each quantized weight's float initializer becomes integer, scale (and zero point) initializers
+    feeding DequantizeLinear, whose output takes the initializer's name, so its consumers are unchanged.
+
+    Returns the "modelkit.quantized" record; `names` marks those weights `{"quantized": true}`. A weight
+    whose initializer is unused (the exporter folded it) or already replaced (two weights with the
+    same values) keeps only its initializers; a float tensor that shared a replaced initializer gets
+    its own unused copy, so reading back stays exact.
+    """
+    taken = _value_names(graph)
+    replaced: set[str] = set()
+    record: dict[str, Any] = {}
+    for name, entry in quantized.items():
+        where = names[name]
+        layout = qdq.layout_of(entry, transposed="transpose" in where)
+        inputs = qdq.encode(entry, layout)
+        _check_exact(name, entry, layout, inputs)
+        values = {}
+        for role, tensor in inputs.items():
+            stored = _free_name(name + _QDQ_SUFFIXES[role], taken)
+            taken.add(stored)
+            values[role] = _qdq_value(stored, tensor, layout.bits if role != "scale" else 32)
+            graph.register_initializer(values[role])
+        if where["initializer"] not in replaced:
+            old = graph.initializers.pop(where["initializer"])
+            if old.uses():
+                output = _dequantize(graph, name, entry, layout, values)
+                old.replace_all_uses_with(output)
+                output.name = old.name
+            replaced.add(old.name)
+        record[name] = {**quantized_layout.describe(name, entry, target="onnx"), "encoding": layout.encoding,
+                        "parts": {role: value.name for role, value in values.items()},
+                        **({"transpose": [1, 0]} if layout.transposed else {}),
+                        **({"scale_dtype": str(entry.parts["scale"].dtype).removeprefix("torch.")}
+                           if "scale" in entry.parts else {})}
+        names[name] = {"quantized": True}
+    for name, where in names.items():
+        if where.get("initializer") in replaced:       # a float tensor with the same bytes: its own copy
+            copy = _free_name(name, taken)
+            graph.register_initializer(_ir_value(copy, state[name].detach().cpu()))
+            taken.add(copy)
+            names[name] = {"initializer": copy}
+    return record
+
+
+def _narrow_weights(ckpt: Checkpoint) -> dict[str, torch.dtype]:
+    """16-bit float tensors of a checkpoint that also holds float32 ones (the fp16 / bf16 schemes:
+    weights narrow, biases and norms float32): exported as float32, then stored narrow."""
+    floats = {name: t.dtype for name, t in ckpt.tensors.items() if t.dtype.is_floating_point}
+    if torch.float32 not in floats.values():
+        return {}
+    return {name: dtype for name, dtype in floats.items() if dtype in (torch.float16, torch.bfloat16)}
+
+
+def _cast_up(graph: Any, narrow: dict[str, torch.dtype], names: dict[str, dict[str, Any]], ckpt: Checkpoint) -> None:
+    """Each 16-bit weight's float32 initializer becomes the 16-bit initializer feeding a Cast to
+    float32 that takes the old name, so the graph computes what the torch model computes (the
+    weight cast up, exactly) and the file holds the 16-bit values; `names` points at them."""
+    import onnx_ir as ir
+    from onnx_ir.convenience import convert_attributes
+
+    taken = _value_names(graph)
+    for name in narrow:
+        where = names[name]
+        perm = where.get("transpose")
+        tensor = ckpt.tensors[name].load().detach().cpu()
+        if perm:                                         # stored = tensor laid out as the initializer is
+            tensor = tensor.permute([perm.index(i) for i in range(len(perm))])
+        stored = _free_name(f"{name}_{str(tensor.dtype).removeprefix('torch.')}", taken)
+        taken.add(stored)
+        value = _ir_value(stored, tensor.contiguous())
+        graph.register_initializer(value)
+        old = graph.initializers.get(where["initializer"])
+        if old is not None and old.uses() and old.const_value is not None and old.const_value.dtype == ir.DataType.FLOAT:
+            graph.initializers.pop(old.name)
+            cast = ir.Node("", "Cast", [value], convert_attributes({"to": ir.DataType.FLOAT}), name=f"{name}/Cast")
+            output = cast.outputs[0]
+            output.type, output.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape(tensor.shape)
+            if graph.num_nodes():
+                graph.insert_before(graph.node(0), [cast])
+            else:
+                graph.append(cast)
+            old.replace_all_uses_with(output)
+            output.name = old.name
+        names[name] = {"initializer": stored, **({"transpose": perm} if perm else {})}
+
+
+def _check_exact(name: str, entry: QuantizedTensor, layout: qdq.QDQLayout, inputs: dict[str, torch.Tensor]) -> None:
+    """The parts rebuilt from the DequantizeLinear inputs must be the parts, bit for bit."""
+    scale_dtype = entry.parts["scale"].dtype if "scale" in entry.parts else torch.float16
+    specs = qdq.part_specs(layout, scale_dtype)
+    for part in sorted(set(specs) | set(entry.parts)):
+        same = part in specs and part in entry.parts
+        if same:
+            want, got = entry.parts[part].load(), qdq.decode_part(part, layout, scale_dtype, inputs.__getitem__)
+            same = got.dtype == want.dtype and got.shape == want.shape and torch.equal(_bytes_of(got), _bytes_of(want))
+        if not same:
+            raise UnsupportedConversionError(f"quantized tensor {name!r} ({entry.scheme})", "onnx",
+                                             f"its {part!r} part does not come back bit for bit from DequantizeLinear's "
+                                             "inputs; write safetensors or pth instead")
+
+
+def _qdq_value(name: str, tensor: torch.Tensor, bits: int) -> Any:
+    """An initializer for a DequantizeLinear input; 4-bit values packed two per byte (INT4 / UINT4)."""
+    import onnx_ir as ir
+
+    if bits != 4:
+        return _ir_value(name, tensor.contiguous())
+    dtype = ir.DataType.INT4 if tensor.dtype == torch.int8 else ir.DataType.UINT4
+    packed = ir.PackedTensor(qdq.pack4(tensor).numpy(), dtype, shape=ir.Shape(tensor.shape), name=name)
+    return ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(dtype), const_value=packed)
+
+
+def _dequantize(graph: Any, name: str, entry: QuantizedTensor, layout: qdq.QDQLayout, values: dict[str, Any]) -> Any:
+    """DequantizeLinear (then Reshape for a blocked N-D weight, Cast for a float16 one) at the top of the graph."""
+    import onnx_ir as ir
+    from onnx_ir.convenience import convert_attributes
+
+    attributes = {"axis": layout.axis, **({"block_size": layout.block_size} if layout.block_size else {})}
+    inputs = [values["data"], values["scale"], *([values["zero_point"]] if "zero_point" in values else [])]
+    nodes = [ir.Node("", "DequantizeLinear", inputs, convert_attributes(attributes), name=f"{name}/DequantizeLinear")]
+    if layout.data_shape != layout.output_shape:            # dequantized as the (rows, cols) matrix
+        target = _ir_value(f"{name}/shape", torch.tensor(layout.output_shape, dtype=torch.int64))
+        graph.register_initializer(target)
+        nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], target], name=f"{name}/Reshape"))
+    if entry.dtype != torch.float32:                        # computed in float32, as modelkit dequantizes
+        to = convert_attributes({"to": ir.DataType(_ONNX_TYPES[entry.dtype])})
+        nodes.append(ir.Node("", "Cast", [nodes[-1].outputs[0]], to, name=f"{name}/Cast"))
+    output = nodes[-1].outputs[0]
+    output.type = ir.TensorType(ir.DataType(_ONNX_TYPES[entry.dtype]))
+    output.shape = ir.Shape(layout.output_shape)
+    if graph.num_nodes():
+        graph.insert_before(graph.node(0), nodes)
+    else:
+        graph.extend(nodes)
+    return output
 
 
 def _digest(data: Any) -> bytes:

@@ -17,6 +17,11 @@ metadata ride in the OrderedDict's `_metadata` attribute (where `Module.state_di
 per-module versions) under the key `__modelkit__`; `load_state_dict` only looks that dict up by
 module prefix, and no module prefix is `__modelkit__` in practice.
 
+Quantized weights (QuantizedTensor) are stored as their parts under compressed-tensors' names
+(`N` int8, `N_packed`, `N_scale`, `N_zero_point`), described by the "modelkit.quantized" record
+in that same metadata entry: modelkit/quantized_layout.py, shared with safetensors. Reading
+puts them back together, still with `weights_only=True` (the parts are plain tensors).
+
 Reading never unpickles arbitrary code: `torch.load(weights_only=True)` with mmap for zip files
 (tensors stay views into the mapped file until touched). Whole-module pickles need `trust`.
 """
@@ -35,7 +40,8 @@ from typing import IO, Any
 
 import torch
 
-from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint, QuantizedTensor
+from modelkit import quantized_layout
+from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 
@@ -131,7 +137,8 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         arch = arch_spec(obj) if type(obj).arch in MODELS else None
     tensors = _check_tensors(path, state, options.key)
     _hint_prefix(path, tensors)
-    return Checkpoint.from_state_dict(tensors, arch=arch, metadata={**metadata, **notes})
+    ckpt = Checkpoint.from_state_dict(tensors, arch=arch, metadata={**metadata, **notes})
+    return quantized_layout.group(path, ckpt)
 
 
 def _layout(path: Path) -> bool:
@@ -455,12 +462,9 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     torch.save pickles every tensor before it writes any storage, so this holds the whole model
     in memory (tensors that are mmap views, as from another .pt file, stay in the page cache).
     """
+    ckpt, _ = quantized_layout.flatten(ckpt, target="pth")   # quantized weights as their parts + a record
     aliases = _aliases(ckpt)
     state: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for name, entry in ckpt.tensors.items():
-        if isinstance(entry, QuantizedTensor):
-            raise UnsupportedConversionError("quantized checkpoint", "pth",
-                                             f"tensor {name!r} is quantized ({entry.scheme}); dequantize it first")
     for name, entry in ckpt.tensors.items():
         target = aliases.get(name)
         if target in state:                         # tied: the same tensor object, saved once

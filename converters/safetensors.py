@@ -19,8 +19,9 @@ Quantized tensors (QuantizedTensor) are stored as their parts, named after compr
 two per byte, low nibble first, or GGUF block bytes), or `N` itself as int8 for 8-bit values
 (compressed-tensors' "int-quantized"), `N_scale` and `N_zero_point`. The metadata entry
 "modelkit.quantized" (JSON: N -> scheme, layout, shape, dtype, params and part -> stored name)
-is what reading uses to put them back together; "quantization_config" holds the same facts in
-compressed-tensors' config shape for other tools to read. See docs/quantizers/safetensors.md.
+is what reading uses to put them back together (modelkit/quantized_layout.py, shared with pth);
+"quantization_config" holds the same facts in compressed-tensors' config shape for other tools
+to read. See docs/quantizers/safetensors.md.
 
 Reading is lazy: the header gives names, dtypes and shapes; each tensor's bytes are read when
 asked for. Writing streams: the header is computed from the specs, then each tensor is read
@@ -29,7 +30,6 @@ and written in turn, so peak memory is one tensor, not the model.
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from modelkit import quantized_layout
+from modelkit._mapped import MappedFile
+from modelkit._metadata import json_object
 from modelkit._tensors import SAFETENSORS_CODES, SAFETENSORS_DTYPES, tensor_bytes
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import FormatError, UnsupportedConversionError
@@ -66,32 +69,19 @@ def detect(path: Path) -> bool:
 
 
 class _File:
-    """A file's tensors as views of one copy-on-write memory map, opened on first use.
-
-    The views are backed by the file's pages (page cache), not by process memory, so writing a
-    converted copy of a large file holds about nothing beyond the page cache. Copy-on-write:
-    writing into a returned tensor never touches the file.
-    """
+    """A file's tensors as views of one copy-on-write memory map (modelkit._mapped)."""
 
     def __init__(self, path: Path, offsets: dict[str, tuple[int, int]], data_start: int) -> None:
         self.path = path
         self.offsets = offsets            # name -> (begin, end) within the data section, checked by safe_open
         self.data_start = data_start
-        self._map: mmap.mmap | None = None
+        self._mapped = MappedFile(path)
 
     def get(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         begin, end = self.offsets[name]
         if end == begin:
             return torch.empty(shape, dtype=dtype)
-        if self._map is None:
-            try:
-                with self.path.open("rb") as f:
-                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            except (OSError, ValueError) as e:
-                raise FormatError(self.path, f"cannot map the file for reading ({e})") from e
-        if self.data_start + end > len(self._map):
-            raise FormatError(self.path, f"tensor {name!r} ends past the end of the file (was it truncated?)")
-        flat = torch.frombuffer(self._map, dtype=torch.uint8, count=end - begin, offset=self.data_start + begin)
+        flat = self._mapped.view(self.data_start + begin, end - begin, f"tensor {name!r}")
         return flat.view(dtype).reshape(shape)
 
 
@@ -132,12 +122,7 @@ def _restore_aliases(path: Path, tensors: dict[str, LazyTensor], metadata: dict[
     raw = metadata.get(ALIASES_KEY)
     if raw is None:
         return
-    try:
-        aliases = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise FormatError(path, f"the {ALIASES_KEY} entry is not valid JSON") from e
-    if not isinstance(aliases, dict):
-        raise FormatError(path, f"the {ALIASES_KEY} entry must map names to names")
+    aliases = json_object(path, ALIASES_KEY, raw, what="map names to names")
     for alias, target in aliases.items():
         if not isinstance(target, str) or target not in tensors:
             raise FormatError(path, f"tied tensor {alias!r} points to {target!r}, which is not in the file")
@@ -250,46 +235,16 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
 
 # --------------------------------------------------------------------------- quantized tensors
 
-QUANTIZED_KEY = "modelkit.quantized"        # N -> {scheme, layout, shape, dtype, params, parts: {part: stored}}
 QUANT_CONFIG_KEY = "quantization_config"    # compressed-tensors' description, for other tools
-_PART_SUFFIXES = {"qdata": "_packed", "scale": "_scale", "zero_point": "_zero_point"}
-_QUANTIZED_LIMIT = 20_000_000               # bytes of the JSON entry; far above any real model's
-_LOGICAL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _stored_part_name(name: str, part: str, entry: QuantizedTensor) -> str:
-    if part == "qdata" and entry.layout == "affine" and int(entry.params.get("bits", 8)) == 8:
-        return name                             # compressed-tensors "int-quantized": int8 under the weight's own name
-    return name + _PART_SUFFIXES.get(part, f"_{part}")
 
 
 def _flatten_quantized(ckpt: Checkpoint) -> Checkpoint:
-    """QuantizedTensors as their stored parts, described in the metadata; other entries unchanged."""
-    if not any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
-        return ckpt
-    tensors: dict[str, LazyTensor] = {}
-    record: dict[str, Any] = {}
-    for name, entry in ckpt.tensors.items():
-        if not isinstance(entry, QuantizedTensor):
-            tensors[name] = entry
-            continue
-        if entry.dtype not in _LOGICAL_DTYPES.values():
-            raise UnsupportedConversionError("quantized checkpoint", "safetensors",
-                                             f"tensor {name!r} dequantizes to {entry.dtype}; expected a float dtype")
-        parts = {}
-        for part, lazy in entry.parts.items():
-            stored = _stored_part_name(name, part, entry)
-            if stored in tensors or (stored != name and stored in ckpt.tensors):
-                raise UnsupportedConversionError("quantized checkpoint", "safetensors",
-                                                 f"part {part!r} of {name!r} would be stored as {stored!r}, which is taken")
-            tensors[stored] = lazy
-            parts[part] = stored
-        record[name] = {"scheme": entry.scheme, "layout": entry.layout, "shape": list(entry.shape),
-                        "dtype": str(entry.dtype).removeprefix("torch."), "params": dict(entry.params), "parts": parts}
-    metadata = dict(ckpt.metadata)
-    metadata[QUANTIZED_KEY] = json.dumps(record, sort_keys=True, separators=(",", ":"))
-    metadata[QUANT_CONFIG_KEY] = json.dumps(_compressed_tensors_config(record), sort_keys=True, separators=(",", ":"))
-    return Checkpoint(tensors, metadata, ckpt.arch)
+    """QuantizedTensors as their stored parts (modelkit.quantized_layout), plus compressed-tensors' config."""
+    ckpt, record = quantized_layout.flatten(ckpt, target="safetensors")
+    if record:
+        ckpt.metadata[QUANT_CONFIG_KEY] = json.dumps(_compressed_tensors_config(record), sort_keys=True,
+                                                     separators=(",", ":"))
+    return ckpt
 
 
 def _compressed_tensors_config(record: dict[str, Any]) -> dict[str, Any]:
@@ -319,67 +274,4 @@ def _compressed_tensors_config(record: dict[str, Any]) -> dict[str, Any]:
 
 def _group_quantized(path: Path, ckpt: Checkpoint) -> Checkpoint:
     """Put QuantizedTensors back together from their stored parts, as the metadata describes them."""
-    raw = ckpt.metadata.get(QUANTIZED_KEY)
-    if raw is None:
-        return ckpt
-    from modelkit.checkpoint import DEQUANTIZERS, LAYOUT_MODULES
-
-    if len(raw) > _QUANTIZED_LIMIT:
-        raise FormatError(path, f"the {QUANTIZED_KEY} entry is {len(raw)} bytes; refusing anything over {_QUANTIZED_LIMIT}")
-    try:
-        record = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise FormatError(path, f"the {QUANTIZED_KEY} entry is not valid JSON ({e})") from e
-    if not isinstance(record, dict):
-        raise FormatError(path, f"the {QUANTIZED_KEY} entry must map tensor names to descriptions")
-    tensors: dict[str, Any] = dict(ckpt.tensors)
-    claimed: set[str] = set()
-    grouped: dict[str, QuantizedTensor] = {}
-    for name, info in record.items():
-        bad = _bad_quantized_entry(info, DEQUANTIZERS.keys() | LAYOUT_MODULES.keys())
-        if bad:
-            raise FormatError(path, f"quantized tensor {name!r}: {bad}")
-        parts = {}
-        for part, stored in info["parts"].items():
-            if stored not in ckpt.tensors or stored in claimed:
-                raise FormatError(path, f"quantized tensor {name!r}: part {part!r} names {stored!r}, which is "
-                                        "missing or belongs to another tensor")
-            claimed.add(stored)
-            parts[part] = ckpt.tensors[stored]
-        grouped[name] = QuantizedTensor(scheme=info["scheme"], layout=info["layout"], shape=tuple(info["shape"]),
-                                        dtype=_LOGICAL_DTYPES[info["dtype"]], parts=parts, params=info["params"],
-                                        source=f"{path}:{name}")
-    for stored in claimed:
-        del tensors[stored]
-    for name in grouped:
-        if name in tensors:
-            raise FormatError(path, f"quantized tensor {name!r} is also stored as a plain tensor")
-    ordered: dict[str, Any] = {}
-    for name, entry in ckpt.tensors.items():             # keep the file's order; a weight sits at its first part
-        if name in tensors:
-            ordered[name] = entry
-        for q_name, q in grouped.items():
-            if q_name not in ordered and any(p is entry for p in q.parts.values()):
-                ordered[q_name] = q
-    metadata = {k: v for k, v in ckpt.metadata.items() if k not in (QUANTIZED_KEY, QUANT_CONFIG_KEY)}
-    return Checkpoint(ordered, metadata, ckpt.arch)
-
-
-def _bad_quantized_entry(info: Any, layouts: Any) -> str | None:
-    """Why a "modelkit.quantized" entry is malformed, or None."""
-    if not isinstance(info, dict):
-        return "its description is not an object"
-    if not isinstance(info.get("scheme"), str) or info.get("layout") not in layouts:
-        return f"unknown layout {info.get('layout')!r} (known: {', '.join(sorted(layouts))})"
-    shape = info.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        return f"shape {shape!r} is not a list of sizes"
-    if info.get("dtype") not in _LOGICAL_DTYPES:
-        return f"dtype {info.get('dtype')!r} is not one of {', '.join(_LOGICAL_DTYPES)}"
-    params = info.get("params")
-    if not isinstance(params, dict) or not all(isinstance(v, (int, float, str, bool)) for v in params.values()):
-        return "params must map names to numbers, strings or booleans"
-    parts = info.get("parts")
-    if not isinstance(parts, dict) or not parts or not all(isinstance(v, str) for v in parts.values()):
-        return "parts must map part names to stored tensor names"
-    return None
+    return quantized_layout.group(path, ckpt, also_drop=(QUANT_CONFIG_KEY,))

@@ -152,20 +152,34 @@ def inspect(path: PathLike, *, format: str | None = None) -> Inspection:
     return Inspection(path, fmt, tensors, metadata, ckpt.arch, size, ckpt.metrics)
 
 
+RUNTIMES = ("torch", "onnxruntime")
+
+
 def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, arch: str | None = None,
-             device: str = "auto") -> dict[str, Any]:
+             device: str = "auto", runtime: str = "torch") -> dict[str, Any]:
     """Evaluate a reference model (a file or a module) on a split of its own data.
 
     Returns the metrics plus "model" and "split": accuracy for classifiers; bits per byte,
     perplexity and the unigram baseline for tinylm. The default split is the model's own
-    (test for classifiers, validation for tinylm).
+    (test for classifiers, validation for tinylm). `runtime="onnxruntime"` runs an ONNX file
+    in an onnxruntime session (CPU) instead of rebuilding the torch module from its weights.
     """
     from torch import nn
 
     from modelkit import distributed, training
     from modelkit.models import load_model_module
 
-    model = path_or_model if isinstance(path_or_model, nn.Module) else load_module(path_or_model, arch=arch)
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
+    if runtime == "onnxruntime":
+        if isinstance(path_or_model, nn.Module) or detect_format(Path(path_or_model)) != "onnx":
+            raise ConfigError(f"{path_or_model}: runtime onnxruntime needs an ONNX file; convert it with "
+                              "modelkit convert SRC model.onnx first")
+        from modelkit.onnx_quantization import session_module
+
+        model, device = session_module(path_or_model), "cpu"
+    else:
+        model = path_or_model if isinstance(path_or_model, nn.Module) else load_module(path_or_model, arch=arch)
     name = getattr(type(model), "arch", None)
     if name is None:
         raise ConfigError(f"{type(model).__name__} is not a reference model; evaluation needs one of its tasks")

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from modelkit import distributed
 from modelkit.checkpoint import Checkpoint
 from modelkit.errors import ConfigError, UnsupportedConversionError
 
@@ -90,8 +91,11 @@ def finetune(model: nn.Module, *, epochs: int, lr: float | None = None, seed: in
 
 
 def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: int = 0, lr: float | None = None,
-               seed: int = 0, device: str = "auto", force: bool = False, progress=None) -> PruneReport:
+               seed: int = 0, device: str = "auto", force: bool = False, progress=None) -> PruneReport | None:
     """Prune the model in `src`, optionally fine-tune it, and save it to `dst` (any format by suffix).
+
+    Under torchrun every rank prunes and fine-tunes (DDP); rank 0 writes `dst` and gets the
+    report, the other ranks get None.
 
     Example:
         >>> from modelkit.quantizers.prune import PruneConfig
@@ -116,6 +120,8 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
     final = tuned or after
     metadata = {PRUNE_KEY: json.dumps({**prune.config_dict(config), "finetune_epochs": finetune_epochs}),
                 "modelkit.metrics": json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})}
+    if not distributed.from_environment().is_main:
+        return None                     # under torchrun only rank 0 writes and reports
     api.save(Checkpoint.from_module(pruned, metadata=metadata), dst, force=force)
     return PruneReport(
         source=str(src), target=str(dst), config=prune.config_dict(config), metric=metric,
@@ -175,16 +181,19 @@ class DistillReport:
         return asdict(self)
 
 
-def distill_file(teacher: PathLike, student: str, out: PathLike, config: Any, *, epochs: int | None = None,
+def distill_file(teacher: PathLike, student: str, out: PathLike, config: Any = None, *, epochs: int | None = None,
                  seed: int = 0, device: str = "auto", baseline: bool = True, force: bool = False,
-                 progress=None) -> DistillReport:
+                 progress=None) -> DistillReport | None:
     """Train a student on the teacher's soft targets; with `baseline`, also the same student from scratch.
+
+    `config` None takes the teacher's model's measured defaults (quantizers.distill.default_config).
+    Under torchrun every rank trains (DDP); rank 0 gets the report, the other ranks get None.
 
     Writes OUT/student/model.safetensors (and OUT/scratch/model.safetensors for the baseline).
     """
     from modelkit import api
     from modelkit.models import load_model_module
-    from modelkit.quantizers.distill import DistillationLoss, config_dict
+    from modelkit.quantizers.distill import DistillationLoss, config_dict, default_config
     from modelkit.training import TrainConfig, train
 
     started = time.perf_counter()
@@ -192,6 +201,7 @@ def distill_file(teacher: PathLike, student: str, out: PathLike, config: Any, *,
     teacher_model = api.load_module(teacher)
     name = _arch_name(teacher_model)
     student_name, student_config = parse_student(student, name)
+    config = config if config is not None else default_config(name)
     task = load_model_module(name).TASK
     recipe = TrainConfig(epochs=epochs, seed=seed, device=device)
     loss = DistillationLoss(teacher_model, config, augment=getattr(task, "augment", None))
@@ -202,6 +212,8 @@ def distill_file(teacher: PathLike, student: str, out: PathLike, config: Any, *,
     if baseline:
         scratch = train(student_name, out / "scratch", config=recipe, model_config=student_config, force=force,
                         progress=progress)
+    if not distributed.from_environment().is_main:
+        return None                     # rank 0 wrote the files (after the loop's last barrier) and reports
     metric, split = task.metric, task.default_split
 
     def summary(path: Path, model: nn.Module | None = None) -> dict[str, Any]:

@@ -225,11 +225,16 @@ def quantize_onnx(src: PathLike, dst: PathLike | None, *, scheme: str, group_siz
     return report
 
 
-def _session_module(path: Path, arch: ArchSpec) -> nn.Module:
-    """An onnxruntime session dressed as the reference model, so the zoo's evaluation runs it."""
+def session_module(path: PathLike, arch: ArchSpec | None = None) -> nn.Module:
+    """An onnxruntime session dressed as the reference model, so the zoo's evaluation runs it.
+
+    `arch` defaults to the ArchSpec stored in the file's metadata_props.
+    """
     from modelkit.formats import load_format
     from modelkit.models import config_from_dict
 
+    path = Path(path)
+    arch = arch or _arch(_load(path), path)
     run = load_format("onnx").runnable(path)
 
     class Session(nn.Module):
@@ -249,7 +254,7 @@ def _check(src: Path, quantized: Path, arch: ArchSpec, scheme: str) -> dict[str,
     from modelkit.models import load_model_module
 
     make = load_model_module(arch.name).example_inputs
-    reference, candidate = _session_module(src, arch), _session_module(quantized, arch)
+    reference, candidate = session_module(src, arch), session_module(quantized, arch)
     worst = 0.0
     for seed, batch in enumerate((1, 4)):
         x = make(batch, seed=seed)
@@ -270,7 +275,7 @@ def _measure(src: Path, quantized: Path, arch: ArchSpec, *, evaluate: bool, late
 
     module = load_model_module(arch.name)
     metric = lat = None
-    float_session, quant_session = _session_module(src, arch), _session_module(quantized, arch)
+    float_session, quant_session = session_module(src, arch), session_module(quantized, arch)
     if evaluate:
         task = module.TASK
         before = (reference or {}).get("metric") or run_evaluate(float_session, arch.name, task.default_split)
@@ -292,4 +297,4 @@ def float_reference(src: PathLike) -> dict[str, Any]:
     src = Path(src)
     arch = _arch(_load(src), src)
     task = load_model_module(arch.name).TASK
-    return {"metric": run_evaluate(_session_module(src, arch), arch.name, task.default_split)}
+    return {"metric": run_evaluate(session_module(src, arch), arch.name, task.default_split)}

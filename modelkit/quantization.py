@@ -22,13 +22,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelkit import schemes
+from modelkit import distributed, schemes
 from modelkit._atomic import atomic_path
 from modelkit.checkpoint import METRICS_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, UnsupportedConversionError
 
 PathLike = str | os.PathLike[str]
 QUANT_KEY = "modelkit.quantization"     # metadata: the scheme's config as JSON (config_to_dict)
+# Largest |torch quantized model - runtime| / max |torch output| accepted when a quantized model
+# is written to a graph format: ONNX (the QDQ graph run with float32 products, converters/onnx.py)
+# or TorchScript (the same torch ops: 0).
+# Weight-only schemes compute the very same weights, so only summation order differs; int8-dynamic
+# rounds activations to int8 in torch, which the QDQ graph (weights only) does not. Measured
+# 2026-11-21 (torch 2.13.0, onnxruntime 1.31.1), max over cnn and tinylm, small test configs and
+# the trained runs/ (docs/formats/onnx.md): weight-only 1.1e-06, int8-dynamic 0.024. Pinned at 9x / 4x.
+RUNTIME_RTOL: dict[str | None, float] = {None: 1e-5, "int8-dynamic": 0.1}
 LATENCY_BATCHES = (1, 64)
 
 
@@ -238,13 +246,14 @@ def _load_float(src: PathLike | nn.Module) -> tuple[nn.Module, dict[str, Any], d
 
 def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str | None = None, force: bool = False,
                    metadata: dict[str, str] | None = None, verify: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Write a quantized model, read it back and check it: the stored tensors bit for bit, and the
-    model rebuilt from the file against `model` on sample inputs (identical outputs expected).
+    """Write a quantized model, read it back and check it: the stored tensors bit for bit, the
+    model rebuilt from the file against `model` on sample inputs (identical outputs expected),
+    and for graph formats the file run by its runtime (within RUNTIME_RTOL).
 
     Returns (target info, verification result).
     """
     from modelkit.conversion import verify_weights
-    from modelkit.formats import ReadOptions, WriteOptions, format_for_output, load_format
+    from modelkit.formats import FORMATS, ReadOptions, WriteOptions, format_for_output, load_format
     from modelkit.testing import assert_same_outputs
 
     dst = Path(dst)
@@ -268,8 +277,22 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
                 inputs = load_model_module(name).example_inputs(3)
                 err = assert_same_outputs(model.cpu().eval(), rebuilt, inputs, atol=0.0)
                 result = {**result, "rebuilt_outputs": "identical", "max_abs_err": err}
+                if FORMATS[fmt].has_graph:          # the file's own runtime runs the graph it holds
+                    run = converter.runnable(tmp, ReadOptions(trust=True))
+                    result["runtime"] = _check_runtime(model, run, inputs, scheme=type(config).scheme, label=str(dst))
         size = tmp.stat().st_size
     return {"path": str(dst), "format": fmt, "bytes": size}, result
+
+
+def _check_runtime(model: nn.Module, run: Callable[..., Any], inputs: Any, *, scheme: str, label: str) -> dict[str, Any]:
+    """A graph file run by its runtime (onnxruntime) against the quantized torch model, within
+    RUNTIME_RTOL[scheme] (default RUNTIME_RTOL[None]) of the largest output."""
+    from modelkit.conversion import verify_outputs
+
+    with torch.no_grad():
+        largest = float(model(inputs).abs().max())
+    rtol = RUNTIME_RTOL.get(scheme, RUNTIME_RTOL[None])
+    return verify_outputs(model, run, [(inputs,)], atol=rtol * largest, label=f"{label} (onnxruntime)")
 
 
 def _as_gguf_blocks(ckpt: Checkpoint) -> Checkpoint:
@@ -288,7 +311,7 @@ def quantize(
     skip: Sequence[str] = (), format: str | None = None, qat: bool = False, epochs: int = 1, lr: float | None = None,
     steps: int | None = None, evaluate: bool = False, latency: bool | None = None, verify: bool = True,
     force: bool = False, reference: dict[str, Any] | None = None, progress: Callable[..., None] | None = None,
-) -> QuantizeReport:
+) -> QuantizeReport | None:
     """Quantize a model file (or module) with one scheme, write it, and measure the cost.
 
     Args:
@@ -306,6 +329,9 @@ def quantize(
         reference: Float metric and latency measured earlier (comparison runs measure them once).
         progress: QAT training progress callback.
 
+    Returns:
+        The report; None on ranks other than 0 when QAT runs under torchrun (rank 0 writes).
+
     Example:
         >>> report = modelkit.quantize("runs/cnn/model.safetensors", "cnn-int8.safetensors",
         ...                            scheme="int8", evaluate=True)                        # doctest: +SKIP
@@ -315,6 +341,13 @@ def quantize(
     if isinstance(src, (str, os.PathLike)) and str(src).endswith(".onnx"):
         from modelkit.onnx_quantization import quantize_onnx
 
+        ignored = [flag for flag, given in (("--qat", qat), ("--epochs", epochs != 1), ("--steps", steps is not None),
+                                            ("--lr", lr is not None), ("--to", format not in (None, "onnx")))
+                   if given]
+        if ignored:
+            raise ConfigError(f"{src}: {', '.join(ignored)} do not apply to ONNX input, which onnxruntime's own "
+                              "quantizer handles; quantize the torch checkpoint for those")
+
         return quantize_onnx(src, dst, scheme=scheme, group_size=group_size, skip=skip, evaluate=evaluate,
                              latency=latency, verify=verify, force=force, reference=reference)
     config = make_config(scheme, group_size=group_size, skip=skip)
@@ -322,6 +355,8 @@ def quantize(
     started = time.perf_counter()
     if qat:
         quantized = train_qat(model, config, epochs=epochs, lr=lr, steps=steps, progress=progress)
+        if not distributed.from_environment().is_main:
+            return None                 # under torchrun every rank trains; rank 0 writes and reports
     else:
         quantized = quantize_module(model, config)
     seconds = time.perf_counter() - started
@@ -395,8 +430,10 @@ def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], fo
     reports = []
     for name in scheme_names:
         fmt = None if suffix == ".onnx" else format
-        reports.append(quantize(src, folder / f"{name}{suffix}", scheme=name, format=fmt, evaluate=evaluate,
-                                force=force, reference=reference, **options))
+        report = quantize(src, folder / f"{name}{suffix}", scheme=name, format=fmt, evaluate=evaluate,
+                                force=force, reference=reference, **options)
+        if report is not None:           # None: a rank other than 0 under torchrun (QAT)
+            reports.append(report)
     return reports
 
 

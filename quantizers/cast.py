@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelkit.checkpoint import LazyTensor, TensorEntry
+from modelkit.errors import ConfigError
 from modelkit.quantizers import _modules
 
 
 @dataclass(frozen=True, kw_only=True)
 class Fp16Config:
-    """Cast weights to IEEE half precision (float16: 10-bit mantissa, range up to 65504).
+    """Cast weights to IEEE half precision (float16: 10 stored mantissa bits, range up to 65504).
 
     Args:
         skip: fnmatch patterns of module names left in float32.
@@ -43,7 +44,7 @@ class Fp16Config:
 
 @dataclass(frozen=True, kw_only=True)
 class Bf16Config(Fp16Config):
-    """Cast weights to bfloat16 (8-bit mantissa, float32's range).
+    """Cast weights to bfloat16 (7 stored mantissa bits, float32's range).
 
     Args:
         skip: fnmatch patterns of module names left in float32.
@@ -61,6 +62,11 @@ class CastModule(nn.Module):
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
+        # forward() below computes what these layers compute only with their default options
+        if getattr(layer, "padding_mode", "zeros") != "zeros":
+            raise ConfigError(f"Conv2d with padding_mode={layer.padding_mode!r} is not supported; skip it")
+        if getattr(layer, "max_norm", None) is not None:
+            raise ConfigError("Embedding with max_norm is not supported; skip it")
         self.kind = type(layer)
         self.register_buffer("stored", layer.weight.detach().to(dtype).clone())
         bias = getattr(layer, "bias", None)

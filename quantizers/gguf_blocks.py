@@ -31,6 +31,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from modelkit._memory import empty_bytes
 from modelkit.checkpoint import DEQUANTIZERS, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, MissingDependencyError
 from modelkit.quantizers import _modules
@@ -262,7 +263,7 @@ def quantize(tensor: torch.Tensor, type_name: str, *, threads: int | None = None
     _check_rows(shape, kind)
     rows = math.prod(shape[:-1])
     blocks = tensor.detach().to("cpu", torch.float32).contiguous().view(-1, BLOCK)   # (rows * nb, 32)
-    out = torch.empty(blocks.shape[0], kind.type_size, dtype=torch.uint8)
+    out = empty_bytes(blocks.shape[0] * kind.type_size).view(blocks.shape[0], kind.type_size)   # huge pages: few faults
     starts = list(range(0, blocks.shape[0], _CHUNK_BLOCKS))
     workers = max(1, min(threads or torch.get_num_threads(), len(starts)))
 

@@ -64,6 +64,17 @@ def test_eval_json(runner, trained_mlp):
     assert doc["schema"] == "modelkit.eval/1" and doc["split"] == "test" and 0 <= doc["accuracy"] <= 1
 
 
+def test_eval_runs_an_onnx_file_in_onnxruntime(runner, trained_mlp, tmp_path):
+    onnx_path = tmp_path / "mlp.onnx"
+    assert runner.invoke(main, ["convert", str(trained_mlp), str(onnx_path)]).exit_code == EXIT_OK
+    torch_run = json.loads(runner.invoke(main, ["eval", str(trained_mlp), "--json"]).stdout)
+    result = runner.invoke(main, ["eval", str(onnx_path), "--runtime", "onnxruntime", "--json"])
+    assert result.exit_code == EXIT_OK, result.output
+    assert json.loads(result.stdout)["accuracy"] == pytest.approx(torch_run["accuracy"], abs=1e-9)
+    refused = runner.invoke(main, ["eval", str(trained_mlp), "--runtime", "onnxruntime"])
+    assert refused.exit_code == EXIT_ERROR and "needs an ONNX file" in refused.output
+
+
 def test_eval_tinylm_reports_bits_per_byte_and_the_baseline(runner, trained_tinylm):
     result = runner.invoke(main, ["eval", str(trained_tinylm)])
     assert result.exit_code == EXIT_OK, result.output

@@ -194,7 +194,8 @@ def test_user_module_without_example_inputs_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_quantized_checkpoint_is_refused_before_writing(tmp_path):
+def test_quantized_tensor_without_a_dequantize_linear_form_is_refused_before_writing(tmp_path):
+    # float "qdata" and no group_size: no DequantizeLinear computes it (real ones: tests/test_quantizers.py)
     ckpt = Checkpoint.from_module(build("mlp", seed=0))
     part = ckpt.tensors["net.0.weight"]
     tensors = dict(ckpt.tensors)

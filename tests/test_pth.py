@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import modelkit
 from modelkit.checkpoint import ALIASES_KEY, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import FormatError, ModelkitError, UnsafeFileError, UnsupportedConversionError
+from modelkit.errors import FormatError, ModelkitError, UnsafeFileError
 from modelkit.formats import ReadOptions, detect_format, load_format
 from modelkit.models import build, config_to_dict, load_model_module
 
@@ -236,13 +236,15 @@ def test_views_of_larger_buffers_store_only_their_own_bytes(tmp_path):
     assert modelkit.load(path).tensors["b"].load().tolist() == list(range(500, 510))
 
 
-def test_quantized_tensors_are_refused_before_writing(tmp_path):
-    part = LazyTensor.of(torch.zeros(2, 2, dtype=torch.int8))
-    scale = LazyTensor.of(torch.ones(1, 1))
+def test_quantized_tensors_are_stored_as_their_parts(tmp_path):
+    part = LazyTensor.of(torch.tensor([[1, -2], [3, 4]], dtype=torch.int8))
+    scale = LazyTensor.of(torch.full((1, 1), 0.5))
     q = QuantizedTensor("int8", "affine", (2, 2), torch.float32, {"qdata": part, "scale": scale}, {"bits": 8})
-    with pytest.raises(UnsupportedConversionError, match="dequantize it first"):
-        modelkit.save(Checkpoint({"w": q}), tmp_path / "q.pt")
-    assert list(tmp_path.iterdir()) == []
+    path = modelkit.save(Checkpoint({"w": q, "b": LazyTensor.of(torch.ones(2))}), tmp_path / "q.pt")
+    assert list(torch.load(path, weights_only=True)) == ["w", "w_scale", "b"]     # compressed-tensors' names
+    back = modelkit.load(path).tensors
+    assert list(back) == ["w", "b"] and isinstance(back["w"], QuantizedTensor) and back["w"].params == {"bits": 8}
+    assert torch.equal(back["w"].parts["qdata"].load(), part.load()) and back["w"].load().tolist() == [[0.5, -1], [1.5, 2]]
 
 
 def _samples(tmp_path_factory):

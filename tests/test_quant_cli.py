@@ -42,7 +42,6 @@ def test_one_scheme_json(runner, small_cnn, tmp_path):
 
 
 def test_comparison_table_and_plot(runner, small_cnn, tmp_path):
-    pytest.importorskip("matplotlib")
     plot = tmp_path / "q.png"
     result = runner.invoke(main, ["quantize", str(small_cnn), str(tmp_path / "out"), "--scheme", "int8,q4_0",
                                   "--scheme", "fp16", "--eval", "--plot", str(plot)])
@@ -120,3 +119,6 @@ def test_onnx_input_through_onnxruntime(runner, small_cnn, tmp_path):
     assert "MatMulNBits" in ops
     ops = {n.op_type for n in onnx.load(str(tmp_path / "q" / "int8-static.onnx")).graph.node}
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    refused = runner.invoke(main, ["quantize", str(model), str(tmp_path / "qat.onnx"), "--scheme", "int4", "--qat"])
+    assert refused.exit_code == EXIT_ERROR and "--qat do not apply to ONNX input" in refused.stderr
+    assert not (tmp_path / "qat.onnx").exists()

@@ -1,4 +1,6 @@
-"""`modelkit demo` (what `make demo` runs): train the zoo, evaluate it, check each bar, summarize."""
+"""`modelkit demo` (what `make demo` runs): train the zoo, evaluate it, check each bar, convert each
+model to every format, quantize cnn and tinylm with a comparison table, and run one compression
+chain (prune, fine-tune, int8, ONNX) on cnn with the metric after each step."""
 from __future__ import annotations
 
 import time
@@ -8,12 +10,20 @@ import click
 
 from modelkit.cli import EXIT_ERROR, json_option
 from modelkit.cli.output import Progress, emit_json, format_metrics, human_bytes, note, table
+from modelkit.cli.quantize import render
 
 # model -> (split, metric, bar, "higher" or "lower" is better): the bars the zoo must reach.
 BARS = {
     "mlp": ("test", "accuracy", 0.95, "higher"),
     "cnn": ("test", "accuracy", 0.96, "higher"),
     "tinylm": ("val", "ratio_to_unigram", 0.55, "lower"),
+}
+
+
+# The comparison tables `make demo` prints (modelkit quantize --eval); QAT is left to bench/quantize.py.
+QUANT_SCHEMES = {
+    "cnn": ("int8", "int8-dynamic", "int4", "gptq", "q8_0", "q4_0", "fp16"),
+    "tinylm": ("q8_0", "q4_0", "int4", "gptq"),
 }
 
 
@@ -42,6 +52,46 @@ def _conversions(results: dict, out: Path) -> list[dict]:
     return rows
 
 
+def _quantization(results: dict, out: Path) -> dict[str, list]:
+    """modelkit quantize --eval on cnn and tinylm, every scheme of QUANT_SCHEMES; one report each."""
+    from modelkit.quantization import compare
+
+    return {name: compare(results[name]["path"], out / name / "quantized", scheme_names=schemes, evaluate=True,
+                          force=True)
+            for name, schemes in QUANT_SCHEMES.items()}
+
+
+def _chain(results: dict, out: Path, seed: int) -> list[dict]:
+    """cnn: structured prune 50% + 10 epochs fine-tune -> int8 -> ONNX, the metric after each step."""
+    from modelkit.api import evaluate, inspect
+    from modelkit.compression import prune_file
+    from modelkit.conversion import convert
+    from modelkit.quantization import quantize
+    from modelkit.quantizers.prune import PruneConfig
+
+    folder = out / "cnn" / "chain"
+    folder.mkdir(parents=True, exist_ok=True)
+    trained, pruned = Path(results["cnn"]["path"]), folder / "pruned.safetensors"
+    int8, onnx = folder / "pruned-int8.safetensors", folder / "pruned-int8.onnx"
+
+    def row(step: str, path: Path, accuracy: float, command: str) -> dict:
+        return {"step": step, "path": str(path), "parameters": inspect(path).num_parameters,
+                "bytes": path.stat().st_size, "accuracy": accuracy, "command": command}
+
+    steps = [row("trained", trained, results["cnn"]["value"], "modelkit train cnn")]
+    report = prune_file(trained, pruned, PruneConfig(method="structured", sparsity=0.5), finetune_epochs=10,
+                        seed=seed, force=True)
+    steps.append(row("structured prune 50% + 10 epochs fine-tune", pruned, report.values["finetuned"],
+                     "modelkit prune --method structured --sparsity 0.5 --finetune-epochs 10"))
+    quantized = quantize(pruned, int8, scheme="int8", evaluate=True, force=True)
+    steps.append(row("int8 (per-channel, symmetric)", int8, quantized.metric["quantized"],
+                     "modelkit quantize --scheme int8"))
+    convert(int8, onnx, force=True)                       # verified: onnxruntime against torch
+    steps.append(row("ONNX (QDQ), run in onnxruntime", onnx, evaluate(onnx, runtime="onnxruntime")["accuracy"],
+                     "modelkit convert pruned-int8.safetensors pruned-int8.onnx"))
+    return steps
+
+
 def _verify_cell(row: dict) -> str:
     if not row["ok"]:
         return f"FAILED: {row['error']}"
@@ -56,9 +106,10 @@ def _verify_cell(row: dict) -> str:
 @click.option("--seed", type=int, default=0, show_default=True)
 @json_option
 def demo(out: str, seed: int, as_json: bool) -> None:
-    """Train mlp, cnn and tinylm, check their bars, convert each to every format, print summaries.
+    """Train mlp, cnn and tinylm, check their bars, convert each to every format, quantize cnn and
+    tinylm with every main scheme, run a prune -> int8 -> ONNX chain on cnn, print summaries.
 
-    Exits 2 if a model misses its bar or a conversion fails. About three minutes on two CPU cores.
+    Exits 2 if a model misses its bar or a conversion fails. About eight minutes on two CPU cores.
 
     \b
     Example:
@@ -83,12 +134,17 @@ def demo(out: str, seed: int, as_json: bool) -> None:
         note(f"   {name} {split}: {format_metrics(result.metrics[split])}")
     note("== converting each model to every format")
     conversions = _conversions(results, Path(out))
+    note("== quantizing cnn and tinylm (modelkit quantize --eval)")
+    quantized = _quantization(results, Path(out))
+    note("== compression chain on cnn: prune, fine-tune, int8, ONNX")
+    chain = _chain(results, Path(out), seed)
     sample = generate(results["tinylm"]["path"], "def ", max_new_bytes=200, temperature=0.7, top_k=20,
                       seed=seed).decode("utf-8", errors="replace")
     ok = all(r["passed"] for r in results.values()) and all(row["ok"] for row in conversions)
     if as_json:
         emit_json({"schema": "modelkit.demo/1", "ok": ok, "models": results, "conversions": conversions,
-                   "sample": "def " + sample})
+                   "quantization": {name: [r.to_dict() for r in reports] for name, reports in quantized.items()},
+                   "chain": chain, "sample": "def " + sample})
     else:
         rows = [(name, f"{r['parameters']:,}", human_bytes(r["file_bytes"]), f"{r['seconds']:.0f}s",
                  f"{r['split']} {r['metric']} {r['value']:.4f}",
@@ -103,6 +159,13 @@ def demo(out: str, seed: int, as_json: bool) -> None:
                          [(r["model"], r["format"], human_bytes(r["bytes"]) if r["ok"] else "-",
                            f"{r['seconds']:.1f}s" if r["ok"] else "-", _verify_cell(r)) for r in conversions],
                          align="llrrl"))
+        for name, reports in quantized.items():
+            click.echo(f"\nmodelkit quantize {results[name]['path']} --eval (CPU latency in ms, float -> quantized):")
+            click.echo(render(reports))
+        click.echo("\ncompression chain on cnn (each step's output is a normal checkpoint):")
+        click.echo(table(["step", "params", "file", "test accuracy", "command"],
+                         [(c["step"], f"{c['parameters']:,}", human_bytes(c["bytes"]), f"{100 * c['accuracy']:.2f}%",
+                           c["command"]) for c in chain], align="lrrrl"))
         click.echo(f"\nmodelkit generate {results['tinylm']['path']} --prompt 'def ' --temperature 0.7 --top-k 20\n"
                    + "def " + sample)
     if not ok:

@@ -12,15 +12,17 @@ from modelkit.cli.output import Progress, emit_json, human_bytes, table
 @click.option("--student", required=True, metavar="ARCH[:CONFIG]",
               help="Student model: the teacher's kind, with a config, e.g. cnn:channels=[8,16],hidden=32 (ARCH alone: a default student).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for student/ (and scratch/) runs.")
-@click.option("--temperature", type=float, default=4.0, show_default=True, help="Softening of both distributions.")
-@click.option("--alpha", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True, help="Weight of the soft targets.")
+@click.option("--temperature", type=float,
+              help="Softening of both distributions (default: 4 for mlp and cnn, 1 for tinylm; measured).")
+@click.option("--alpha", type=click.FloatRange(0.0, 1.0),
+              help="Weight of the soft targets (default: 0.9 for mlp and cnn, 0.5 for tinylm).")
 @click.option("--epochs", type=click.IntRange(1), help="Training epochs (default: the model's own recipe).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True)
 @click.option("--baseline/--no-baseline", default=True, show_default=True, help="Also train the student alone, same epochs and seed.")
 @click.option("--force", is_flag=True, help="Overwrite earlier runs in --out.")
 @json_option
-def distill(teacher: str, student: str, out: str, temperature: float, alpha: float, epochs: int | None, seed: int,
+def distill(teacher: str, student: str, out: str, temperature: float | None, alpha: float | None, epochs: int | None, seed: int,
             device: str, baseline: bool, force: bool, as_json: bool) -> None:
     """Distill TEACHER into a smaller STUDENT and compare it with the student trained alone.
 
@@ -32,12 +34,17 @@ def distill(teacher: str, student: str, out: str, temperature: float, alpha: flo
       modelkit distill --teacher runs/cnn/model.safetensors --student cnn --out runs/cnn-distill
       modelkit distill --teacher runs/tinylm/model.safetensors --student tinylm:num_hidden_layers=2,hidden_size=96 --out runs/lm-small
     """
+    from modelkit.api import load
     from modelkit.compression import distill_file
-    from modelkit.quantizers.distill import DistillConfig
+    from modelkit.quantizers.distill import default_config
 
+    arch = load(teacher).arch
+    config = default_config(arch.name if arch else "", temperature=temperature, alpha=alpha)
     with Progress("distill", enabled=not as_json) as progress:
-        report = distill_file(teacher, student, out, DistillConfig(temperature=temperature, alpha=alpha), epochs=epochs,
+        report = distill_file(teacher, student, out, config, epochs=epochs,
                               seed=seed, device=device, baseline=baseline, force=force, progress=progress)
+    if report is None:                  # a rank other than 0 under torchrun: rank 0 reports
+        return
     if as_json:
         emit_json({"schema": "modelkit.distill/1", "ok": True, **report.to_dict()})
         return

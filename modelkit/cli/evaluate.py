@@ -13,18 +13,22 @@ from modelkit.cli.output import emit_json, format_metrics
               help="Data split (default: test for classifiers, val for tinylm).")
 @click.option("--arch", help="Reference model to rebuild when the file names none.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True)
+@click.option("--runtime", type=click.Choice(["torch", "onnxruntime"]), default="torch", show_default=True,
+              help="onnxruntime: run an ONNX file in an onnxruntime session instead of torch.")
 @json_option
-def eval_command(checkpoint: str, split: str | None, arch: str | None, device: str, as_json: bool) -> None:
+def eval_command(checkpoint: str, split: str | None, arch: str | None, device: str, runtime: str,
+                 as_json: bool) -> None:
     """Evaluate CHECKPOINT: accuracy for mlp/cnn; bits per byte, perplexity and the unigram baseline for tinylm.
 
     \b
     Examples:
       modelkit eval runs/cnn/model.safetensors
       modelkit eval runs/tinylm/model.safetensors --split test --json
+      modelkit eval cnn.onnx --runtime onnxruntime
     """
     from modelkit.api import evaluate
 
-    result = evaluate(checkpoint, split=split, arch=arch, device=device)
+    result = evaluate(checkpoint, split=split, arch=arch, device=device, runtime=runtime)
     if as_json:
         emit_json({"schema": "modelkit.eval/1", "ok": True, "path": checkpoint, **result})
         return

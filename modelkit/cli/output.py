@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -58,13 +59,13 @@ class Progress:
     """Adapts the library's progress(done, total, stats) callback for people watching stderr.
 
     A bar when stderr is a terminal; a line at every tenth of the work otherwise (CI logs);
-    nothing with --json or -q.
+    nothing with --json or -q, nor on ranks other than 0 under torchrun.
     """
 
     def __init__(self, label: str, *, enabled: bool, unit: str = "") -> None:
         self.label = label
         self.unit = unit          # "bytes" shows sizes; "" shows counts
-        self.enabled = enabled and not is_quiet()
+        self.enabled = enabled and not is_quiet() and os.environ.get("RANK", "0") == "0"
         self.tty = sys.stderr.isatty()
         self._bar: Any = None
         self._done = 0

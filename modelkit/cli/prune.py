@@ -48,6 +48,8 @@ def prune(src: str, dst: str, method: str, sparsity: float, scope: str, skip: tu
     with Progress("fine-tune", enabled=not as_json) as progress:
         report = prune_file(src, dst, config, finetune_epochs=finetune_epochs, lr=lr, seed=seed, device=device,
                             force=force, progress=progress)
+    if report is None:                  # a rank other than 0 under torchrun: rank 0 reports
+        return
     if as_json:
         emit_json({"schema": "modelkit.prune/1", "ok": True, **report.to_dict()})
         return

@@ -114,6 +114,9 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int
         else:
             reports = compare(src, dst, scheme_names=names, format=to or "safetensors", evaluate=evaluate,
                               force=force, progress=progress, **options)
+    reports = [r for r in reports if r is not None]
+    if not reports:                     # a rank other than 0 under torchrun: rank 0 writes and reports
+        return
     if plot:
         plot_reports(reports, Path(plot), title=Path(src).name)
     if as_json:

@@ -1,0 +1,163 @@
+"""Quantized tensors in weight containers: stored parts plus one JSON record that puts them back together.
+
+A QuantizedTensor (checkpoint.py) is kept as its parts. For a weight `N`, after
+compressed-tensors (https://github.com/neuralmagic/compressed-tensors), the names vLLM and
+llm-compressor read:
+
+    N               8-bit affine values (int8), under the weight's own name ("int-quantized")
+    N_packed        4-bit affine values two per byte, low nibble first, or GGUF block bytes
+    N_scale         affine scales (rows, groups), or (1, 1) for one per tensor
+    N_zero_point    affine zero points, same shape as the scales (asymmetric only)
+
+The metadata entry "modelkit.quantized" is the record reading uses:
+
+    {N: {"scheme": "int4", "layout": "affine", "shape": [rows, cols], "dtype": "float32",
+         "params": {"bits": 4, "group_size": 32, "symmetric": true},
+         "parts": {"qdata": "N_packed", "scale": "N_scale"}}}
+
+safetensors and pth store exactly this (docs/quantizers/safetensors.md, docs/formats/pth.md);
+ONNX keeps the same record with its own `parts` (the DequantizeLinear inputs) and validates it
+with `parse_record` here. A record comes from a file, so every field is checked before use:
+the layout must be a key of a fixed table in code (a file never names code to import).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modelkit._metadata import json_object
+from modelkit.checkpoint import Checkpoint, LazyTensor, QuantizedTensor
+from modelkit.errors import FormatError, UnsupportedConversionError
+
+QUANTIZED_KEY = "modelkit.quantized"        # N -> {scheme, layout, shape, dtype, params, parts: {part: stored}}
+RECORD_LIMIT = 20_000_000                   # bytes of the JSON entry; far above any real model's
+LOGICAL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_PART_SUFFIXES = {"qdata": "_packed", "scale": "_scale", "zero_point": "_zero_point"}
+
+
+def describe(name: str, entry: QuantizedTensor, *, target: str) -> dict[str, Any]:
+    """The record of one QuantizedTensor without its `parts` (each format names those its own way)."""
+    if entry.dtype not in LOGICAL_DTYPES.values():
+        raise UnsupportedConversionError("quantized checkpoint", target,
+                                         f"tensor {name!r} dequantizes to {entry.dtype}; expected a float dtype")
+    return {"scheme": entry.scheme, "layout": entry.layout, "shape": list(entry.shape),
+            "dtype": str(entry.dtype).removeprefix("torch."), "params": dict(entry.params)}
+
+
+def stored_part_name(name: str, part: str, entry: QuantizedTensor) -> str:
+    """The name part `part` of weight `name` is stored under (compressed-tensors' names)."""
+    if part == "qdata" and entry.layout == "affine" and int(entry.params.get("bits", 8)) == 8:
+        return name                             # compressed-tensors "int-quantized": int8 under the weight's own name
+    return name + _PART_SUFFIXES.get(part, f"_{part}")
+
+
+def flatten(ckpt: Checkpoint, *, target: str) -> tuple[Checkpoint, dict[str, Any]]:
+    """QuantizedTensors as their stored parts, the record in metadata[QUANTIZED_KEY]; other entries unchanged.
+
+    Returns the flat checkpoint and the record (empty, with `ckpt` itself, when nothing is quantized).
+
+    Raises:
+        UnsupportedConversionError: a part's stored name is taken, or a tensor is not float when dequantized.
+    """
+    if not any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
+        return ckpt, {}
+    tensors: dict[str, LazyTensor] = {}
+    record: dict[str, Any] = {}
+    for name, entry in ckpt.tensors.items():
+        if not isinstance(entry, QuantizedTensor):
+            tensors[name] = entry
+            continue
+        info = describe(name, entry, target=target)
+        parts = {}
+        for part, lazy in entry.parts.items():
+            stored = stored_part_name(name, part, entry)
+            if stored in tensors or (stored != name and stored in ckpt.tensors):
+                raise UnsupportedConversionError("quantized checkpoint", target,
+                                                 f"part {part!r} of {name!r} would be stored as {stored!r}, which is taken")
+            tensors[stored] = lazy
+            parts[part] = stored
+        record[name] = {**info, "parts": parts}
+    metadata = dict(ckpt.metadata)
+    metadata[QUANTIZED_KEY] = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    return Checkpoint(tensors, metadata, ckpt.arch), record
+
+
+def parse_record(path: Path, raw: str) -> dict[str, dict[str, Any]]:
+    """The "modelkit.quantized" entry of a file, every description checked; FormatError otherwise."""
+    from modelkit.checkpoint import DEQUANTIZERS, LAYOUT_MODULES
+
+    record = json_object(path, QUANTIZED_KEY, raw, what="map tensor names to descriptions", limit=RECORD_LIMIT)
+    for name, info in record.items():
+        bad = bad_entry(info, DEQUANTIZERS.keys() | LAYOUT_MODULES.keys())
+        if bad:
+            raise FormatError(path, f"quantized tensor {name!r}: {bad}")
+    return record
+
+
+def bad_entry(info: Any, layouts: Any) -> str | None:
+    """Why a "modelkit.quantized" description is malformed, or None."""
+    if not isinstance(info, dict):
+        return "its description is not an object"
+    if not isinstance(info.get("scheme"), str) or info.get("layout") not in layouts:
+        return f"unknown layout {info.get('layout')!r} (known: {', '.join(sorted(layouts))})"
+    shape = info.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return f"shape {shape!r} is not a list of sizes"
+    if info.get("dtype") not in LOGICAL_DTYPES:
+        return f"dtype {info.get('dtype')!r} is not one of {', '.join(LOGICAL_DTYPES)}"
+    params = info.get("params")
+    if not isinstance(params, dict) or not all(isinstance(v, (int, float, str, bool)) for v in params.values()):
+        return "params must map names to numbers, strings or booleans"
+    parts = info.get("parts")
+    if not isinstance(parts, dict) or not parts or not all(isinstance(v, str) for v in parts.values()):
+        return "parts must map part names to stored tensor names"
+    return None
+
+
+def quantized_tensor(path: Path, name: str, info: dict[str, Any], parts: dict[str, LazyTensor]) -> QuantizedTensor:
+    """The QuantizedTensor a checked description and its loaded-on-demand parts make."""
+    return QuantizedTensor(scheme=info["scheme"], layout=info["layout"], shape=tuple(info["shape"]),
+                           dtype=LOGICAL_DTYPES[info["dtype"]], parts=parts, params=info["params"],
+                           source=f"{path}:{name}")
+
+
+def group(path: Path, ckpt: Checkpoint, *, also_drop: tuple[str, ...] = ()) -> Checkpoint:
+    """Put QuantizedTensors back together from their stored parts, as metadata[QUANTIZED_KEY] describes.
+
+    The file's order is kept; a quantized weight takes the place of its first part. `also_drop`
+    names metadata entries removed along with the record (safetensors' compressed-tensors config).
+    A checkpoint without the record is returned as it is.
+    """
+    raw = ckpt.metadata.get(QUANTIZED_KEY)
+    if raw is None:
+        return ckpt
+    record = parse_record(path, raw)
+    tensors: dict[str, Any] = dict(ckpt.tensors)
+    claimed: set[str] = set()
+    grouped: dict[str, QuantizedTensor] = {}
+    for name, info in record.items():
+        parts = {}
+        for part, stored in info["parts"].items():
+            if stored not in ckpt.tensors or stored in claimed or isinstance(ckpt.tensors[stored], QuantizedTensor):
+                raise FormatError(path, f"quantized tensor {name!r}: part {part!r} names {stored!r}, which is "
+                                        "missing or belongs to another tensor")
+            claimed.add(stored)
+            parts[part] = ckpt.tensors[stored]
+        grouped[name] = quantized_tensor(path, name, info, parts)
+    for stored in claimed:
+        del tensors[stored]
+    for name in grouped:
+        if name in tensors:
+            raise FormatError(path, f"quantized tensor {name!r} is also stored as a plain tensor")
+    ordered: dict[str, Any] = {}
+    for name, entry in ckpt.tensors.items():             # keep the file's order; a weight sits at its first part
+        if name in tensors:
+            ordered[name] = entry
+        for q_name, q in grouped.items():
+            if q_name not in ordered and any(p is entry for p in q.parts.values()):
+                ordered[q_name] = q
+    metadata = {k: v for k, v in ckpt.metadata.items() if k != QUANTIZED_KEY and k not in also_drop}
+    return Checkpoint(ordered, metadata, ckpt.arch)
