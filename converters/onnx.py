@@ -47,8 +47,6 @@ import json
 import logging
 import math
 import mmap
-import os
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -997,10 +995,12 @@ def _ir_value(name: str, tensor: torch.Tensor) -> Any:
 
 
 def _save(model: Any, path: Path, final: Path, threshold: int) -> None:
-    """Serialize, with external data beside `final` when the weights exceed `threshold` bytes.
+    """Serialize, with external data `<final name>.data` beside `path` when the weights exceed
+    `threshold` bytes.
 
-    External data is written under a temporary name, checked, then renamed to `<final name>.data`
-    at the end, so an error leaves neither a stray data file nor a damaged old one.
+    The writer is handed `path` inside a temporary folder, under the output's own name
+    (atomic_path with FORMATS["onnx"].companions), so the data file already has the name the
+    model refers to; the rename into place moves both, and an error leaves neither.
     """
     import onnx_ir as ir
 
@@ -1009,30 +1009,17 @@ def _save(model: Any, path: Path, final: Path, threshold: int) -> None:
         ir.save(model, path, format="protobuf")
         _check(path)
         return
-    if path.absolute().parent.resolve() != final.absolute().parent.resolve():
-        raise ConfigError(f"external data goes beside {final}, so write to a temporary name in {final.parent}")
-    data_name = f"{final.name}.data"
-    data_path = final.parent / data_name
+    if path.name != final.name:
+        raise ConfigError(f"a model over {threshold} bytes keeps its weights in {final.name}.data; write it "
+                          "with modelkit.save or modelkit.convert, which stage both files together")
+    data_path = final.with_name(f"{final.name}.data")
     if data_path.exists() and not final.exists():
         raise ConfigError(f"{data_path} exists but {final} does not (another model's data or a leftover); "
                           "remove it or choose another output name")
-    staging = path.parent / f".{data_name}.{uuid.uuid4().hex[:12]}.tmp"
-    try:
-        ir.save(model, path, format="protobuf", external_data=staging.name, size_threshold_bytes=_INLINE_LIMIT,
-                alignment=_ALIGNMENT)
-        _check(path)
-        proto = onnx.load(str(path), load_external_data=False)
-        for tensor in _all_tensors(proto):
-            for entry in tensor.external_data:
-                if entry.key == "location" and entry.value == staging.name:
-                    entry.value = data_name
-        path.write_bytes(proto.SerializeToString())
-        with staging.open("rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(staging, data_path)
-        logger.debug("wrote %d bytes of weights to external data %s", total, data_path)
-    finally:
-        staging.unlink(missing_ok=True)
+    ir.save(model, path, format="protobuf", external_data=f"{final.name}.data", size_threshold_bytes=_INLINE_LIMIT,
+            alignment=_ALIGNMENT)
+    _check(path)
+    logger.debug("wrote %d bytes of weights to external data %s", total, data_path)
 
 
 def _check(path: Path) -> None:

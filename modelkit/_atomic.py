@@ -24,8 +24,14 @@ def check_output(path: Path, *, force: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str], *, force: bool = False) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions: tuple[str, ...] = ()) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success fsync it and rename it to `path`.
+
+    `companions` are suffixes of sidecar files the writer may create next to the output (ONNX
+    external data: ".data"). Then the yielded path has the output's own name inside a temporary
+    folder beside it, so the file can name its sidecars as they will be called; on success each
+    sidecar is renamed into place first and the output last, and a sidecar of an earlier output
+    that this one does not have is removed. On error the temporary folder goes, sidecars and all.
 
     Example:
         >>> with atomic_path("model.safetensors", force=True) as tmp:   # doctest: +SKIP
@@ -33,23 +39,52 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False) -> Iterato
     """
     target = Path(path)
     check_output(target, force=force)
+    if companions:
+        with _atomic_with_companions(target, companions) as tmp:
+            yield tmp
+        return
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600; outputs get the usual permissions
     try:
         yield tmp
-        if tmp.is_dir():
-            raise ModelkitError(f"internal error: {tmp} became a folder")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        if target.is_dir():
-            raise ModelkitError(f"{target} is a folder; choose a file name for the output")
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        _commit(tmp, target)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+@contextlib.contextmanager
+def _atomic_with_companions(target: Path, companions: tuple[str, ...]) -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    tmp = folder / target.name
+    try:
+        yield tmp
+        if not tmp.is_file():
+            raise ModelkitError(f"internal error: the writer left no file at {tmp}")
+        for suffix in companions:
+            sidecar, final = folder / f"{target.name}{suffix}", target.with_name(f"{target.name}{suffix}")
+            if sidecar.is_file():
+                _commit(sidecar, final)
+            elif final.is_file():               # the earlier output's sidecar: not this one's
+                final.unlink()
+        os.chmod(tmp, 0o666 & ~_umask())
+        _commit(tmp, target)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    """fsync `tmp`, rename it over `target`, persist the rename."""
+    if tmp.is_dir():
+        raise ModelkitError(f"internal error: {tmp} became a folder")
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    if target.is_dir():
+        raise ModelkitError(f"{target} is a folder; choose a file name for the output")
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
 
 
 @contextlib.contextmanager

@@ -61,7 +61,7 @@ def save(ckpt: Checkpoint, path: PathLike, *, format: str | None = None, force: 
     """
     path = Path(path)
     fmt = format_for_output(path, format)
-    with atomic_path(path, force=force) as tmp:
+    with atomic_path(path, force=force, companions=FORMATS[fmt].companions) as tmp:
         load_format(fmt).write(ckpt, tmp, WriteOptions(final_path=path))
     return path
 

@@ -207,7 +207,8 @@ def _write_verified(ckpt: Checkpoint, target: Path, fmt: str, options: WriteOpti
     """Write to a temporary name, verify there, then rename into place. Returns (verify, bytes)."""
     converter = load_format(fmt)
     opener = atomic_dir if sharded else atomic_path
-    with opener(target, force=force) as tmp:
+    atomic = {} if sharded else {"companions": FORMATS[fmt].companions}
+    with opener(target, force=force, **atomic) as tmp:
         converter.write(_with_progress(ckpt, progress), tmp, options)
         result = None
         if verify:

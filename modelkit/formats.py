@@ -31,12 +31,14 @@ class FormatInfo:
     extra: str | None = None       # pip extra that brings its dependencies
     has_graph: bool = False        # the file holds the computation, not only weights
     runs_pickle: bool = False      # loading unpickles: scan first, then weights_only=True
+    companions: tuple[str, ...] = ()   # sidecar files a write may add: "<name><suffix>" (atomic_path)
 
 
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
     FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf", extra="gguf"),
     FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5", extra="hdf5"),
-    FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True),
+    FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True,
+               companions=(".data",)),
     FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", runs_pickle=True),
     FormatInfo("safetensors", (".safetensors",),                 "modelkit.converters.safetensors"),
     FormatInfo("torchscript", (".ts", ".pt"),                    "modelkit.converters.torchscript", has_graph=True, runs_pickle=True),

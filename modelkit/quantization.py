@@ -264,7 +264,7 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
         ckpt = _as_gguf_blocks(ckpt)
     converter = load_format(fmt)
     result = None
-    with atomic_path(dst, force=force) as tmp:
+    with atomic_path(dst, force=force, companions=FORMATS[fmt].companions) as tmp:
         converter.write(ckpt, tmp, WriteOptions(final_path=dst))
         if verify:
             written = converter.read(tmp, ReadOptions(trust=True))

@@ -161,7 +161,7 @@ class TiedNet(nn.Module):
 
 def _write(ckpt, final, *, threshold=onnx_format.EXTERNAL_DATA_THRESHOLD, **options):
     """Write as modelkit.save does (temporary name, rename), with write()'s own keyword arguments."""
-    with atomic_path(final) as tmp:
+    with atomic_path(final, companions=(".data",)) as tmp:
         onnx_format.write(ckpt, tmp, WriteOptions(final_path=final, **options), external_data_threshold=threshold)
     return final
 
@@ -231,6 +231,30 @@ def test_failed_external_write_leaves_no_data_file(tmp_path, monkeypatch):
     with pytest.raises(UnsupportedConversionError, match="checker says no"):
         _write(Checkpoint.from_module(build("mlp", seed=0)), tmp_path / "m.onnx", threshold=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_verification_after_an_external_write_leaves_nothing(tmp_path):
+    """The data file is staged with the model: a check failing after write() removes both."""
+    final = tmp_path / "m.onnx"
+    with pytest.raises(RuntimeError, match="outputs differ"), atomic_path(final, companions=(".data",)) as tmp:
+        onnx_format.write(Checkpoint.from_module(build("mlp", seed=0)), tmp, WriteOptions(final_path=final),
+                          external_data_threshold=0)
+        assert (tmp.parent / "m.onnx.data").is_file()
+        raise RuntimeError("outputs differ")        # what a failed verification does
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_replacing_a_model_replaces_or_removes_its_data_file(tmp_path):
+    final = _write(Checkpoint.from_module(build("mlp", seed=0)), tmp_path / "m.onnx", threshold=0)
+    first = (tmp_path / "m.onnx.data").read_bytes()
+    with atomic_path(final, force=True, companions=(".data",)) as tmp:
+        onnx_format.write(Checkpoint.from_module(build("mlp", seed=1)), tmp, WriteOptions(final_path=final),
+                          external_data_threshold=0)
+    assert (tmp_path / "m.onnx.data").read_bytes() != first        # the new model's weights
+    assert torch.equal(modelkit.load(final).tensors["net.0.weight"].load(), build("mlp", seed=1).net[0].weight)
+    with atomic_path(final, force=True, companions=(".data",)) as tmp:                 # now small: inline
+        onnx_format.write(Checkpoint.from_module(build("mlp", seed=2)), tmp, WriteOptions(final_path=final))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
 
 def test_stray_data_file_is_not_overwritten(tmp_path):
