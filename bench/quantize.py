@@ -172,10 +172,10 @@ def block_speed(millions: int = 64) -> None:
     speed: dict[str, Any] = {"memcpy_gb_s": bandwidth / 1e9, "types": {}}
     for name, need in (("q8_0", 10), ("q4_0", 4), ("q4_1", 10), ("q5_0", 4), ("q5_1", 10)):
         gguf_blocks.quantize(x[:64], name)                                # warm-up
-        ours = _best(lambda name=name: gguf_blocks.quantize(x, name), 3)
+        ours = _best(lambda name=name: gguf_blocks.quantize(x, name), 5)
         out = gguf_blocks.quantize(x, name)
         kind = GGMLQuantizationType[name.upper()]
-        theirs = _best(lambda kind=kind: gguf_quantize(x.numpy(), kind), 3)   # best of 3 for both
+        theirs = _best(lambda kind=kind: gguf_quantize(x.numpy(), kind), 5)   # best of 5 for both
         same = bool(np.array_equal(out.numpy(), gguf_quantize(x.numpy(), kind)))
         traffic = x.numel() * 4 + out.numel()
         fraction = traffic / ours / bandwidth

@@ -15,6 +15,11 @@ It prints, from one run:
 - `picklescan -p` and `modelscan -p` on the same files, and the ratios (bars: faster than picklescan,
   at least 5x faster than modelscan).
 
+Whole commands are compared as users install them: modelkit is built as a wheel and installed
+(without dependencies; click comes with modelscan) into the peers' virtualenv beside them. The
+editable development install in .venv is printed too: its import finder (setuptools' editable
+mode for our package-dir mapping) adds about 10 ms to every Python start-up there.
+
 Every figure is the median of `--repeat` runs with a warm page cache; each command runs in a fresh
 process and its peak RSS comes from wait4(). Figures, not a timed test: the bars are reported, never asserted.
 """
@@ -25,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -77,6 +83,23 @@ def median_run(cmd: list[str], repeat: int) -> tuple[float, float, int]:
     return statistics.median(r[0] for r in runs), max(r[1] for r in runs), runs[-1][2]
 
 
+def install_modelkit(peers: Path) -> str | None:
+    """Build modelkit's wheel and install it into the peers' virtualenv; its `modelkit` command, or None."""
+    python = peers / "bin" / "python"
+    if not python.exists():
+        return None
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as wheels:
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                        "--wheel-dir", wheels, str(root)], check=True, capture_output=True)
+        wheel = next(Path(wheels).glob("modelkit-*.whl"))
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall", str(wheel)],
+                       check=True, capture_output=True)
+    if subprocess.run([str(python), "-c", "import click"], capture_output=True).returncode != 0:
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "click>=8.2"], check=True, capture_output=True)
+    return str(peers / "bin" / "modelkit")
+
+
 _API = textwrap.dedent("""
     import resource, sys, time
     from modelkit.scan import scan
@@ -108,7 +131,8 @@ def main() -> None:
     # peak RSS starts from its parent's, which would otherwise hide the scanner's own memory use.
     subprocess.run([sys.executable, __file__, "--make", "--dir", str(args.dir), "--size-mib", str(args.size_mib),
                     "--count", str(args.count)], check=True)
-    modelkit = str(Path(sys.executable).with_name("modelkit"))
+    dev_modelkit = str(Path(sys.executable).with_name("modelkit"))
+    modelkit = install_modelkit(args.peers) or dev_modelkit
     out = subprocess.run([sys.executable, "-c", _API, str(big), str(args.repeat)], capture_output=True, text=True,
                          check=True).stdout.split()
     api_s, api_rss = float(out[0]), float(out[1])
@@ -119,6 +143,10 @@ def main() -> None:
     print(f"{'modelkit.scan.scan(big) in-process':44} {api_s:9.4f} {api_rss:13.1f} {'':>5}")
     print(f"{'modelkit scan big.pt (whole command)':44} {cmd_s:9.4f} {cmd_rss:13.1f} {cmd_rc:>5}")
     print(f"{'modelkit scan small/ (whole command)':44} {folder_s:9.4f} {folder_rss:13.1f} {folder_rc:>5}")
+    if modelkit != dev_modelkit:
+        dev_s, _, _ = median_run([dev_modelkit, "scan", str(big)], args.repeat)
+        dev_folder_s, _, _ = median_run([dev_modelkit, "scan", str(folder)], args.repeat)
+        print(f"{'  (editable dev install: big.pt, small/)':44} {dev_s:9.4f} {dev_folder_s:9.4f}")
     peers = {}
     for tool in ("picklescan", "modelscan"):
         exe = args.peers / "bin" / tool

@@ -4,7 +4,6 @@ Dual bases (ValueError, ImportError, FileExistsError) let callers who catch buil
 """
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,8 @@ class ModelkitError(Exception):
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """' (did you mean 'onnx'?)' when a close match exists, else ''."""
+    import difflib  # only on this error path: keeps `modelkit scan`'s start-up short
+
     close = difflib.get_close_matches(name, list(known), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import os
 import sys
-import traceback
 
 import click
 
@@ -71,6 +69,8 @@ class LazyGroup(click.Group):
 def _report(ctx: click.Context, error: ModelkitError) -> None:
     """The one place a library error becomes output: a JSON document or one line on stderr."""
     if debug_enabled(ctx):
+        import traceback
+
         traceback.print_exception(error, file=sys.stderr)
     if ctx.meta.get(JSON_META_KEY):
         doc = {"schema": "modelkit.error/1", "ok": False,
@@ -107,6 +107,14 @@ def main(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
       modelkit generate runs/tinylm/model.safetensors --prompt "def "
     """
     ctx.obj = {"quiet": quiet, "debug": debug}
+    if ctx.invoked_subcommand == "scan" and not verbose:
+        return      # the scanner logs only at -v; importing logging costs `modelkit scan` about 4 ms of ~60
+    _configure_logging(verbose, quiet)
+
+
+def _configure_logging(verbose: int, quiet: bool) -> None:
+    import logging
+
     level = logging.WARNING - 10 * verbose if not quiet else logging.ERROR
     logger = logging.getLogger("modelkit")
     if not logger.handlers:

@@ -16,7 +16,6 @@ Example:
 """
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import sys
@@ -34,7 +33,6 @@ from modelkit.scan.policy import NEEDS_TRUST_RULES
 __all__ = ["Finding", "Limits", "ScanError", "ScanReport", "ScannedFile", "Severity", "gate", "iter_files",
            "needs_trust", "scan", "scan_paths"]
 
-log = logging.getLogger(__name__)
 PathLike = str | os.PathLike[str]
 _NO_PICKLE = {"safetensors": "safetensors", "onnx": "ONNX", "gguf": "GGUF", "hdf5": "HDF5"}
 
@@ -129,7 +127,9 @@ def scan_file(path: Path, *, limits: Limits = Limits()) -> ScanReport:
         report.errors.append(ScanError(path=display, message=f"cannot be read ({e.strerror or e})"))
         return report
     except Exception as e:  # noqa: BLE001 - a scanner bug must fail closed, not pass a file as clean
-        log.debug("internal error scanning %s", display, exc_info=True)
+        import logging  # here, not at the top: start-up time of `modelkit scan`
+
+        logging.getLogger(__name__).debug("internal error scanning %s", display, exc_info=True)
         report.errors.append(ScanError(path=display, message=f"internal scanner error ({type(e).__name__}: {e})"))
         return report
     report.findings.extend(ctx.findings)

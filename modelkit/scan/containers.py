@@ -400,9 +400,23 @@ def _is_storage(name: str, roots: set[str], storages: set[str]) -> bool:
     return False
 
 
+# Small text records torch writes beside data.pkl and reads as text (never unpickles): "little",
+# "3", a serialization id. Matching ones are skipped instead of being walked as protocol-0 pickles.
+_TORCH_TEXT_RECORDS = frozenset({"byteorder", "version", ".format_version", ".storage_alignment", ".data/version",
+                                 ".data/serialization_id"})
+_TEXT_RECORD = re.compile(rb"(?:little|big|[0-9a-fA-F]{0,64})\s*")
+
+
+def _torch_text_record(content: bytes, name: str, root: str, roots: set[str]) -> bool:
+    return (root in roots and name[len(root) + 1:] in _TORCH_TEXT_RECORDS and len(content) <= 80
+            and _TEXT_RECORD.fullmatch(content) is not None)
+
+
 def _scan_member(content: bytes, name: str, member: str, ctx: Context, roots: set[str], storages: set[str],
                  is_torchscript: bool, kind: str) -> str:
     root = name.split("/", 1)[0]
+    if _torch_text_record(content, name, root, roots):
+        return "other"
     if name.endswith((".pkl", ".debug_pkl")) or looks_like_pickle(content[:2]):
         stream = _scan_pickle(content, 0, len(content), ctx, member, note=not name.endswith(".debug_pkl"))
         if root in roots and stream.pickles:

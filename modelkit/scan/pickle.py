@@ -142,11 +142,12 @@ def _need(pos: int, n: int, end: int) -> None:
 
 
 def _fixed(fmt: str):
-    size = struct.calcsize(fmt)
+    unpack_from, size = struct.Struct(fmt).unpack_from, struct.calcsize(fmt)
 
     def read(buf, pos, end):
-        _need(pos, size, end)
-        return struct.unpack_from(fmt, buf, pos)[0], pos + size
+        if pos + size > end:                    # _need, inlined: this runs for most opcodes
+            raise _Malformed(f"argument of {size} bytes runs past the end of the data", pos)
+        return unpack_from(buf, pos)[0], pos + size
     return read
 
 
@@ -252,6 +253,13 @@ _READERS = {
 }
 
 
+# byte -> (opcode name, argument reader or None); None for bytes that are not opcodes
+_TABLE: list[tuple[str, Any] | None] = [
+    None if code not in _OPS else (_OPS[code][0], None if _OPS[code][1] is None else _READERS[_OPS[code][1]])
+    for code in range(256)
+]
+
+
 # ---------------------------------------------------------------------------------------------
 # The symbolic machine.
 
@@ -328,36 +336,35 @@ class _Walker:
                           "the whole process (modelscan #85)", offset=self.op_at,
                           module=target.module, name=target.name)
 
-    # -- the loop
+    # -- the loop (hot: locals instead of attributes where the steps allow it)
     def run(self) -> PickleResult:
-        limits, buf, end = self.limits, self.buf, self.end
+        limits, buf, end, table, step = self.limits, self.buf, self.end, _TABLE, self.step
+        max_opcodes = limits.max_opcodes
         count = 0
         try:
             while True:
-                if self.pos >= end:
-                    raise _Malformed("data ends before STOP", self.pos)
-                self.op_at = self.pos
+                pos = self.pos
+                if pos >= end:
+                    raise _Malformed("data ends before STOP", pos)
+                self.op_at = pos
                 count += 1
-                if count > limits.max_opcodes:
-                    raise _Limit("scan.limit.opcodes", f"more than {limits.max_opcodes} opcodes", self.pos)
+                if count > max_opcodes:
+                    raise _Limit("scan.limit.opcodes", f"more than {max_opcodes} opcodes", pos)
                 if not count & 0xFFF and time.monotonic() > self.deadline:
-                    raise _Limit("scan.limit.time", f"scan took longer than {limits.seconds:g} s", self.pos)
-                code = buf[self.pos]
-                spec = _OPS.get(code)
+                    raise _Limit("scan.limit.time", f"scan took longer than {limits.seconds:g} s", pos)
+                spec = table[buf[pos]]
                 if spec is None:
-                    raise _Malformed(f"unknown opcode {code:#04x}", self.pos)
-                name, arg_kind = spec
-                self.pos += 1
-                arg = None
-                if arg_kind is not None:
-                    arg, self.pos = _READERS[arg_kind](buf, self.pos, end)
+                    raise _Malformed(f"unknown opcode {buf[pos]:#04x}", pos)
+                name, reader = spec
+                if reader is None:
+                    arg, self.pos = None, pos + 1
+                else:
+                    arg, self.pos = reader(buf, pos + 1, end)
                 if name == "STOP":
                     self.result.value = self.pop()
                     self.result.complete = True
                     break
-                self.step(name, arg)
-                if len(self.meta) > limits.max_depth:
-                    raise _Limit("scan.limit.depth", f"MARK nesting deeper than {limits.max_depth}", self.op_at)
+                step(name, arg)        # steps may move self.pos (FRAME checks it, joblib arrays skip data)
         except _Malformed as e:
             self.sink.add(Severity.DANGEROUS, "pickle.malformed",
                           f"the opcode stream is malformed ({e}); an unpickler runs every opcode before this "
@@ -371,13 +378,27 @@ class _Walker:
 
     def step(self, name: str, arg: Any) -> None:  # noqa: C901 - one branch per opcode family, like the unpickler
         stack = self.stack
-        if name in _PUSH_ARG:
+        if name in _PUSH_ARG:                   # the most frequent families first
             stack.append(arg)
-        elif name in _PUSH_CONST:
-            stack.append(_PUSH_CONST[name]())
+        elif name in _MEMO_PUT:
+            index = len(self.memo) if name == "MEMOIZE" else int(arg)
+            if index < 0 or index >= self.limits.max_memo:
+                raise _Limit("scan.limit.memo", f"memo index {index} beyond {self.limits.max_memo}", self.op_at)
+            self.memo[index] = self.top()
+        elif name in _MEMO_GET:
+            self.memo_get(name, int(arg))
         elif name == "MARK":
             self.meta.append(stack)
             self.stack = []
+            if len(self.meta) > self.limits.max_depth:
+                raise _Limit("scan.limit.depth", f"MARK nesting deeper than {self.limits.max_depth}", self.op_at)
+        elif name in _CONTAINER_OPS:
+            self.containers(name, arg)
+        elif name == "REDUCE":
+            args = self.pop()
+            stack.append(self.call(self.pop(), "REDUCE", args))
+        elif name in _PUSH_CONST:
+            stack.append(_PUSH_CONST[name]())
         elif name in ("GLOBAL", "INST"):
             module, attr = arg
             target = self.on_global(module, attr, name)
@@ -390,9 +411,6 @@ class _Walker:
             attr = self.pop()
             module = self.pop()
             stack.append(self.on_global(module, attr, "STACK_GLOBAL"))
-        elif name == "REDUCE":
-            args = self.pop()
-            stack.append(self.call(self.pop(), "REDUCE", args))
         elif name == "NEWOBJ":
             self.pop()
             stack.append(self.call(self.pop(), "NEWOBJ"))
@@ -412,26 +430,21 @@ class _Walker:
                           f"{name} {arg} names a callable through copyreg's extension registry, which the "
                           "loading process controls; it cannot be resolved from the file", offset=self.op_at)
             stack.append(Obj("extension"))
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            index = len(self.memo) if name == "MEMOIZE" else int(arg)
-            if index < 0 or index >= self.limits.max_memo:
-                raise _Limit("scan.limit.memo", f"memo index {index} beyond {self.limits.max_memo}", self.op_at)
-            self.memo[index] = self.top()
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
-            index = int(arg)
-            if index not in self.memo:
-                self.sink.add(Severity.DANGEROUS, "pickle.memo.missing",
-                              f"{name} {index} reads a memo slot that was never written (scanner-crash "
-                              "bypass, picklescan PR #52)", offset=self.op_at)
-                stack.append(Obj("missing"))
-            else:
-                stack.append(self.memo[index])
         elif name in ("PERSID", "BINPERSID"):
             pid = arg if name == "PERSID" else self.pop()
             self.result.persistent_ids.append(pid)
             stack.append(Obj("persistent"))
         else:
             self.containers(name, arg)
+
+    def memo_get(self, name: str, index: int) -> None:
+        if index not in self.memo:
+            self.sink.add(Severity.DANGEROUS, "pickle.memo.missing",
+                          f"{name} {index} reads a memo slot that was never written (scanner-crash "
+                          "bypass, picklescan PR #52)", offset=self.op_at)
+            self.stack.append(Obj("missing"))
+        else:
+            self.stack.append(self.memo[index])
 
     def build(self, state: Any, target: Any) -> None:
         if isinstance(target, Global):
@@ -552,6 +565,10 @@ _PUSH_ARG = frozenset({
     "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
     "BINUNICODE8", "FLOAT", "BINFLOAT",
 })
+_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
+_MEMO_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_CONTAINER_OPS = frozenset({"TUPLE", "LIST", "DICT", "FROZENSET", "TUPLE1", "TUPLE2", "TUPLE3", "POP", "POP_MARK",
+                            "DUP", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS"})
 _PUSH_CONST = {
     "NONE": lambda: None, "NEWTRUE": lambda: True, "NEWFALSE": lambda: False, "EMPTY_TUPLE": tuple,
     "EMPTY_LIST": PList, "EMPTY_DICT": PDict, "EMPTY_SET": PSet,
