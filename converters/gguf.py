@@ -54,7 +54,7 @@ from gguf import (
 )
 from gguf.quants import dequantize as gguf_dequantize
 
-from modelkit._mapped import MappedFile
+from modelkit._mapped import FileSpan, MappedFile, copy_span
 from modelkit._metadata import json_object
 from modelkit._tensors import dtype_name
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, DEQUANTIZERS, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
@@ -265,7 +265,9 @@ def _entry(path: Path, mapped: MappedFile, tensor: Any, record: dict[str, Any], 
         dtype, shape = _original(path, tensor.name, record, ggml_type, shape)
         if n_heads is not None and not _rows_pair_up(shape, n_heads):
             raise FormatError(path, f"tensor {tensor.name!r}: recorded shape {list(shape)} does not fit {n_heads} heads")
-        return name, LazyTensor(dtype, shape, lambda: _load(mapped, span, ggml_type, dtype, shape, n_heads), source)
+        same_bytes = n_heads is None and dtype.itemsize == _NATIVE[ggml_type].itemsize
+        return name, LazyTensor(dtype, shape, lambda: _load(mapped, span, ggml_type, dtype, shape, n_heads), source,
+                                span=mapped.span(*span) if same_bytes else None)
     byte_shape = tuple(data.shape)       # gguf's reader gives block data as (rows, bytes per row)
     qdata = LazyTensor(torch.uint8, byte_shape, lambda: _load(mapped, span, ggml_type, torch.uint8, byte_shape, n_heads), source)
     quantized = QuantizedTensor(scheme=ggml_type.name.lower(), layout="gguf", shape=shape, dtype=torch.float32,
@@ -368,6 +370,18 @@ DEQUANTIZERS.setdefault("gguf", _dequantize)
 # --------------------------------------------------------------------------------------- write
 
 
+class _SpanData:
+    """What GGUFWriter.write_tensor_data needs of an array (nbytes, tofile), for bytes that go
+    unchanged from a file: copied file to file by modelkit._mapped.copy_span."""
+
+    def __init__(self, span: FileSpan) -> None:
+        self.span = span
+        self.nbytes = span.nbytes
+
+    def tofile(self, out: Any) -> None:
+        copy_span(self.span, out)
+
+
 @dataclass(frozen=True)
 class _Slot:
     """One tensor to write: the Checkpoint entry and how it is stored."""
@@ -380,8 +394,12 @@ class _Slot:
     n_heads: int | None = None          # permute rows for llama.cpp's RoPE
     widen: bool = False                 # f16/bf16 norm stored in F32
 
-    def array(self) -> np.ndarray:
-        """Load the tensor, convert it for storage and return its bytes' numpy view."""
+    def array(self) -> np.ndarray | _SpanData:
+        """Load the tensor, convert it for storage and return its bytes' numpy view (or, for bytes
+        stored unchanged from another file, what copies them there file to file)."""
+        if isinstance(self.entry, LazyTensor) and self.entry.span is not None and self.n_heads is None \
+                and not self.widen and self.entry.dtype.itemsize == self.view.itemsize:
+            return _SpanData(self.entry.span)
         if isinstance(self.entry, QuantizedTensor):
             tensor = self.entry.parts["qdata"].load()
         else:

@@ -38,7 +38,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from modelkit import quantized_layout
-from modelkit._mapped import MappedFile
+from modelkit._mapped import FileSpan, MappedFile, copy_span
 from modelkit._metadata import json_object
 from modelkit._tensors import SAFETENSORS_CODES, SAFETENSORS_DTYPES, tensor_bytes
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
@@ -109,8 +109,9 @@ def _read_file(path: Path, *, group: bool = True) -> Checkpoint:
         dtype = SAFETENSORS_DTYPES.get(code)
         if dtype is None:
             raise FormatError(path, f"tensor {name!r} has dtype {code!r}, which torch cannot hold")
+        begin, end = offsets[name]
         tensors[name] = LazyTensor(dtype, shape, lambda name=name, dtype=dtype, shape=shape: handle.get(name, dtype, shape),
-                                   f"{path}:{name}")
+                                   f"{path}:{name}", span=FileSpan(path, 8 + length + begin, end - begin))
     _restore_aliases(path, tensors, metadata)
     arch_json = metadata.pop(ARCH_KEY, None)
     arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
@@ -199,7 +200,10 @@ def _write_file(path: Path, tensors: dict[str, LazyTensor], metadata: dict[str, 
         out.write(struct.pack("<Q", len(blob)))
         out.write(blob)
         for entry in tensors.values():
-            out.write(tensor_bytes(entry.load()))
+            if entry.span is not None:          # unchanged bytes of a file: copied in the kernel
+                copy_span(entry.span, out)
+            else:
+                out.write(tensor_bytes(entry.load()))
 
 
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:

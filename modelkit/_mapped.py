@@ -1,17 +1,70 @@
-"""Tensors as views of a file's pages: one copy-on-write memory map per file, opened on first use.
+"""Tensors as views of a file's pages, and file-to-file copies of their bytes.
 
-The views are backed by the page cache, not by process memory, so converting a file larger than
-RAM holds about nothing beyond the page cache, and nothing is copied until a tensor is changed.
-Copy-on-write (ACCESS_COPY): writing into a returned tensor never touches the file.
+`MappedFile`: one copy-on-write memory map per file, opened on first use. The views are backed by
+the page cache, not by process memory, so converting a file larger than RAM holds about nothing
+beyond the page cache, and nothing is copied until a tensor is changed. Copy-on-write
+(ACCESS_COPY): writing into a returned tensor never touches the file.
+
+`copy_span`: a tensor whose bytes go to the output unchanged (safetensors -> GGUF F32, safetensors
+-> safetensors, GGUF -> safetensors, ...) is copied with copy_file_range, inside the kernel, as
+`cp` does, instead of through a user-space buffer.
 """
 from __future__ import annotations
 
 import mmap
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from modelkit.errors import FormatError
+
+_CHUNK = 64 << 20           # bytes per read on the fallback path
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """`nbytes` bytes at `offset` in the file at `path`."""
+
+    path: Path
+    offset: int
+    nbytes: int
+
+
+def copy_span(span: FileSpan, out: BinaryIO) -> None:
+    """Append the span's bytes to `out`, an open file (buffered or raw), at its current position.
+
+    copy_file_range first (no user-space copy); where the kernel or filesystem refuses it
+    (another filesystem on old kernels, special files), ordinary reads and writes.
+
+    Raises:
+        FormatError: the source file ends before the span does (truncated since it was opened).
+    """
+    out.flush()
+    fd = out.fileno()
+    done = 0
+    with open(span.path, "rb") as src:
+        if hasattr(os, "copy_file_range"):
+            try:
+                while done < span.nbytes:
+                    n = os.copy_file_range(src.fileno(), fd, span.nbytes - done, span.offset + done)
+                    if n <= 0:
+                        break
+                    done += n
+            except OSError:
+                pass                                    # the rest goes through user space
+        src.seek(span.offset + done)
+        while done < span.nbytes:
+            chunk = src.read(min(span.nbytes - done, _CHUNK))
+            if not chunk:
+                raise FormatError(span.path, "the file ends before a tensor's last byte (was it truncated?)")
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view):]
+            done += len(chunk)
+    out.seek(os.lseek(fd, 0, os.SEEK_CUR))              # the file object's position follows the descriptor's
 
 
 class MappedFile:
@@ -29,6 +82,9 @@ class MappedFile:
             except (OSError, ValueError) as e:
                 raise FormatError(self.path, f"cannot map the file for reading ({e})") from e
         return self._map
+
+    def span(self, offset: int, nbytes: int) -> FileSpan:
+        return FileSpan(self.path, offset, nbytes)
 
     def view(self, offset: int, nbytes: int, what: str = "a tensor") -> torch.Tensor:
         """`nbytes` bytes at `offset` as a uint8 tensor (no copy); FormatError if past the end."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelkit._mapped import FileSpan
 from modelkit.errors import ConfigError, FormatError
 
 ARCH_KEY = "modelkit.arch"          # metadata key holding the ArchSpec as JSON
@@ -90,6 +91,9 @@ class LazyTensor:
     shape: tuple[int, ...]
     reader: Callable[[], torch.Tensor] = field(repr=False)
     source: str = ""                   # where it comes from, for error messages
+    # Where load()'s exact bytes lie in a file, when they do (raw little-endian, contiguous, no
+    # transformation): writers copy such spans file to file in the kernel (modelkit._mapped.copy_span).
+    span: FileSpan | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, tensor: torch.Tensor, *, source: str = "") -> LazyTensor:

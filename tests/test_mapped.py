@@ -1,0 +1,78 @@
+"""File spans: tensors whose bytes go unchanged from one file to another are copied in the kernel."""
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+
+import modelkit
+from modelkit import _mapped
+from modelkit._mapped import FileSpan, copy_span
+from modelkit.checkpoint import Checkpoint
+from modelkit.errors import FormatError
+from modelkit.models import build
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "src.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    return path
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["copy_file_range", "read-write fallback"])
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "raw"])
+def test_copy_span_appends_exactly_the_span(source, tmp_path, monkeypatch, kernel, buffered):
+    if not kernel:
+        def refuse(*args):
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    out_path = tmp_path / "out.bin"
+    with out_path.open("wb", buffering=-1 if buffered else 0) as out:
+        out.write(b"head")
+        copy_span(FileSpan(source, 1000, 5000), out)
+        out.write(b"tail")                          # the file object's position followed the copy
+        assert out.tell() == 4 + 5000 + 4
+    assert out_path.read_bytes() == b"head" + source.read_bytes()[1000:6000] + b"tail"
+
+
+def test_copy_span_of_a_truncated_source_is_a_format_error(source, tmp_path, monkeypatch):
+    monkeypatch.setattr(_mapped, "_CHUNK", 1024)
+    with (tmp_path / "out.bin").open("wb") as out, pytest.raises(FormatError, match="truncated"):
+        copy_span(FileSpan(source, source.stat().st_size - 100, 1000), out)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".gguf"])
+def test_conversions_copy_unchanged_tensors_file_to_file(tmp_path, monkeypatch, suffix):
+    model = build("cnn", {"channels": [4, 8], "hidden": 16}, seed=0)
+    src = modelkit.save(Checkpoint.from_module(model), tmp_path / "src.safetensors")
+    copied = []
+    real = _mapped.copy_span
+
+    def counting(span, out):
+        copied.append(span.nbytes)
+        real(span, out)
+
+    monkeypatch.setattr("modelkit.converters.safetensors.copy_span", counting)
+    monkeypatch.setattr("modelkit.converters.gguf.copy_span", counting)
+    report = modelkit.convert(src, tmp_path / f"out{suffix}")
+    assert report.verify["method"] == "bit-exact"
+    assert sum(copied) == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    back = modelkit.load(tmp_path / f"out{suffix}")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.tensors[name].load(), tensor), name
+
+
+def test_a_cast_is_not_a_span(tmp_path):
+    src = modelkit.save(Checkpoint.from_module(build("mlp", seed=0)), tmp_path / "src.safetensors")
+    out = tmp_path / "half.safetensors"
+    modelkit.convert(src, out, dtype="f16")
+    assert {t.dtype for t in modelkit.load(out).tensors.values()} == {torch.float16}
+    assert all(t.span is not None for t in modelkit.load(src).tensors.values())
+
+
+def test_buffered_position_is_kept_for_io_objects_without_a_descriptor():
+    with pytest.raises(io.UnsupportedOperation):
+        copy_span(FileSpan(__file__, 0, 10), io.BytesIO())       # needs a real file: says so
