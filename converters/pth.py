@@ -31,16 +31,19 @@ import json
 import logging
 import pickletools
 import re
+import struct
+import sys
 import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from modelkit import quantized_layout
+from modelkit._mapped import FileSpan
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
@@ -138,7 +141,47 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     tensors = _check_tensors(path, state, options.key)
     _hint_prefix(path, tensors)
     ckpt = Checkpoint.from_state_dict(tensors, arch=arch, metadata={**metadata, **notes})
+    if is_zip:
+        for name, span in _file_spans(path, tensors).items():
+            ckpt.tensors[name] = replace(ckpt.tensors[name], span=span)
     return quantized_layout.group(path, ckpt)
+
+
+def _file_spans(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, FileSpan]:
+    """Where each tensor's bytes lie in the zip file, for tensors torch.load(mmap=True) left as views of it.
+
+    torch maps the whole file and gives each storage the slice at its record (`<archive>/data/<key>`,
+    stored uncompressed). The mapping's base address is the one that puts every storage exactly at
+    the start of a data record; if no such base exists (byte-swapped or copied tensors), no spans.
+    """
+    try:
+        starts = {}
+        with path.open("rb") as f, zipfile.ZipFile(f) as archive:
+            for info in archive.infolist():
+                if info.compress_type != zipfile.ZIP_STORED or "/data/" not in f"/{info.filename}":
+                    continue
+                f.seek(info.header_offset)
+                local = f.read(30)                      # the local header: its name and extra lengths
+                if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                    return {}
+                name_len, extra_len = struct.unpack("<HH", local[26:30])
+                starts[info.header_offset + 30 + name_len + extra_len] = info.file_size
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return {}
+    if not starts or sys.byteorder != "little":
+        return {}
+    stored = {name: t for name, t in tensors.items() if t.device.type == "cpu" and t.untyped_storage().nbytes()}
+    pointers = {t.untyped_storage().data_ptr() for t in stored.values()}
+    base = min(pointers, default=0) - min(starts)
+    if not pointers or any(p - base not in starts for p in pointers):
+        return {}
+    spans = {}
+    for name, t in stored.items():
+        start = t.untyped_storage().data_ptr() - base
+        offset, nbytes = t.storage_offset() * t.element_size(), t.numel() * t.element_size()
+        if t.is_contiguous() and offset + nbytes <= starts[start]:
+            spans[name] = FileSpan(path, start + offset, nbytes)
+    return spans
 
 
 def _layout(path: Path) -> bool:

@@ -76,3 +76,21 @@ def test_a_cast_is_not_a_span(tmp_path):
 def test_buffered_position_is_kept_for_io_objects_without_a_descriptor():
     with pytest.raises(io.UnsupportedOperation):
         copy_span(FileSpan(__file__, 0, 10), io.BytesIO())       # needs a real file: says so
+
+
+def test_torch_zip_checkpoints_give_spans_for_mapped_tensors(tmp_path):
+    """torch.load(mmap=True) views: spans found from the zip records; views and transposes handled."""
+    state = build("cnn", {"channels": [4, 8], "hidden": 16}, seed=0).state_dict()
+    state["view"] = state["fc1.weight"][2:5]                  # storage offset inside a shared record
+    state["transposed"] = state["fc1.weight"].t()             # not contiguous: no span, still exact
+    state["empty"] = torch.empty(0)
+    torch.save(state, tmp_path / "m.pt")
+    ckpt = modelkit.load(tmp_path / "m.pt")
+    spans = {name for name, t in ckpt.tensors.items() if t.span is not None}
+    assert spans == set(state) - {"transposed", "empty"}
+    modelkit.convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    back = modelkit.load(tmp_path / "m.safetensors")
+    for name, tensor in state.items():
+        assert torch.equal(back.tensors[name].load(), tensor), name
+    torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert all(t.span is None for t in modelkit.load(tmp_path / "legacy.pt").tensors.values())
