@@ -25,6 +25,7 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("torchrun")        # one torchrun job at a time: ports and cores
 @pytest.mark.parametrize("command", ["prune", "quantize"])
 def test_training_commands_under_torchrun_write_and_print_once(trained_mlp, tmp_path, command):
     dst = tmp_path / "out.safetensors"

@@ -116,6 +116,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("torchrun")        # one torchrun job at a time: ports and cores
 def test_ddp_with_two_cpu_processes_reaches_the_cnn_bar(tmp_path):
     out = tmp_path / "ddp"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
