@@ -109,7 +109,7 @@ def demo(out: str, seed: int, as_json: bool) -> None:
     """Train mlp, cnn and tinylm, check their bars, convert each to every format, quantize cnn and
     tinylm with every main scheme, run a prune -> int8 -> ONNX chain on cnn, print summaries.
 
-    Exits 2 if a model misses its bar or a conversion fails. About eight minutes on two CPU cores.
+    Exits 2 if a model misses its bar or a conversion fails. About four minutes on two CPU cores.
 
     \b
     Example:
