@@ -138,14 +138,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.bool:
         return torch.equal(a, b)
     x, y = a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
-    return torch.equal(_widest(x), _widest(y))
+    if _int64_viewable(x) and _int64_viewable(y):      # torch.equal is 5x faster on int64 than on bytes
+        x, y = x.view(torch.int64), y.view(torch.int64)
+    return torch.equal(x, y)
 
 
-def _widest(raw: torch.Tensor) -> torch.Tensor:
-    """uint8 bytes viewed as int64 where size and alignment allow: torch.equal is 5x faster on them."""
-    if raw.numel() % 8 == 0 and raw.storage_offset() % 8 == 0 and raw.data_ptr() % 8 == 0:
-        return raw.view(torch.int64)
-    return raw
+def _int64_viewable(raw: torch.Tensor) -> bool:
+    return raw.numel() % 8 == 0 and raw.storage_offset() % 8 == 0 and raw.data_ptr() % 8 == 0
 
 
 def verify_weights(expected: Checkpoint, written: Checkpoint, *, label: str) -> dict[str, Any]:

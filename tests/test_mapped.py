@@ -94,3 +94,15 @@ def test_torch_zip_checkpoints_give_spans_for_mapped_tensors(tmp_path):
         assert torch.equal(back.tensors[name].load(), tensor), name
     torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
     assert all(t.span is None for t in modelkit.load(tmp_path / "legacy.pt").tensors.values())
+
+
+@pytest.mark.parametrize("offset", [0, 1, 8])
+def test_verification_finds_one_flipped_byte_at_any_alignment(offset):
+    from modelkit.conversion import _same_bits
+
+    raw = torch.arange(64 + offset, dtype=torch.uint8)
+    a = raw[offset:].view(torch.float16) if offset % 2 == 0 else raw[offset:offset + 64].clone().view(torch.float16)
+    b = a.clone()
+    assert _same_bits(a, b)
+    b.view(torch.uint8)[37] ^= 1
+    assert not _same_bits(a, b)
