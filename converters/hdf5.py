@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from modelkit._mapped import FileSpan, copy_span
 from modelkit._tensors import dtype_name
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ModelkitError, UnsupportedConversionError
@@ -478,6 +479,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
             )
         logger.info("%s: no Keras layout written: %s", final, plan)
     aliases = _aliases(ckpt)
+    reserved: list[tuple[int, FileSpan]] = []     # (offset in the new file, where the bytes are now)
     with h5py.File(path, "w", libver=_LIBVER) as f:
         if isinstance(plan, str):
             f.attrs[LAYOUT_ATTR] = "none"
@@ -499,6 +501,11 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
             if name in aliases and not keras:
                 tensors[keys[name]] = tensors[keys[aliases[name]]]     # tied: a hard link, stored once
                 continue
+            if not keras and name not in aliases and _copyable(entry):
+                dataset, offset = _reserve(tensors, keys[name], entry)
+                _set_str_attr(dataset, "dtype", dtype_name(entry.dtype))
+                reserved.append((offset, entry.span))
+                continue
             tensor = entry.load().detach().cpu().contiguous()
             if name in aliases:
                 tensors[keys[name]] = tensors[keys[aliases[name]]]
@@ -509,6 +516,29 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
             if keras:
                 _write_keras_weight(f, plan, name, tensor)
             del tensor
+    with path.open("r+b") as out:                  # HDF5 is closed: fill the reserved bytes, file to file
+        for offset, span in reserved:
+            copy_span(span, out, at=offset)
+
+
+def _copyable(entry: LazyTensor | QuantizedTensor) -> bool:
+    """Bytes stored unchanged from another file, in a dataset HDF5 lays out contiguously."""
+    return isinstance(entry, LazyTensor) and entry.span is not None and len(entry.shape) > 0 and entry.numel > 0
+
+
+def _reserve(group: h5py.Group, name: str, entry: LazyTensor) -> tuple[h5py.Dataset, int]:
+    """A contiguous dataset whose space is allocated now and never filled (its bytes come later
+    from copy_span); returns it and the file offset of its data."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    space = h5py.h5s.create_simple(tuple(entry.shape))
+    dataset = h5py.Dataset(h5py.h5d.create(group.id, name.encode("utf-8"), h5py.h5t.py_create(_BY_TORCH[entry.dtype].numpy), space,
+                                           dcpl=dcpl))
+    offset = dataset.id.get_offset()
+    if offset is None or dataset.id.get_storage_size() != entry.nbytes:
+        raise UnsupportedConversionError("checkpoint", "hdf5", f"HDF5 did not lay out {name!r} contiguously")
+    return dataset, offset
 
 
 def _check_writable(ckpt: Checkpoint) -> dict[str, str]:

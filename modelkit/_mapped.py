@@ -33,8 +33,9 @@ class FileSpan:
     nbytes: int
 
 
-def copy_span(span: FileSpan, out: BinaryIO) -> None:
-    """Append the span's bytes to `out`, an open file (buffered or raw), at its current position.
+def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
+    """Copy the span's bytes into `out`, an open file (buffered or raw): appended at its current
+    position, or written at byte `at` (the file's position then stays where it was).
 
     copy_file_range first (no user-space copy); where the kernel or filesystem refuses it
     (another filesystem on old kernels, special files), ordinary reads and writes.
@@ -49,7 +50,8 @@ def copy_span(span: FileSpan, out: BinaryIO) -> None:
         if hasattr(os, "copy_file_range"):
             try:
                 while done < span.nbytes:
-                    n = os.copy_file_range(src.fileno(), fd, span.nbytes - done, span.offset + done)
+                    target = None if at is None else at + done
+                    n = os.copy_file_range(src.fileno(), fd, span.nbytes - done, span.offset + done, target)
                     if n <= 0:
                         break
                     done += n
@@ -62,9 +64,11 @@ def copy_span(span: FileSpan, out: BinaryIO) -> None:
                 raise FormatError(span.path, "the file ends before a tensor's last byte (was it truncated?)")
             view = memoryview(chunk)
             while view:
-                view = view[os.write(fd, view):]
+                n = os.write(fd, view) if at is None else os.pwrite(fd, view, at + done + len(chunk) - len(view))
+                view = view[n:]
             done += len(chunk)
-    out.seek(os.lseek(fd, 0, os.SEEK_CUR))              # the file object's position follows the descriptor's
+    if at is None:
+        out.seek(os.lseek(fd, 0, os.SEEK_CUR))          # the file object's position follows the descriptor's
 
 
 class MappedFile:

@@ -106,3 +106,25 @@ def test_verification_finds_one_flipped_byte_at_any_alignment(offset):
     assert _same_bits(a, b)
     b.view(torch.uint8)[37] ^= 1
     assert not _same_bits(a, b)
+
+
+def test_hdf5_reserves_contiguous_datasets_and_fills_them_file_to_file(tmp_path):
+    """safetensors -> HDF5: every dtype's bytes copied into reserved datasets that h5py reads back."""
+    import h5py
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, generator=g)
+    state = {"f32": x, "f16": x.half(), "bf16": x.bfloat16(), "i8": (x * 50).to(torch.int8),
+             "u8": (x * 50).abs().to(torch.uint8), "i64": (x * 1e6).long(), "flag": x > 0, "f64": x.double(),
+             "scalar": torch.tensor(3.0), "empty": torch.empty(0, 4)}
+    src = modelkit.save(Checkpoint.from_state_dict(state), tmp_path / "s.safetensors")
+    modelkit.convert(src, tmp_path / "m.h5")
+    back = modelkit.load(tmp_path / "m.h5")
+    for name, tensor in state.items():
+        assert torch.equal(back.tensors[name].load(), tensor), name
+    with h5py.File(tmp_path / "m.h5", "r") as f:                 # the judge: h5py reads the values
+        group = f["modelkit/tensors"]
+        stored = {key: group[key] for key in group}
+        assert all(ds.id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
+                   for ds in stored.values() if ds.shape and ds.size)
+        assert (stored["f32"][()] == x.numpy()).all() and (stored["i8"][()] == state["i8"].numpy()).all()
