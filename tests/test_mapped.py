@@ -128,3 +128,21 @@ def test_hdf5_reserves_contiguous_datasets_and_fills_them_file_to_file(tmp_path)
         assert all(ds.id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
                    for ds in stored.values() if ds.shape and ds.size)
         assert (stored["f32"][()] == x.numpy()).all() and (stored["i8"][()] == state["i8"].numpy()).all()
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["copy_file_range", "read-write fallback"])
+def test_copy_span_at_an_offset_leaves_the_position_alone(source, tmp_path, monkeypatch, kernel):
+    if not kernel:
+        def refuse(*args):
+            raise OSError(38, "Function not implemented")
+        monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    monkeypatch.setattr(_mapped, "_CHUNK", 1000)                  # several chunks on the fallback path
+    out_path = tmp_path / "out.bin"
+    out_path.write_bytes(b"\0" * 6000)
+    with out_path.open("r+b") as out:
+        out.seek(10)
+        copy_span(FileSpan(source, 100, 3500), out, at=2000)
+        assert out.tell() == 10
+    data = out_path.read_bytes()
+    assert data[2000:5500] == source.read_bytes()[100:3600]
+    assert data[:2000] == b"\0" * 2000 and data[5500:] == b"\0" * 500 and len(data) == 6000
