@@ -44,9 +44,11 @@ import torch
 
 from modelkit import quantized_layout
 from modelkit._mapped import FileSpan
+from modelkit._tensors import LEGACY_STORAGE_DTYPES
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.sniff import torch_zip_roots
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +67,6 @@ _DATA_MODULES = frozenset({
     "_codecs", "builtins", "collections", "torch", "torch._tensor", "torch._utils", "torch.cuda",
     "torch.cuda.sparse", "torch.nn.parameter", "torch.serialization", "torch.sparse", "torch.storage",
 })
-# Legacy storage classes -> element size, to check claimed sizes before torch allocates them.
-_ITEMSIZE = {"DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2, "LongStorage": 8,
-             "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1, "BoolStorage": 1,
-             "ComplexFloatStorage": 8, "ComplexDoubleStorage": 16, "UntypedStorage": 1}
 _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, IndexError,
                NotImplementedError, RuntimeError)
 
@@ -92,11 +90,8 @@ def detect(path: Path) -> bool:
 
 def _archive_prefix(names: list[str]) -> str | None:
     """The folder holding data.pkl in a torch.save zip; None for TorchScript and other zips."""
-    for name in names:
-        prefix, _, rest = name.partition("/")
-        if rest == "data.pkl":
-            torchscript = f"{prefix}/constants.pkl" in names or any(n.startswith(f"{prefix}/code/") for n in names)
-            return None if torchscript else prefix
+    for prefix, constants, code in torch_zip_roots(names):
+        return None if constants or code else prefix
     return None
 
 
@@ -304,6 +299,15 @@ class _Capped:
         return self._stream.tell()
 
 
+def _storage_itemsize(storage_class: str) -> int:
+    """Bytes per element of a legacy storage class, to check claimed sizes before torch allocates
+    them; 16 (the widest) for a name torch does not have, so a claim is never underestimated."""
+    if storage_class == "UntypedStorage":
+        return 1
+    dtype = LEGACY_STORAGE_DTYPES.get(storage_class)
+    return 16 if dtype is None else dtype.itemsize
+
+
 def _pickle_facts(path: Path, is_zip: bool) -> _PickleFacts:
     """Walk the pickle bytes (never the tensor data); for legacy files check claimed sizes too."""
     facts = _PickleFacts()
@@ -342,7 +346,7 @@ def _check_legacy_sizes(path: Path, facts: _PickleFacts) -> None:
               and len(pid[1]) == 3 and isinstance(pid[4], int) and pid[4] >= 0 and isinstance(pid[2], str))
         if not ok:
             raise FormatError(path, "a storage reference in the legacy pickle is not ('storage', type, key, location, size)")
-        claimed[pid[2]] = pid[4] * _ITEMSIZE.get(str(pid[1][2]), 16)
+        claimed[pid[2]] = pid[4] * _storage_itemsize(str(pid[1][2]))
     size = path.stat().st_size
     if sum(claimed.values()) > size:
         raise FormatError(path, f"the pickle claims {sum(claimed.values())} bytes of tensor data but the file "

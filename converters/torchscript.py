@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 
+from modelkit._tensors import LEGACY_STORAGE_DTYPES
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint, LazyTensor
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.sniff import torch_zip_roots
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +59,6 @@ _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, Valu
 # not repeat it on every call. Other warnings (Python 3.14 "may break") pass through.
 _DEPRECATED = r"`torch\.jit\.\w+` is deprecated"
 # Storage classes data.pkl may name -> element dtype (torch.storage._dtype_to_storage_type_map).
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
-}
 
 
 def detect(path: Path) -> bool:
@@ -80,11 +76,8 @@ def detect(path: Path) -> bool:
 
 
 def _archive_prefix(names: list[str]) -> str | None:
-    for name in names:
-        prefix, _, rest = name.partition("/")
-        if rest == "data.pkl" and f"{prefix}/constants.pkl" in names and any(n.startswith(f"{prefix}/code/") for n in names):
-            return prefix
-    return None
+    """The folder holding data.pkl, constants.pkl and code/; None for other zips."""
+    return next((prefix for prefix, constants, code in torch_zip_roots(names) if constants and code), None)
 
 
 def _gate(path: Path, *, running_code: bool, trust: bool) -> str:
@@ -180,8 +173,8 @@ class _WeightsUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its me
             return self._classes[qualname]
         if (module, name) in _ALLOWED:
             return _ALLOWED[module, name]
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
+        if module == "torch" and name in LEGACY_STORAGE_DTYPES:
+            return _StorageType(LEGACY_STORAGE_DTYPES[name])
         if (module, name) == ("torch.storage", "UntypedStorage"):
             return _StorageType(torch.uint8)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

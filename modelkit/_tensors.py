@@ -15,6 +15,14 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 SAFETENSORS_CODES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
+# torch's legacy typed storage classes (still named in TorchScript archives and old checkpoints) -> dtype.
+LEGACY_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+
 # Short names users type (`--dtype bf16`) -> torch.
 DTYPE_NAMES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 

@@ -1,9 +1,11 @@
-"""Name what a file looks like from its first bytes, for messages about files modelkit cannot read.
+"""Name what a file looks like from its first bytes, for messages about files modelkit cannot read;
+and tell torch.save zips from TorchScript archives by their member names.
 
 Standard library only (the scanner uses it too); reads at most `HEAD_BYTES` and never parses.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 HEAD_BYTES = 4096
@@ -54,3 +56,13 @@ def describe(head: bytes) -> str:
     except UnicodeDecodeError:
         return f"binary data starting with {head[:8]!r}"
     return "text"
+
+
+def torch_zip_roots(names: list[str]) -> Iterator[tuple[str, bool, bool]]:
+    """For each folder holding data.pkl in a zip's member names, in order: (folder, has
+    constants.pkl, has code/). torch.save writes data.pkl alone; torch.jit.save all three."""
+    for name in names:
+        prefix, _, rest = name.partition("/")
+        if rest == "data.pkl":
+            yield (prefix, f"{prefix}/constants.pkl" in names,
+                   any(n.startswith(f"{prefix}/code/") for n in names))
