@@ -208,10 +208,15 @@ def _module_dtype(module: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def _write_verified(ckpt: Checkpoint, target: Path, fmt: str, options: WriteOptions, *, force: bool,
-                    verify: bool, module: nn.Module | None, sharded: bool,
-                    progress: ProgressFn | None = None) -> tuple[dict[str, Any] | None, int]:
-    """Write to a temporary name, verify there, then rename into place. Returns (verify, bytes)."""
+def write_verified(ckpt: Checkpoint, target: Path, fmt: str, options: WriteOptions, *, force: bool,
+                   verify: bool, module: nn.Module | None, sharded: bool = False,
+                   progress: ProgressFn | None = None,
+                   also: Callable[[Path, Checkpoint], dict[str, Any]] | None = None) -> tuple[dict[str, Any] | None, int]:
+    """Write to a temporary name, verify there, then rename into place. Returns (verify, bytes).
+
+    `also(tmp, written)` adds checks of its own (the quantizer's rebuilt-model check); what it
+    returns joins the verification result, and raising leaves no output, as any failed check does.
+    """
     converter = load_format(fmt)
     opener = atomic_dir if sharded else atomic_path
     atomic = {} if sharded else {"companions": FORMATS[fmt].companions}
@@ -227,6 +232,8 @@ def _write_verified(ckpt: Checkpoint, target: Path, fmt: str, options: WriteOpti
                 outputs = verify_outputs(module, runtime, _sample_inputs(module, options.example_inputs),
                                          atol=atol, label=str(target))
                 result = {**outputs, "tensors_checked": result["tensors_checked"], "weights": "bit-exact"}
+            if also is not None:
+                result = {**result, **also(tmp, written)}
         size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else tmp.stat().st_size
     return result, size
 
@@ -296,7 +303,7 @@ def convert(
             module = module.to(cast)
         options = WriteOptions(module=module, final_path=dst)
     sharded = shard_bytes is not None
-    verify_result, size = _write_verified(ckpt, dst, out_fmt, options, force=force, verify=verify,
+    verify_result, size = write_verified(ckpt, dst, out_fmt, options, force=force, verify=verify,
                                           module=module, sharded=sharded, progress=progress)
     return ConversionReport(
         source={"path": str(src), "format": in_fmt},
@@ -340,7 +347,7 @@ def export(
     if FORMATS[fmt].has_graph and example_inputs is None and ckpt.arch is None:
         raise UnsupportedConversionError(type(module).__name__, fmt, "exporting a graph needs example_inputs "
                                          "(a tensor or tuple shaped like real inputs)")
-    verify_result, size = _write_verified(ckpt, path, fmt, options, force=force, verify=verify,
+    verify_result, size = write_verified(ckpt, path, fmt, options, force=force, verify=verify,
                                           module=module, sharded=False)
     return ConversionReport(
         source={"module": type(module).__name__, "arch": ckpt.arch.name if ckpt.arch else None},

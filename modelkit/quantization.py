@@ -252,7 +252,7 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
 
     Returns (target info, verification result).
     """
-    from modelkit.conversion import verify_weights
+    from modelkit.conversion import write_verified
     from modelkit.formats import FORMATS, ReadOptions, WriteOptions, format_for_output, load_format
     from modelkit.testing import assert_same_outputs
 
@@ -262,25 +262,25 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
     ckpt = Checkpoint.from_module(model, metadata=meta)
     if fmt == "gguf":
         ckpt = _as_gguf_blocks(ckpt)
-    converter = load_format(fmt)
-    result = None
-    with atomic_path(dst, force=force, companions=FORMATS[fmt].companions) as tmp:
-        converter.write(ckpt, tmp, WriteOptions(final_path=dst))
-        if verify:
-            written = converter.read(tmp, ReadOptions(trust=True))
-            result = verify_weights(ckpt, written, label=str(dst))
-            name = getattr(type(model), "arch", None)
-            if name is not None:
-                from modelkit.models import load_model_module
 
-                rebuilt = instantiate_quantized(written, source=str(dst))
-                inputs = load_model_module(name).example_inputs(3)
-                err = assert_same_outputs(model.cpu().eval(), rebuilt, inputs, atol=0.0)
-                result = {**result, "rebuilt_outputs": "identical", "max_abs_err": err}
-                if FORMATS[fmt].has_graph:          # the file's own runtime runs the graph it holds
-                    run = converter.runnable(tmp, ReadOptions(trust=True))
-                    result["runtime"] = _check_runtime(model, run, inputs, scheme=type(config).scheme, label=str(dst))
-        size = tmp.stat().st_size
+    def rebuilt_model(tmp: Path, written: Checkpoint) -> dict[str, Any]:
+        name = getattr(type(model), "arch", None)
+        if name is None:
+            return {}
+        from modelkit.models import load_model_module
+
+        rebuilt = instantiate_quantized(written, source=str(dst))
+        inputs = load_model_module(name).example_inputs(3)
+        err = assert_same_outputs(model.cpu().eval(), rebuilt, inputs, atol=0.0)
+        checks: dict[str, Any] = {"rebuilt_outputs": "identical", "max_abs_err": err}
+        if FORMATS[fmt].has_graph:          # the file's own runtime runs the graph it holds
+            run = load_format(fmt).runnable(tmp, ReadOptions(trust=True))
+            checks["runtime"] = _check_runtime(model, run, inputs, scheme=type(config).scheme, label=str(dst))
+        return checks
+
+    # module=None: the graph check against a float module does not apply; rebuilt_model does it
+    result, size = write_verified(ckpt, dst, fmt, WriteOptions(final_path=dst), force=force, verify=verify,
+                                  module=None, also=rebuilt_model)
     return {"path": str(dst), "format": fmt, "bytes": size}, result
 
 
