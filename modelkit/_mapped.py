@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -26,11 +27,13 @@ _CHUNK = 64 << 20           # bytes per read on the fallback path
 
 @dataclass(frozen=True)
 class FileSpan:
-    """`nbytes` bytes at `offset` in the file at `path`."""
+    """`nbytes` bytes at `offset` in the file at `path`; `copied`, if set, is called once copy_span
+    has copied them (how progress reporting sees bytes that never pass through load())."""
 
     path: Path
     offset: int
     nbytes: int
+    copied: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
 
 def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
@@ -69,6 +72,8 @@ def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
             done += len(chunk)
     if at is None:
         out.seek(os.lseek(fd, 0, os.SEEK_CUR))          # the file object's position follows the descriptor's
+    if span.copied is not None:
+        span.copied()
 
 
 class MappedFile:

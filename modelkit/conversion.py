@@ -16,7 +16,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,12 +121,16 @@ def _with_progress(ckpt: Checkpoint, progress: ProgressFn | None) -> Checkpoint:
     done = [0]
 
     def wrap(t: LazyTensor) -> LazyTensor:
-        def read() -> torch.Tensor:
-            tensor = t.load()
+        def advance() -> None:
             done[0] += t.nbytes
             progress(min(done[0], total), total)
+
+        def read() -> torch.Tensor:
+            tensor = t.load()
+            advance()
             return tensor
-        return LazyTensor(t.dtype, t.shape, read, t.source)
+        span = None if t.span is None else replace(t.span, copied=advance)     # copied file to file: counted there
+        return LazyTensor(t.dtype, t.shape, read, t.source, span=span)
 
     tensors = {n: wrap(t) if isinstance(t, LazyTensor) else t for n, t in ckpt.tensors.items()}
     return Checkpoint(tensors, dict(ckpt.metadata), ckpt.arch)

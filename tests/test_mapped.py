@@ -146,3 +146,16 @@ def test_copy_span_at_an_offset_leaves_the_position_alone(source, tmp_path, monk
     data = out_path.read_bytes()
     assert data[2000:5500] == source.read_bytes()[100:3600]
     assert data[:2000] == b"\0" * 2000 and data[5500:] == b"\0" * 500 and len(data) == 6000
+
+
+def test_progress_reporting_keeps_file_to_file_copies_and_counts_them(tmp_path, monkeypatch):
+    """The CLI converts with a progress callback: spans must survive it and still be counted."""
+    model = build("cnn", {"channels": [4, 8], "hidden": 16}, seed=0)
+    src = modelkit.save(Checkpoint.from_module(model), tmp_path / "src.safetensors")
+    copied, reports = [], []
+    real = _mapped.copy_span
+    monkeypatch.setattr("modelkit.converters.gguf.copy_span", lambda span, out, **kw: (copied.append(span), real(span, out, **kw)))
+    modelkit.convert(src, tmp_path / "out.gguf", progress=lambda done, total: reports.append((done, total)))
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert len(copied) == len(model.state_dict())
+    assert reports[-1] == (total, total) and [d for d, _ in reports] == sorted(d for d, _ in reports)
