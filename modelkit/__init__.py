@@ -12,7 +12,10 @@ Example:
 from __future__ import annotations
 
 import importlib
-from typing import Any
+
+TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing (start-up time of `modelkit scan`)
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 

@@ -5,12 +5,21 @@ Dual bases (ValueError, ImportError, FileExistsError) let callers who catch buil
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
+
+TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any
 
 
 class ModelkitError(Exception):
     """Base for errors the CLI reports as a message plus exit code 2, without a traceback."""
+
+
+def _as_path(path: str | Path) -> Path:
+    from pathlib import Path  # here, not at the top: the scanner imports this module and starts without pathlib
+
+    return Path(path)
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
@@ -47,7 +56,7 @@ class FormatError(ModelkitError, ValueError):
     """A file that is malformed, truncated or not what it claims to be."""
 
     def __init__(self, path: str | Path, message: str) -> None:
-        self.path = Path(path)
+        self.path = _as_path(path)
         self.reason = message
         super().__init__(f"{self.path}: {message}")
 
@@ -74,7 +83,7 @@ class OutputExistsError(ModelkitError, FileExistsError):
     """The output path exists and overwriting was not asked for."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = _as_path(path)
         super().__init__(f"{self.path} already exists; pass --force (API: force=True) to overwrite it")
 
 
@@ -82,7 +91,7 @@ class UnsafeFileError(ModelkitError):
     """The scanner found content that would run code on load; carries the report."""
 
     def __init__(self, path: str | Path, report: Any, message: str | None = None) -> None:
-        self.path = Path(path)
+        self.path = _as_path(path)
         self.report = report
         super().__init__(message or f"{self.path}: refused to load unsafe content (run `modelkit scan {self.path}`)")
 

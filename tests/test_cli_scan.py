@@ -106,3 +106,31 @@ def test_scan_command_does_not_import_torch(files):
 def test_help(files):
     result = CliRunner().invoke(main, ["scan", "--help"])
     assert result.exit_code == EXIT_OK and "modelkit scan" in result.stdout and "--sarif" in result.stdout
+
+
+def test_console_script_fast_path(files):
+    # `modelkit scan` from the console script skips click (modelkit.cli.run); same results and exit codes.
+    from pathlib import Path
+    exe = Path(sys.executable).with_name("modelkit")
+    evil = subprocess.run([str(exe), "scan", str(files / "evil.pkl")], capture_output=True, text=True)
+    assert evil.returncode == EXIT_UNSAFE and "pickle.global.denied" in evil.stdout
+    clean = subprocess.run([str(exe), "scan", str(files / "clean.pkl"), "--json"], capture_output=True, text=True)
+    assert clean.returncode == EXIT_OK and json.loads(clean.stdout)["ok"] is True
+    usage = subprocess.run([str(exe), "scan", "--fail-on", "never", str(files)], capture_output=True, text=True)
+    assert usage.returncode == EXIT_ERROR and "--fail-on" in usage.stderr
+    helped = subprocess.run([str(exe), "scan", "--help"], capture_output=True, text=True)
+    assert helped.returncode == EXIT_OK and "Examples" in helped.stdout
+
+
+# Imports that would double the scan command's start-up (click alone ~25 ms; typing, dataclasses,
+# pathlib, zipfile 3-9 ms each), beyond whatever this interpreter's own start-up imports.
+_HEAVY = ("click", "typing", "dataclasses", "inspect", "pathlib", "zipfile", "shutil", "pickletools", "torch", "numpy")
+
+
+def test_scan_command_starts_light(files):
+    code = ("import sys\nbefore = set(sys.modules)\nfrom modelkit.cli import run\n"
+            f"try:\n    run(['scan', {str(files)!r}, '--json'])\nexcept SystemExit as e:\n    assert e.code == 1, e.code\n"
+            f"print(' '.join(sorted(m for m in {_HEAVY!r} if m in sys.modules and m not in before)), file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == ""

@@ -10,13 +10,10 @@ from __future__ import annotations
 import io
 import re
 import struct
-import zipfile
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
+from modelkit.scan import zipdir
 from modelkit.scan.model import Finding, Severity
 from modelkit.scan.pickle import (
     Limits,
@@ -28,6 +25,10 @@ from modelkit.scan.pickle import (
     walk,
     walk_stream,
 )
+
+TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_NESTING = 3                      # archives inside archives
 MAX_MEMBERS = 200_000
@@ -42,19 +43,27 @@ class ScanFailure(Exception):
     """The file cannot be scanned at all (unrecognised content): reported as an error, never as clean."""
 
 
-@dataclass
 class Context:
-    """What every analysis of one top-level file shares."""
+    """What every analysis of one top-level file shares.
 
-    display: str
-    directory: Path | None
-    limits: Limits
-    deadline: float
-    fileobj: Any = None              # the open top-level file, for zipfile (an mmap is not a file)
-    findings: list[Finding] = field(default_factory=list)
-    examined: list[str] = field(default_factory=list)
-    depth: int = 0
-    read_total: int = 0
+    Args:
+        display: The file's name in findings.
+        directory: Its folder (absolute, symlinks resolved), for ONNX external data; None for none.
+        limits: Per-pickle bounds.
+        deadline: time.monotonic() value after which walks stop with a limit finding.
+    """
+
+    __slots__ = ("display", "directory", "limits", "deadline", "findings", "examined", "depth", "read_total")
+
+    def __init__(self, *, display: str, directory: str | None, limits: Limits, deadline: float) -> None:
+        self.display = display
+        self.directory = directory
+        self.limits = limits
+        self.deadline = deadline
+        self.findings: list[Finding] = []
+        self.examined: list[str] = []
+        self.depth = 0                # archives inside archives, now
+        self.read_total = 0           # member bytes read so far
 
     def sink(self, label: str, base: int = 0) -> Sink:
         return Sink(label, base, self.findings)
@@ -270,47 +279,43 @@ def _bad_name(name: str) -> str | None:
     return None
 
 
-def _member_reader(buf, info: zipfile.ZipInfo, end: int) -> tuple[int, str | None]:
+def _member_reader(buf, info: zipdir.ZipEntry, end: int) -> tuple[int, str | None]:
     """Offset of the member's data in `buf`, or an error; checks the local header against the directory."""
     off = info.header_offset
     if off < 0 or off + 30 > end or bytes(buf[off:off + 4]) != b"PK\x03\x04":
         return 0, "no local header where the central directory points"
     nlen, xlen = struct.unpack_from("<HH", buf, off + 26)
     local_name = bytes(buf[off + 30:off + 30 + nlen])
-    central = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
-    if local_name != central:
-        return 0, f"local header names {local_name[:60]!r}, the central directory {info.orig_filename[:60]!r}"
+    if local_name != info.raw_name:
+        return 0, f"local header names {local_name[:60]!r}, the central directory {info.filename[:60]!r}"
     data = off + 30 + nlen + xlen
     if data + info.compress_size > end:
         return 0, "member data runs past the end of the archive"
     return data, None
 
 
-def _read_member(buf, data: int, info: zipfile.ZipInfo, limit: int) -> bytes:
+def _read_member(buf, data: int, info: zipdir.ZipEntry, limit: int) -> bytes:
     """Up to `limit` bytes of the member, decompressed; raises ValueError for what cannot be read."""
     raw = buf[data:data + info.compress_size]
-    if info.compress_type == zipfile.ZIP_STORED:
+    if info.compress_type == zipdir.STORED:
         return bytes(raw[:limit])
-    if info.compress_type == zipfile.ZIP_DEFLATED:
+    if info.compress_type == zipdir.DEFLATED:
         d = zlib.decompressobj(-15)
         try:
             return d.decompress(bytes(raw), limit)
         except zlib.error as e:
             raise ValueError(f"corrupt deflate data ({e})") from e
-    if info.compress_type in (zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA):
-        return _bounded_decompress(bytes(raw), "bzip2" if info.compress_type == zipfile.ZIP_BZIP2 else "zip-lzma", limit)
+    if info.compress_type in (zipdir.BZIP2, zipdir.LZMA):
+        return _bounded_decompress(bytes(raw), "bzip2" if info.compress_type == zipdir.BZIP2 else "zip-lzma", limit)
     raise ValueError(f"compression method {info.compress_type} is not supported")
 
 
 def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None:
     sink = ctx.sink(label, start)
-    top = start == 0 and end == len(buf) and ctx.fileobj is not None and ctx.depth == 0
     view = buf if start == 0 and end == len(buf) else bytes(buf[start:end])
     try:
-        archive = zipfile.ZipFile(ctx.fileobj if top else io.BytesIO(view))
-        infos = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, struct.error, NotImplementedError,
-            UnicodeDecodeError, OverflowError) as e:
+        infos = zipdir.read_directory(view, max_entries=MAX_MEMBERS)
+    except (ValueError, struct.error) as e:     # ZipDirectoryError and UnicodeDecodeError are ValueErrors
         sink.add(Severity.DANGEROUS, "zip.malformed", f"the zip directory cannot be parsed ({e}); loaders may "
                  "read it differently than scanners", offset=start)
         return None
@@ -564,15 +569,9 @@ _HANDLERS: dict[str, Callable[..., None]] = {
 }
 
 
-def polyglot_zip(path: Path, fmt: str, ctx: Context, label: str) -> None:
+def polyglot_zip(buf, fmt: str, ctx: Context, label: str) -> None:
     """A file that is not a zip by its first bytes but has a zip directory at its end: two readings."""
-    try:
-        with path.open("rb") as f:
-            if f.read(4) in (b"PK\x03\x04", b"PK\x05\x06"):
-                return
-        if not zipfile.is_zipfile(path):
-            return
-    except OSError:
+    if bytes(buf[:4]) in (b"PK\x03\x04", b"PK\x05\x06") or not zipdir.has_directory(buf):
         return
     ctx.sink(label).add(Severity.DANGEROUS, "polyglot.zip",
                         f"the file reads as {fmt} from its start and as a zip archive from its end; "

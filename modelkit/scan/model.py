@@ -1,9 +1,16 @@
-"""The scanner's result types: Severity, Finding, ScannedFile, ScanError and ScanReport. Standard library only."""
+"""The scanner's result types: Severity, Finding, ScannedFile, ScanError and ScanReport. Standard library only.
+
+They are plain slotted classes rather than dataclasses: importing dataclasses (inspect, ast, dis,
+tokenize) would add a sixth to `modelkit scan`'s start-up, which is most of its run time. `Record`
+gives them what frozen dataclasses would: keyword construction, equality, hashing, a repr, immutability.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+
+TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from typing import Any
 
 SCHEMA = "modelkit.scan/1"
 
@@ -20,8 +27,45 @@ class Severity(IntEnum):
         return self.name.lower()
 
 
-@dataclass(frozen=True, kw_only=True)
-class Finding:
+class Record:
+    """Base of immutable value objects: equality, hash and repr over the fields named in `__slots__`."""
+
+    __slots__: tuple[str, ...] = ()
+
+    def _set(self, **fields: object) -> None:
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def _values(self) -> tuple[object, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._values() == self._values()   # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._values()))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"{type(self).__name__}({fields})"
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __reduce__(self):
+        return _rebuild, (type(self), dict(zip(self.__slots__, self._values(), strict=True)))
+
+
+def _rebuild(cls: type[Record], fields: dict[str, object]) -> Record:
+    record = object.__new__(cls)
+    record._set(**fields)
+    return record
+
+
+class Finding(Record):
     """One thing the scanner saw.
 
     Args:
@@ -34,13 +78,18 @@ class Finding:
         offset: Byte offset inside `path` (the member for archive members), when known.
     """
 
+    __slots__ = ("path", "severity", "rule", "detail", "module", "name", "offset")
     path: str
     severity: Severity
     rule: str
     detail: str
-    module: str = ""
-    name: str = ""
-    offset: int | None = None
+    module: str
+    name: str
+    offset: int | None
+
+    def __init__(self, *, path: str, severity: Severity, rule: str, detail: str, module: str = "", name: str = "",
+                 offset: int | None = None) -> None:
+        self._set(path=path, severity=severity, rule=rule, detail=detail, module=module, name=name, offset=offset)
 
     @property
     def callable(self) -> str:
@@ -51,30 +100,35 @@ class Finding:
                 "name": self.name, "detail": self.detail, "offset": self.offset}
 
 
-@dataclass(frozen=True, kw_only=True)
-class ScannedFile:
+class ScannedFile(Record):
     """A file that was scanned: its detected format and what was examined inside it."""
 
+    __slots__ = ("path", "format", "examined")
     path: str
     format: str
-    examined: tuple[str, ...] = ()
+    examined: tuple[str, ...]
+
+    def __init__(self, *, path: str, format: str, examined: tuple[str, ...] = ()) -> None:  # noqa: A002
+        self._set(path=path, format=format, examined=tuple(examined))
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "format": self.format, "examined": list(self.examined)}
 
 
-@dataclass(frozen=True, kw_only=True)
-class ScanError:
+class ScanError(Record):
     """A file that could not be scanned (unreadable, unrecognised): never counted as clean."""
 
+    __slots__ = ("path", "message")
     path: str
     message: str
+
+    def __init__(self, *, path: str, message: str) -> None:
+        self._set(path=path, message=message)
 
     def to_dict(self) -> dict[str, str]:
         return {"path": self.path, "message": self.message}
 
 
-@dataclass(kw_only=True)
 class ScanReport:
     """Everything one scan found, for one file or many.
 
@@ -82,9 +136,20 @@ class ScanReport:
     with errors is never clean, whatever `worst` says.
     """
 
-    findings: list[Finding] = field(default_factory=list)
-    files: list[ScannedFile] = field(default_factory=list)
-    errors: list[ScanError] = field(default_factory=list)
+    def __init__(self, *, findings: list[Finding] | None = None, files: list[ScannedFile] | None = None,
+                 errors: list[ScanError] | None = None) -> None:
+        self.findings: list[Finding] = list(findings or [])
+        self.files: list[ScannedFile] = list(files or [])
+        self.errors: list[ScanError] = list(errors or [])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ScanReport) and (self.findings, self.files, self.errors) == (
+            other.findings, other.files, other.errors)
+
+    __hash__ = None     # type: ignore[assignment]  # mutable, like a non-frozen dataclass
+
+    def __repr__(self) -> str:
+        return f"ScanReport(findings={self.findings!r}, files={self.files!r}, errors={self.errors!r})"
 
     @property
     def scanned(self) -> int:

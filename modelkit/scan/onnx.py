@@ -215,7 +215,7 @@ class _Walk:
             return
         if self.ctx.directory is None:
             return
-        target = self.ctx.directory / location
+        target = Path(self.ctx.directory) / location
         try:
             size = target.stat().st_size
             offset = int(entries.get("offset", "0") or 0)
@@ -234,7 +234,7 @@ class _Walk:
                           f"which has {size}", name=name)
 
 
-def _location_problem(location: str, directory: Path | None) -> str | None:
+def _location_problem(location: str, directory: str | None) -> str | None:
     if not location:
         return "is empty"
     if "\x00" in location:

@@ -7,7 +7,7 @@ Every global is judged by `policy.classify`; calls of anything that is not a pla
 result of another call: getattr chains, attrgetter output) are DANGEROUS; so are malformed streams,
 because an unpickler runs every opcode before the one that fails (picklescan GHSA-9gvj-pp9x-gcfr).
 
-Opcode metadata (codes, argument kinds, protocols) comes from `pickletools.opcodes`; arguments are
+Opcode metadata (codes and argument kinds) is pickletools' (a literal copy, checked by a test); arguments are
 decoded here, against a bytes-like buffer (bytes or an mmap), so a length field is checked against
 what is left before anything is read, and large byte payloads (tensor data in plain pickles) are
 skipped, never copied. Standard library only.
@@ -15,33 +15,73 @@ skipped, never copied. Standard library only.
 from __future__ import annotations
 
 import codecs
-import pickletools
 import struct
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
-from modelkit.scan.model import Finding, Severity
+from modelkit.scan.model import Finding, Record, Severity
 from modelkit.scan.policy import classify
 
+TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from typing import Any
+
+# Every opcode of pickle protocols 0-5 by argument kind: {kind: "code:NAME ..."}; kinds are pickletools'
+# ArgumentDescriptor names (None: no argument). A literal table, not `pickletools.opcodes`: that import
+# (and pickle's) is a twentieth of `modelkit scan`'s start-up. tests/test_scan_opcodes.py checks that
+# it matches pickletools exactly.
+_OPCODES_BY_ARGUMENT: dict[str | None, str] = {
+    None: ("\x97:NEXT_BUFFER \x98:READONLY_BUFFER N:NONE \x88:NEWTRUE \x89:NEWFALSE ]:EMPTY_LIST a:APPEND e:APPENDS "
+           "l:LIST ):EMPTY_TUPLE t:TUPLE \x85:TUPLE1 \x86:TUPLE2 \x87:TUPLE3 }:EMPTY_DICT d:DICT s:SETITEM u:SETITEMS "
+           "\x8f:EMPTY_SET \x90:ADDITEMS \x91:FROZENSET 0:POP 2:DUP (:MARK 1:POP_MARK \x94:MEMOIZE \x93:STACK_GLOBAL "
+           "R:REDUCE b:BUILD o:OBJ \x81:NEWOBJ \x92:NEWOBJ_EX .:STOP Q:BINPERSID"),
+    "decimalnl_short": "I:INT g:GET p:PUT",
+    "decimalnl_long": "L:LONG",
+    "int4": "J:BININT \x84:EXT4",
+    "uint1": "K:BININT1 h:BINGET q:BINPUT \x82:EXT1 \x80:PROTO",
+    "uint2": "M:BININT2 \x83:EXT2",
+    "uint4": "j:LONG_BINGET r:LONG_BINPUT",
+    "uint8": "\x95:FRAME",
+    "long1": "\x8a:LONG1",
+    "long4": "\x8b:LONG4",
+    "stringnl": "S:STRING",
+    "string1": "U:SHORT_BINSTRING",
+    "string4": "T:BINSTRING",
+    "bytes1": "C:SHORT_BINBYTES",
+    "bytes4": "B:BINBYTES",
+    "bytes8": "\x8e:BINBYTES8",
+    "bytearray8": "\x96:BYTEARRAY8",
+    "unicodestringnl": "V:UNICODE",
+    "unicodestring1": "\x8c:SHORT_BINUNICODE",
+    "unicodestring4": "X:BINUNICODE",
+    "unicodestring8": "\x8d:BINUNICODE8",
+    "floatnl": "F:FLOAT",
+    "float8": "G:BINFLOAT",
+    "stringnl_noescape": "P:PERSID",
+    "stringnl_noescape_pair": "c:GLOBAL i:INST",
+}
 # byte -> (opcode name, argument kind or None)
 _OPS: dict[int, tuple[str, str | None]] = {
-    ord(op.code): (op.name, op.arg.name if op.arg is not None else None) for op in pickletools.opcodes
+    ord(entry[0]): (entry[2:], kind) for kind, entries in _OPCODES_BY_ARGUMENT.items() for entry in entries.split(" ")
 }
 MAX_PROTOCOL = 5
 _SMALL = 4096          # byte/str arguments larger than this are not copied (no module name is that long)
 _MAX_LINE = 1 << 16    # text-mode arguments (protocol 0) end within this many bytes
 
 
-@dataclass(frozen=True)
-class Limits:
+class Limits(Record):
     """Bounds on one pickle walk; reaching one is a DANGEROUS finding, never an exception."""
 
-    max_opcodes: int = 20_000_000
-    max_memo: int = 2_000_000
-    max_depth: int = 10_000
-    max_pickles: int = 64
-    seconds: float = 60.0
+    __slots__ = ("max_opcodes", "max_memo", "max_depth", "max_pickles", "seconds")
+    max_opcodes: int
+    max_memo: int
+    max_depth: int
+    max_pickles: int
+    seconds: float
+
+    def __init__(self, *, max_opcodes: int = 20_000_000, max_memo: int = 2_000_000, max_depth: int = 10_000,
+                 max_pickles: int = 64, seconds: float = 60.0) -> None:
+        self._set(max_opcodes=max_opcodes, max_memo=max_memo, max_depth=max_depth, max_pickles=max_pickles,
+                  seconds=seconds)
 
 
 class _Mark:
@@ -51,26 +91,40 @@ class _Mark:
 MARK = _Mark()
 
 
-@dataclass(frozen=True, slots=True)
-class Global:
+class Global(Record):
+    """A callable or class the pickle names (GLOBAL, INST, STACK_GLOBAL, EXT codes)."""
+
+    __slots__ = ("module", "name")
     module: str
     name: str
 
+    def __init__(self, module: str, name: str) -> None:
+        object.__setattr__(self, "module", module)
+        object.__setattr__(self, "name", name)
 
-@dataclass(frozen=True, slots=True)
-class Obj:
+
+class Obj(Record):
     """The result of a call, an instantiation, a persistent id or an extension code."""
 
+    __slots__ = ("kind", "origin", "args")
     kind: str
-    origin: Global | None = None
-    args: Any = None
+    origin: Global | None
+    args: Any
+
+    def __init__(self, kind: str, origin: Global | None = None, args: Any = None) -> None:
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "origin", origin)
+        object.__setattr__(self, "args", args)
 
 
-@dataclass(frozen=True, slots=True)
-class Blob:
+class Blob(Record):
     """A byte or text argument too long to copy (tensor data in plain pickles)."""
 
+    __slots__ = ("size",)
     size: int
+
+    def __init__(self, size: int) -> None:
+        object.__setattr__(self, "size", size)
 
 
 class PList(list):
@@ -98,17 +152,19 @@ class _Limit(Exception):
         self.offset = offset
 
 
-@dataclass
 class PickleResult:
     """One pickle's walk: where it ended, whether it reached STOP, its value and persistent ids."""
 
-    start: int
-    end: int
-    complete: bool
-    value: Any = None
-    opcodes: int = 0
-    globals: set[tuple[str, str]] = field(default_factory=set)
-    persistent_ids: list[Any] = field(default_factory=list)
+    __slots__ = ("start", "end", "complete", "value", "opcodes", "globals", "persistent_ids")
+
+    def __init__(self, *, start: int, end: int, complete: bool) -> None:
+        self.start = start
+        self.end = end
+        self.complete = complete
+        self.value: Any = None
+        self.opcodes = 0
+        self.globals: set[tuple[str, str]] = set()
+        self.persistent_ids: list[Any] = []
 
 
 class Sink:
@@ -544,7 +600,7 @@ class _Walker:
                 stack.append(Obj("buffer"))
             else:
                 self.top()
-        else:   # pragma: no cover - every opcode in pickletools is handled above
+        else:   # pragma: no cover - every opcode in the table is handled above
             raise _Malformed(f"unhandled opcode {name}", self.op_at)
 
 
@@ -596,11 +652,15 @@ _ELEMENT_SIZE = {"Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "
                  "QInt32": 4, "QUInt4x2": 1, "QUInt2x4": 1}
 
 
-@dataclass
 class StreamResult:
-    pickles: list[PickleResult]
-    trailing: int | None = None       # where unexplained data after the last pickle starts
-    legacy_torch: bool = False
+    """The pickles of one stream, where unexplained data after the last one starts, and whether it is legacy torch."""
+
+    __slots__ = ("pickles", "trailing", "legacy_torch")
+
+    def __init__(self, pickles: list[PickleResult], trailing: int | None = None, legacy_torch: bool = False) -> None:
+        self.pickles = pickles
+        self.trailing = trailing
+        self.legacy_torch = legacy_torch
 
 
 def _legacy_storages(pickles: list[PickleResult]) -> dict[str, tuple[int, int]] | None:

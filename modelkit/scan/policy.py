@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import _compat_pickle
 import re
-from dataclasses import dataclass
 
-from modelkit.scan.model import Severity
+from modelkit.scan.model import Record, Severity
 
 _TENSOR = "rebuilds a tensor from a storage reference and shape metadata; reads no files and runs no code"
 _STORAGE = "a storage type tag used in torch's persistent ids; constructs nothing by itself"
@@ -189,11 +188,16 @@ _EXEC_NAME = re.compile(   # matched against lower-case (function) names only
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(Record):
+    """How the policy judges one global: a severity, the rule id and why."""
+
+    __slots__ = ("severity", "rule", "detail")
     severity: Severity
     rule: str
     detail: str
+
+    def __init__(self, severity: Severity, rule: str, detail: str) -> None:
+        self._set(severity=severity, rule=rule, detail=detail)
 
 
 def normalize(module: str, name: str) -> tuple[str, str]:

@@ -1,0 +1,138 @@
+"""A zip archive's central directory, read from a buffer (bytes or an mmap) without the zipfile module.
+
+The scanner needs only the directory (names, sizes, flags, where each local header is) and reads
+members itself, so it parses the directory here, every offset checked against the buffer first.
+It reads archives as Python's zipfile does (the last end-of-central-directory record within the final
+64 KiB, the zip64 record just before its locator, an offset shift when data was prepended), so a
+name the scanner sees is the name a loader sees. Importing zipfile would cost a tenth of
+`modelkit scan`'s start-up (it pulls in shutil, threading, bz2 and lzma).
+
+Layouts: APPNOTE.TXT sections 4.3.12 (central directory header), 4.3.14-4.3.16 (zip64 and end records).
+"""
+from __future__ import annotations
+
+import struct
+
+STORED, DEFLATED, BZIP2, LZMA = 0, 8, 12, 14     # compression methods (APPNOTE 4.4.5)
+
+_END = b"PK\x05\x06"
+_END64 = b"PK\x06\x06"
+_LOCATOR64 = b"PK\x06\x07"
+_CENTRAL = b"PK\x01\x02"
+_END_SIZE, _END64_SIZE, _LOCATOR64_SIZE, _CENTRAL_SIZE = 22, 56, 20, 46
+_MAX_COMMENT = 0xFFFF
+_ZIP64_EXTRA = 0x0001
+
+
+class ZipDirectoryError(ValueError):
+    """The archive's directory cannot be read: no end record, or a record or entry that does not fit."""
+
+
+class ZipEntry:
+    """One central directory entry, with zipfile.ZipInfo's attribute names for what the scanner uses."""
+
+    __slots__ = ("filename", "flag_bits", "compress_type", "compress_size", "file_size", "header_offset",
+                 "external_attr", "raw_name")
+
+    def __init__(self, raw_name: bytes, flag_bits: int, compress_type: int, compress_size: int, file_size: int,
+                 header_offset: int, external_attr: int) -> None:
+        self.raw_name = raw_name                       # the name's bytes, as the local header must repeat them
+        self.filename = raw_name.decode("utf-8" if flag_bits & 0x800 else "cp437")
+        self.flag_bits = flag_bits
+        self.compress_type = compress_type
+        self.compress_size = compress_size
+        self.file_size = file_size
+        self.header_offset = header_offset
+        self.external_attr = external_attr
+
+    def __repr__(self) -> str:
+        return f"ZipEntry({self.filename!r}, method={self.compress_type}, size={self.file_size})"
+
+
+def _end_record(buf, end: int) -> int | None:
+    """Offset of the end-of-central-directory record: right at the end, else the last one in the final 64 KiB."""
+    if end >= _END_SIZE and buf[end - _END_SIZE:end - _END_SIZE + 4] == _END:
+        return end - _END_SIZE
+    low = max(0, end - _END_SIZE - _MAX_COMMENT)
+    found = bytes(buf[low:end]).rfind(_END)
+    if found < 0 or low + found + _END_SIZE > end:
+        return None
+    return low + found
+
+
+def has_directory(buf, end: int | None = None) -> bool:
+    """True when the buffer ends like a zip archive (what zipfile.is_zipfile checks)."""
+    return _end_record(buf, len(buf) if end is None else end) is not None
+
+
+def read_directory(buf, end: int | None = None, *, max_entries: int = 1 << 20) -> list[ZipEntry]:
+    """The central directory of the archive in buf[0:end], at most `max_entries + 1` entries.
+
+    Header offsets are returned relative to buf[0] (shifted like zipfile's when bytes were prepended).
+
+    Raises:
+        ZipDirectoryError: anything that does not fit or is not where the records say.
+        UnicodeDecodeError: a name flagged UTF-8 that is not.
+    """
+    end = len(buf) if end is None else end
+    at = _end_record(buf, end)
+    if at is None:
+        raise ZipDirectoryError("no end-of-central-directory record: not a zip archive, or truncated")
+    disk, cd_disk, _, count, cd_size, cd_offset = struct.unpack_from("<HHHHII", buf, at + 4)
+    location = at
+    locator = at - _LOCATOR64_SIZE
+    if locator >= 0 and buf[locator:locator + 4] == _LOCATOR64:
+        disk64, _, disks = struct.unpack_from("<IQI", buf, locator + 4)
+        if disk64 != 0 or disks > 1:
+            raise ZipDirectoryError("archives that span several disks are not supported")
+        record = locator - _END64_SIZE
+        if record < 0 or buf[record:record + 4] != _END64:
+            raise ZipDirectoryError("zip64 locator without a zip64 end record before it")
+        disk, cd_disk, _, count, cd_size, cd_offset = struct.unpack_from("<IIQQQQ", buf, record + 16)
+        location = record
+    if disk != 0 or cd_disk != 0:
+        raise ZipDirectoryError("archives that span several disks are not supported")
+    shift = location - cd_size - cd_offset           # bytes prepended to the archive (self-extractors)
+    start = cd_offset + shift
+    if shift < 0 or start < 0 or start + cd_size > end:
+        raise ZipDirectoryError(f"the central directory ({cd_size} bytes at {cd_offset}) is not inside the file")
+    entries: list[ZipEntry] = []
+    pos, stop = start, start + cd_size
+    while pos < stop:
+        if len(entries) > max_entries:
+            break
+        if pos + _CENTRAL_SIZE > stop or buf[pos:pos + 4] != _CENTRAL:
+            raise ZipDirectoryError(f"no central directory entry at byte {pos}")
+        (flags, method, csize, usize, name_len, extra_len, comment_len, attr,
+         offset) = struct.unpack_from("<8xHH8xIIHHH4xII", buf, pos)
+        names_end = pos + _CENTRAL_SIZE + name_len
+        if names_end + extra_len + comment_len > stop:
+            raise ZipDirectoryError(f"central directory entry at byte {pos} runs past the directory")
+        extra = bytes(buf[names_end:names_end + extra_len])
+        usize, csize, offset = _zip64_sizes(extra, usize, csize, offset)
+        entries.append(ZipEntry(bytes(buf[pos + _CENTRAL_SIZE:names_end]), flags, method, csize, usize,
+                                offset + shift, attr))
+        pos = names_end + extra_len + comment_len
+    return entries
+
+
+def _zip64_sizes(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+    """Sizes and offset from the zip64 extra field, for those the entry marks 0xFFFFFFFF (APPNOTE 4.5.3)."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        if pos + 4 + size > len(extra):
+            raise ZipDirectoryError("extra field runs past its entry")
+        if tag == _ZIP64_EXTRA:
+            values = extra[pos + 4:pos + 4 + size]
+            fields = [usize, csize, offset]
+            at = 0
+            for i, value in enumerate(fields):
+                if value == 0xFFFFFFFF:
+                    if at + 8 > len(values):
+                        raise ZipDirectoryError("zip64 extra field is too short for the sizes it replaces")
+                    fields[i] = struct.unpack_from("<Q", values, at)[0]
+                    at += 8
+            return fields[0], fields[1], fields[2]
+        pos += 4 + size
+    return usize, csize, offset

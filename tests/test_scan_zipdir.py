@@ -1,0 +1,92 @@
+"""The scanner's own zip directory reader reads archives as Python's zipfile does, and fails only with its own errors."""
+from __future__ import annotations
+
+import io
+import pickletools
+import zipfile
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modelkit.scan import zipdir
+from modelkit.scan.pickle import _OPS
+
+
+def _archive(*, compression=zipfile.ZIP_STORED, comment=b"", force_zip64=False, names=("a/data.pkl", "a/data/0")):
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=compression) as archive:
+        for i, name in enumerate(names):
+            with archive.open(name, "w", force_zip64=force_zip64) as member:
+                member.write(bytes(range(i, i + 100)) * 3)
+        archive.comment = comment
+    return buffer.getvalue()
+
+
+def _zip64_end_record() -> bytes:
+    """An archive with a zip64 end record and locator (zipfile writes them past 65,535 entries; lowered here)."""
+    limit = zipfile.ZIP_FILECOUNT_LIMIT
+    zipfile.ZIP_FILECOUNT_LIMIT = 1
+    try:
+        data = _archive()
+    finally:
+        zipfile.ZIP_FILECOUNT_LIMIT = limit
+    assert b"PK\x06\x06" in data and b"PK\x06\x07" in data
+    return data
+
+
+ARCHIVES = {
+    "stored": _archive(),
+    "deflated": _archive(compression=zipfile.ZIP_DEFLATED),
+    "comment": _archive(comment=b"x" * 1000 + b"PK"),
+    "zip64 entries": _archive(force_zip64=True),
+    "zip64 end record": _zip64_end_record(),
+    "utf-8 names": _archive(names=("modèle/data.pkl", "данные/0")),
+    "prepended data": b"#!/bin/sh\necho self-extractor\n" + _archive(),
+}
+
+
+def _entries_of(data: bytes) -> list[tuple]:
+    return [(i.filename, i.flag_bits, i.compress_type, i.compress_size, i.file_size, i.header_offset, i.external_attr)
+            for i in zipdir.read_directory(data)]
+
+
+@pytest.mark.parametrize("name", sorted(ARCHIVES))
+def test_reads_what_zipfile_reads(name):
+    data = ARCHIVES[name]
+    expected = [(i.filename, i.flag_bits, i.compress_type, i.compress_size, i.file_size, i.header_offset,
+                 i.external_attr) for i in zipfile.ZipFile(io.BytesIO(data)).infolist()]
+    assert _entries_of(data) == expected
+    assert zipdir.has_directory(data) and zipfile.is_zipfile(io.BytesIO(data))
+
+
+def test_max_entries_stops_early():
+    data = _archive(names=[f"m{i}" for i in range(10)])
+    assert len(zipdir.read_directory(data, max_entries=3)) == 4       # one past the limit: the caller reports it
+
+
+@pytest.mark.parametrize("data", [b"", b"PK\x05\x06", b"not a zip at all" * 10, ARCHIVES["stored"][:-30]])
+def test_not_an_archive(data):
+    with pytest.raises(zipdir.ZipDirectoryError):
+        zipdir.read_directory(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(ARCHIVES)), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=8),
+       st.integers(0, 10**6))
+def test_mutated_archives_raise_only_value_errors(name, flips, cut):
+    data = bytearray(ARCHIVES[name])
+    for position, value in flips:
+        data[position % len(data)] = value
+    data = bytes(data[:len(data) - cut % 64])
+    try:
+        entries = zipdir.read_directory(data)
+    except ValueError:          # ZipDirectoryError, or a UTF-8 flagged name that is not UTF-8
+        return
+    for entry in entries:
+        assert entry.compress_size >= 0 and entry.file_size >= 0 and entry.header_offset >= 0
+
+
+def test_pickle_opcode_table_matches_pickletools():
+    # The scanner keeps a literal copy so that it need not import pickletools; it must not drift.
+    assert _OPS == {ord(op.code): (op.name, op.arg.name if op.arg is not None else None) for op in pickletools.opcodes}
