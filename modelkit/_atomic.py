@@ -1,7 +1,7 @@
 """Write outputs so that a crash, an interrupt or a full disk never leaves a half-written file.
 
-The data goes to a temporary file beside the target, is flushed and fsynced, and is renamed
-over the target only when the writer finished without error.
+The data goes to a temporary file beside the target (inside a temporary folder of its own), is
+flushed and fsynced, and is renamed over the target only when the writer finished without error.
 """
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from modelkit.errors import ModelkitError, OutputExistsError
@@ -27,11 +28,16 @@ def check_output(path: Path, *, force: bool) -> None:
 def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions: tuple[str, ...] = ()) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success fsync it and rename it to `path`.
 
+    The yielded path has the output's own name inside a new temporary folder beside the target
+    (mode 0700, so the name is ours alone), and does not exist yet: the writer creates it. (Handing
+    writers an existing empty file would have them open it with O_TRUNC, and ext4 then flushes the
+    whole file synchronously at close, its `auto_da_alloc` safeguard for truncate-and-rewrite, so
+    nothing else could overlap the write-back; see `sync_in_background`.)
+
     `companions` are suffixes of sidecar files the writer may create next to the output (ONNX
-    external data: ".data"). Then the yielded path has the output's own name inside a temporary
-    folder beside it, so the file can name its sidecars as they will be called; on success each
-    sidecar is renamed into place first and the output last, and a sidecar of an earlier output
-    that this one does not have is removed. On error the temporary folder goes, sidecars and all.
+    external data: ".data"), named as they will be called; on success each sidecar is renamed into
+    place first and the output last, and a sidecar of an earlier output that this one does not have
+    is removed. On error the temporary folder goes, sidecars and all.
 
     Example:
         >>> with atomic_path("model.safetensors", force=True) as tmp:   # doctest: +SKIP
@@ -39,24 +45,6 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions
     """
     target = Path(path)
     check_output(target, force=force)
-    if companions:
-        with _atomic_with_companions(target, companions) as tmp:
-            yield tmp
-        return
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes 0600; outputs get the usual permissions
-    try:
-        yield tmp
-        _commit(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-@contextlib.contextmanager
-def _atomic_with_companions(target: Path, companions: tuple[str, ...]) -> Iterator[Path]:
     folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     tmp = folder / target.name
     try:
@@ -73,6 +61,35 @@ def _atomic_with_companions(target: Path, companions: tuple[str, ...]) -> Iterat
         _commit(tmp, target)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def sync_in_background(path: Path) -> Callable[[], None]:
+    """Start fsyncing a written file (or a folder's files) on another thread; returns `wait`.
+
+    Write-back of a large output is mostly waiting on the disk; verification meanwhile reads the
+    same pages from the page cache and compares them on the CPU, so the two overlap. `wait()` joins
+    the thread and raises what fsync raised (a full disk can surface only here). The commit's own
+    fsync then has nothing left to write.
+    """
+    failure: list[BaseException] = []
+
+    def sync() -> None:
+        try:
+            for file in ([path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())):
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+        except OSError as e:
+            failure.append(e)
+
+    thread = threading.Thread(target=sync, name="modelkit-fsync", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    return wait
 
 
 def _commit(tmp: Path, target: Path) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from modelkit._atomic import atomic_dir, atomic_path
+from modelkit._atomic import atomic_dir, atomic_path, sync_in_background
 from modelkit._tensors import DTYPE_NAMES, dtype_name
 from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, UnsupportedConversionError, VerificationError, did_you_mean
@@ -228,18 +228,30 @@ def write_verified(ckpt: Checkpoint, target: Path, fmt: str, options: WriteOptio
         converter.write(_with_progress(ckpt, progress), tmp, options)
         result = None
         if verify:
-            written = converter.read(tmp, ReadOptions(trust=True))   # our own fresh output
-            result = verify_weights(ckpt, written, label=str(target))
-            if FORMATS[fmt].has_graph and module is not None:
-                runtime = converter.runnable(tmp, ReadOptions(trust=True))
-                atol = _graph_atol(fmt, _module_dtype(module))
-                outputs = verify_outputs(module, runtime, _sample_inputs(module, options.example_inputs),
-                                         atol=atol, label=str(target))
-                result = {**outputs, "tensors_checked": result["tensors_checked"], "weights": "bit-exact"}
-            if also is not None:
-                result = {**result, **also(tmp, written)}
+            wait_synced = sync_in_background(tmp if tmp.is_dir() else tmp.parent)   # disk writes while the CPU verifies
+            try:
+                result = _verify_written(ckpt, converter, tmp, fmt, options, target, module, also)
+            finally:
+                wait_synced()
         size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else tmp.stat().st_size
     return result, size
+
+
+def _verify_written(ckpt: Checkpoint, converter: Any, tmp: Path, fmt: str, options: WriteOptions, target: Path,
+                    module: nn.Module | None,
+                    also: Callable[[Path, Checkpoint], dict[str, Any]] | None) -> dict[str, Any]:
+    """Read the output back and check it: every tensor bit-exact, the graph's outputs, `also`'s checks."""
+    written = converter.read(tmp, ReadOptions(trust=True))   # our own fresh output
+    result = verify_weights(ckpt, written, label=str(target))
+    if FORMATS[fmt].has_graph and module is not None:
+        runtime = converter.runnable(tmp, ReadOptions(trust=True))
+        atol = _graph_atol(fmt, _module_dtype(module))
+        outputs = verify_outputs(module, runtime, _sample_inputs(module, options.example_inputs),
+                                 atol=atol, label=str(target))
+        result = {**outputs, "tensors_checked": result["tensors_checked"], "weights": "bit-exact"}
+    if also is not None:
+        result = {**result, **also(tmp, written)}
+    return result
 
 
 def convert(
