@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from modelkit._mapped import FileSpan, copy_span
+from modelkit._mapped import FileSpan, MappedFile, copy_span
 from modelkit._tensors import dtype_name
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ModelkitError, UnsupportedConversionError
@@ -127,6 +127,11 @@ class _Entry:
     link: tuple[str, ...]        # link names from the root to the dataset
     stored: _Stored
     shape: tuple[int, ...]
+    offset: int | None = None    # where the raw little-endian bytes lie in the file, when they lie in one piece
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.stored.numpy.itemsize
 
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
@@ -142,8 +147,16 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         raise
     except _H5_ERRORS as e:
         raise FormatError(path, f"not a readable HDF5 file ({_one_line(e)})") from e
-    tensors = {name: LazyTensor(e.stored.torch, e.shape, lambda e=e: _load(path, e), f"{path}:{name}")
-               for name, e in entries.items()}
+    mapped = MappedFile(path)
+
+    def lazy(name: str, e: _Entry) -> LazyTensor:
+        if e.offset is None:
+            return LazyTensor(e.stored.torch, e.shape, lambda: _load(path, e), f"{path}:{name}")
+        # Contiguous, unfiltered, little-endian: a view of the file's pages, and a span writers copy file to file.
+        return LazyTensor(e.stored.torch, e.shape, lambda: _view(mapped, name, e), f"{path}:{name}",
+                          span=mapped.span(e.offset, e.nbytes))
+
+    tensors = {name: lazy(name, e) for name, e in entries.items()}
     arch_json = metadata.pop(ARCH_KEY, None)
     arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
     return Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
@@ -172,7 +185,7 @@ def _modelkit_header(path: Path, f: h5py.File, size: int) -> tuple[dict[str, _En
         _check_dataset(path, name, dataset, size, stored.numpy)
         if name in entries:
             raise FormatError(path, f"tensor {name!r} appears twice in the {GROUP} group")
-        entries[name] = _Entry((GROUP, "tensors", key), stored, tuple(dataset.shape))
+        entries[name] = _Entry((GROUP, "tensors", key), stored, tuple(dataset.shape), _raw_offset(dataset, size))
     return entries, metadata
 
 
@@ -192,7 +205,7 @@ def _plain_header(path: Path, f: h5py.File, size: int) -> dict[str, _Entry]:
         if isinstance(obj, h5py.Dataset):
             stored = _plain_dtype(path, name, obj)
             _check_dataset(path, name, obj, size, stored.numpy)
-            entries[name] = _Entry(tuple(name.split("/")), stored, tuple(obj.shape))
+            entries[name] = _Entry(tuple(name.split("/")), stored, tuple(obj.shape), _raw_offset(obj, size))
     if not entries:
         raise FormatError(path, "holds no datasets, so no tensors")
     return entries
@@ -271,6 +284,27 @@ def _str_attr(path: Path, obj: h5py.HLObject, key: str) -> str:
 def _set_str_attr(obj: h5py.HLObject, key: str, value: str) -> None:
     data = value.encode("utf-8")
     obj.attrs.create(key, np.bytes_(data), dtype=h5py.string_dtype("utf-8", max(len(data), 1)))
+
+
+def _raw_offset(dataset: h5py.Dataset, size: int) -> int | None:
+    """File offset of a dataset's bytes when they are stored in one contiguous, unfiltered piece in
+    little-endian order inside the file (h5py's default layout for the datasets modelkit writes); else None."""
+    dtype = dataset.dtype
+    if dtype.itemsize > 1 and dtype.byteorder == ">":
+        return None
+    plist = dataset.id.get_create_plist()
+    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters():
+        return None
+    offset = dataset.id.get_offset()                  # None until the data was written
+    nbytes = math.prod(dataset.shape) * dtype.itemsize
+    if offset is None or nbytes == 0 or offset < 0 or offset + nbytes > size:
+        return None
+    return offset
+
+
+def _view(mapped: MappedFile, name: str, entry: _Entry) -> torch.Tensor:
+    raw = mapped.view(entry.offset or 0, entry.nbytes, f"tensor {name!r}")
+    return raw.view(entry.stored.torch).reshape(entry.shape)
 
 
 def _load(path: Path, entry: _Entry) -> torch.Tensor:

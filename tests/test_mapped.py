@@ -159,3 +159,28 @@ def test_progress_reporting_keeps_file_to_file_copies_and_counts_them(tmp_path, 
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert len(copied) == len(model.state_dict())
     assert reports[-1] == (total, total) and [d for d, _ in reports] == sorted(d for d, _ in reports)
+
+
+def test_hdf5_contiguous_datasets_give_spans_and_views(tmp_path):
+    """modelkit's HDF5 and a plain h5py file: contiguous little-endian datasets are read as views of
+    the file and copied file to file; chunked, compressed or big-endian ones are read through h5py."""
+    import h5py
+    import numpy as np
+
+    state = build("mlp", seed=0).state_dict()
+    state["bf16"] = torch.randn(3, 5).to(torch.bfloat16)
+    src = modelkit.save(Checkpoint.from_state_dict(state), tmp_path / "m.h5")
+    ckpt = modelkit.load(src)
+    assert all(t.span is not None for t in ckpt.tensors.values())
+    modelkit.convert(src, tmp_path / "m.safetensors")
+    back = modelkit.load(tmp_path / "m.safetensors")
+    for name, tensor in state.items():
+        assert torch.equal(back.tensors[name].load(), tensor), name
+    with h5py.File(tmp_path / "plain.h5", "w") as f:
+        f.create_dataset("contiguous", data=np.arange(12, dtype="<f4").reshape(3, 4))
+        f.create_dataset("big_endian", data=np.arange(12, dtype=">f4").reshape(3, 4))
+        f.create_dataset("compressed", data=np.arange(12, dtype="<f4").reshape(3, 4), compression="gzip")
+    plain = modelkit.load(tmp_path / "plain.h5")
+    assert {n for n, t in plain.tensors.items() if t.span is not None} == {"contiguous"}
+    for name in ("contiguous", "big_endian", "compressed"):
+        assert torch.equal(plain.tensors[name].load(), torch.arange(12, dtype=torch.float32).reshape(3, 4)), name
