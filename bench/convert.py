@@ -6,7 +6,7 @@ For each conversion (pt -> safetensors, safetensors -> gguf, safetensors -> hdf5
 it prints, next to baselines measured in the same run:
 
 - wall time, and its ratio to a plain copy of the source's bytes with fsync (the floor: any
-  conversion reads and writes at least that much), each the fastest of three runs after a warm-up (see `measure`);
+  conversion reads and writes at least that much), each the fastest of five runs after a warm-up (see `measure`);
 - peak anonymous memory above the process's baseline after imports (RssAnon sampled every
   5 ms; page-cache and mmap'd file pages do not count), where the naive path
   (`torch.load` + `safetensors.torch.save_file`) holds the whole model.
@@ -43,6 +43,16 @@ _HARNESS = textwrap.dedent('''
                     return int(line.split()[1]) * 1024
         return 0
 
+    src, dst, kind = sys.argv[1], sys.argv[2], sys.argv[3]
+    # Warm the page cache with the source, untimed, for the copy and every conversion alike: this VM's
+    # kernel runs DAMON_RECLAIM, which evicts file pages idle for a while, and a run that happens to
+    # re-read the source from the virtual disk measures the disk, not the conversion.
+    buffer = bytearray(64 << 20)
+    for file in ([src] if os.path.isfile(src) else [os.path.join(src, n) for n in sorted(os.listdir(src))]):
+        with open(file, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+    del buffer
     peak = [0]
     done = threading.Event()
     def sample():
@@ -52,7 +62,6 @@ _HARNESS = textwrap.dedent('''
     base = rss_anon()
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    src, dst, kind = sys.argv[1], sys.argv[2], sys.argv[3]
     started = time.perf_counter()
     if kind == "copy":       # as a careful copy writes: a new file, fsync, rename (what modelkit does too)
         tmp = dst + ".tmp"
@@ -100,11 +109,11 @@ def make_checkpoint(folder: Path, size_mib: int) -> dict[str, Path]:
     return paths
 
 
-def measure(src: Path, dst: Path, kind: str, runs: int = 3) -> dict[str, float]:
-    """The fastest of `runs` runs after an untimed one. On a thin-provisioned virtual disk, writing
-    blocks the file system never used costs 3-4x more than rewriting freed ones (measured here:
-    1 GiB copy 2.7 s first, 0.7 s after), and the same copy varies 0.5-1.6 s from run to run, so
-    one sample of each says little. The copy baseline and every conversion get the same treatment."""
+def measure(src: Path, dst: Path, kind: str, runs: int = 5) -> dict[str, float]:
+    """The fastest of `runs` runs after an untimed one, each with the source read into the page cache
+    first (untimed). On this VM the same 1 GiB copy varies 0.5-3 s from run to run (fresh page-cache
+    memory from the host, DAMON_RECLAIM evicting the source), so one sample of each says little. The
+    copy baseline and every conversion get the same treatment."""
     best: dict[str, float] | None = None
     for attempt in range(runs + 1):
         if dst.exists():

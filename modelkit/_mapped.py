@@ -6,11 +6,13 @@ beyond the page cache, and nothing is copied until a tensor is changed. Copy-on-
 (ACCESS_COPY): writing into a returned tensor never touches the file.
 
 `copy_span`: a tensor whose bytes go to the output unchanged (safetensors -> GGUF F32, safetensors
--> safetensors, GGUF -> safetensors, ...) is copied with copy_file_range, inside the kernel, as
-`cp` does, instead of through a user-space buffer.
+-> safetensors, GGUF -> safetensors, ...) is copied inside the kernel, never through a user-space
+buffer: splice(2) through a 1 MiB pipe, else copy_file_range, else reads and writes.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
 from collections.abc import Callable
@@ -23,6 +25,11 @@ import torch
 from modelkit.errors import FormatError
 
 _CHUNK = 64 << 20           # bytes per read on the fallback path
+_PIPE = 1 << 20             # splice pipe size: the default pipe-max-size, and what makes unaligned copies fast
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+# errno values that mean "this way of copying is not available here" (try the next); any other
+# error (a full disk, a file size limit, an I/O error) is the copy's failure and propagates.
+_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.ESPIPE, errno.EBADF})
 
 
 @dataclass(frozen=True)
@@ -48,9 +55,9 @@ def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
     """
     out.flush()
     fd = out.fileno()
-    done = 0
     with open(span.path, "rb") as src:
-        if hasattr(os, "copy_file_range"):
+        done = _splice(src.fileno(), fd, span, at)
+        if done < span.nbytes and hasattr(os, "copy_file_range"):
             try:
                 while done < span.nbytes:
                     target = None if at is None else at + done
@@ -58,8 +65,10 @@ def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
                     if n <= 0:
                         break
                     done += n
-            except OSError:
-                pass                                    # the rest goes through user space
+            except OSError as e:
+                if e.errno not in _UNSUPPORTED:
+                    raise                               # a full disk, a file size limit, an I/O error
+                # not supported here: the rest goes through user space
         src.seek(span.offset + done)
         while done < span.nbytes:
             chunk = src.read(min(span.nbytes - done, _CHUNK))
@@ -74,6 +83,51 @@ def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
         out.seek(os.lseek(fd, 0, os.SEEK_CUR))          # the file object's position follows the descriptor's
     if span.copied is not None:
         span.copied()
+
+
+def _splice(src: int, dst: int, span: FileSpan, at: int | None) -> int:
+    """Copy through a pipe of _PIPE bytes with splice(2); returns the bytes copied (0 where unsupported).
+
+    Measured on Linux 6.18 / ext4 (1 GiB, warm cache): copy_file_range, and sendfile, which go
+    through a 64 KiB pipe inside the kernel, run 0.55 s for a whole file but 0.75-0.8 s when the
+    source offset is not page-aligned or the target offset is not 32 KiB-aligned, which is every
+    tensor of a safetensors, GGUF or torch file; the same copy through a 1 MiB pipe runs 0.52 s at
+    any alignment.
+    """
+    if not hasattr(os, "splice") or span.nbytes < _PIPE:
+        return 0
+    done = 0
+    read_end, write_end = os.pipe()
+    try:
+        try:
+            if fcntl.fcntl(write_end, _F_SETPIPE_SZ, _PIPE) < _PIPE:
+                return 0
+        except OSError:
+            return 0                               # not Linux, or pipe-max-size is smaller
+        while done < span.nbytes:
+            try:
+                moved = os.splice(src, write_end, min(_PIPE, span.nbytes - done), offset_src=span.offset + done)
+            except OSError as e:
+                if e.errno not in _UNSUPPORTED:
+                    raise
+                return done                        # the caller goes on from `done` another way
+            if moved <= 0:
+                return done                        # the source ended early: the caller's read finds out
+            written = 0
+            while written < moved:
+                target = None if at is None else at + done + written
+                try:
+                    n = os.splice(read_end, dst, moved - written, offset_dst=target)
+                except OSError as e:
+                    if e.errno not in _UNSUPPORTED or written:
+                        raise
+                    return done
+                written += n
+            done += moved
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    return done
 
 
 class MappedFile:

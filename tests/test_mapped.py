@@ -184,3 +184,24 @@ def test_hdf5_contiguous_datasets_give_spans_and_views(tmp_path):
     assert {n for n, t in plain.tensors.items() if t.span is not None} == {"contiguous"}
     for name in ("contiguous", "big_endian", "compressed"):
         assert torch.equal(plain.tensors[name].load(), torch.arange(12, dtype=torch.float32).reshape(3, 4)), name
+
+
+@pytest.mark.parametrize("at", [None, 8, 70_001])
+def test_large_spans_copy_exactly_through_the_pipe(tmp_path, at):
+    """Spans of several pipe-fulls (1 MiB) at odd offsets, appended or written at a position."""
+    from modelkit import _mapped
+
+    data = torch.randint(0, 256, (3 * _mapped._PIPE + 12_345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"h" * 4_507 + data.numpy().tobytes())
+    out_path = tmp_path / "out.bin"
+    with open(out_path, "wb") as out:
+        out.write(b"head")
+        copy_span(FileSpan(source, 4_507 + 5, data.numel() - 5), out, at=at)
+        out.write(b"tail")
+    written = out_path.read_bytes()
+    body = data.numpy().tobytes()[5:]
+    if at is None:
+        assert written == b"head" + body + b"tail"
+    else:                       # written at `at`; the file position stayed after "head"
+        assert written[at:at + len(body)] == body and written[:8] == b"headtail"
