@@ -12,7 +12,6 @@ buffer: splice(2) through a 1 MiB pipe, else copy_file_range, else reads and wri
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from modelkit.errors import FormatError
 
 _CHUNK = 64 << 20           # bytes per read on the fallback path
 _PIPE = 1 << 20             # splice pipe size: the default pipe-max-size, and what makes unaligned copies fast
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_F_SETPIPE_SZ = 1031        # fcntl.F_SETPIPE_SZ (Linux; the constant is missing from some Pythons)
 # errno values that mean "this way of copying is not available here" (try the next); any other
 # error (a full disk, a file size limit, an I/O error) is the copy's failure and propagates.
 _UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.ESPIPE, errno.EBADF})
@@ -95,7 +94,8 @@ def _splice(src: int, dst: int, span: FileSpan, at: int | None) -> int:
     any alignment.
     """
     if not hasattr(os, "splice") or span.nbytes < _PIPE:
-        return 0
+        return 0                                   # not Linux, or too small to matter
+    import fcntl
     done = 0
     read_end, write_end = os.pipe()
     try:
