@@ -16,9 +16,12 @@ It prints, from one run:
   at least 5x faster than modelscan).
 
 Whole commands are compared as users install them: modelkit is built as a wheel and installed
-(without dependencies; click comes with modelscan) into the peers' virtualenv beside them. The
-editable development install in .venv is printed too: its import finder (setuptools' editable
-mode for our package-dir mapping) adds about 10 ms to every Python start-up there.
+(without dependencies; `modelkit scan` needs none, and click, which the other commands need,
+comes with modelscan) into the peers' virtualenv beside them. The editable development install in
+.venv is printed too, for information: its import finder (setuptools' editable mode for our
+package-dir mapping) imports pathlib and more at every Python start, and where
+PYTHONDONTWRITEBYTECODE is set (as on the development VM) its modules are compiled from source at
+every run, which doubles the command's time there.
 
 Every figure is the median of `--repeat` runs with a warm page cache; each command runs in a fresh
 process and its peak RSS comes from wait4(). Figures, not a timed test: the bars are reported, never asserted.
