@@ -58,6 +58,7 @@ _MODELKIT_KEY = "__modelkit__"          # entry of state_dict._metadata holding 
 _LAYOUT = "modelkit.pth/1"
 SOURCE_KEY = "modelkit.pth.source"      # metadata: which entry or object the state_dict came from
 _PICKLE_LIMIT = 256 << 20               # bytes of pickle we walk; real ones are a few MB at most
+_FILL_MIN = 64 << 20                    # from this many copyable bytes on, storages are copied file to file
 _WELL_KNOWN = ("state_dict", "model_state_dict", "model", "module", "net", "network", "model_state", "weights")
 _WRAPPER_PREFIXES = ("module", "model", "_orig_mod")   # DDP/DeepSpeed, Lightning, torch.compile
 # The modules of torch 2.13's weights_only allowlist: a plain weights pickle names globals from
@@ -508,10 +509,16 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
 
     torch.save pickles every tensor before it writes any storage, so this holds the whole model
     in memory (tensors that are mmap views, as from another .pt file, stay in the page cache).
+    When tensors come with a place in their source file (LazyTensor.span) and there are at least
+    _FILL_MIN bytes of them, torch.save writes the archive without storage bytes
+    (`skip_data`), and they are copied into their records file to file, their CRC-32s computed
+    meanwhile on another thread: the same archive, without torch's single-threaded CRC pass and
+    user-space copy (safetensors -> pt of 1 GiB: 1.4x -> SPEEDUP of a plain copy).
     """
     ckpt, _ = quantized_layout.flatten(ckpt, target="pth")   # quantized weights as their parts + a record
     aliases = _aliases(ckpt)
     state: OrderedDict[str, torch.Tensor] = OrderedDict()
+    spans: dict[str, FileSpan] = {}
     for name, entry in ckpt.tensors.items():
         target = aliases.get(name)
         if target in state:                         # tied: the same tensor object, saved once
@@ -521,15 +528,68 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
         if tensor.untyped_storage().nbytes() != tensor.nbytes:
             tensor = tensor.clone()                 # a view of a larger buffer: save only its own bytes
         state[name] = tensor
+        if getattr(entry, "span", None) is not None and entry.span.nbytes == tensor.nbytes:
+            spans[name] = entry.span
     state._metadata = OrderedDict({_MODELKIT_KEY: {  # type: ignore[attr-defined]
         "format": _LAYOUT,
         "arch": ckpt.arch.to_json() if ckpt.arch is not None else None,
         "metadata": dict(ckpt.metadata),
     }})
+    fill = sum(spans[n].nbytes for n in spans) >= _FILL_MIN and hasattr(torch.serialization, "skip_data")
     # A file object, not a path: torch names the zip's folder after a path's stem, which here is
     # the temporary name; with a file object it is always "archive".
     with path.open("wb") as f:
-        torch.save(state, f)
+        if not fill:
+            torch.save(state, f)
+            return
+        with torch.serialization.skip_data():
+            torch.save(state, f)
+    try:
+        _fill_storages(path, state, spans)
+    except FormatError as e:     # a torch whose archives are laid out otherwise: let torch.save write it all
+        logger.debug("filling the records of %s failed (%s); writing it with plain torch.save", path, e)
+        with path.open("wb") as f:
+            torch.save(state, f)
+
+
+def _fill_storages(path: Path, state: Mapping[str, torch.Tensor], sources: dict[str, FileSpan]) -> None:
+    """Copy each storage into the record torch.save reserved for it, and set the records' CRC-32s."""
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from modelkit import _zip_records
+    from modelkit._mapped import copy_span
+
+    skeleton = torch.load(path, map_location="cpu", mmap=True, weights_only=True)   # our own file, just written
+    places = _file_spans(path, {n: t for n, t in skeleton.items() if isinstance(t, torch.Tensor)})
+    del skeleton
+    layout = _zip_records.records(path)
+    todo: dict[int, str] = {}
+    for name, place in places.items():
+        if name in state and place.offset in layout:
+            todo.setdefault(place.offset, name)        # tied tensors share one record
+    storages = {t.untyped_storage().data_ptr() for t in state.values() if t.untyped_storage().nbytes()}
+    if len(todo) != len(storages):
+        raise FormatError(path, "torch.save's archive does not have one record per storage; cannot fill it")
+
+    def crc(name: str) -> int:                          # zlib releases the GIL: this overlaps the copies
+        return zlib.crc32(_bytes(state[name]))
+
+    with ThreadPoolExecutor(1) as pool, path.open("r+b") as out:
+        crcs = {offset: pool.submit(crc, name) for offset, name in todo.items()}
+        for offset, name in todo.items():
+            if name in sources:
+                copy_span(sources[name], out, at=offset)
+            else:
+                out.seek(offset)
+                out.write(_bytes(state[name]))
+        out.flush()
+        values = {layout[offset]: future.result() for offset, future in crcs.items()}
+    _zip_records.patch_crcs(path, values)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _aliases(ckpt: Checkpoint) -> dict[str, str]:

@@ -276,3 +276,30 @@ def test_fuzzed_files_raise_only_modelkit_errors(tmp_path, fuzz_samples, kind, c
         pth.read(path, ReadOptions()).materialize()
     except ModelkitError as e:
         assert str(path) in str(e)                                    # every message names the file
+
+
+@pytest.mark.parametrize("source", ["safetensors", "memory"])
+def test_storages_filled_file_to_file_give_torch_save_archives(tmp_path, monkeypatch, source):
+    """Above _FILL_MIN the writer lets torch.save reserve the records (skip_data) and fills them
+    itself: the archive loads in torch, every CRC-32 checks out in Python's zipfile, and tied,
+    bf16, 0-d, empty and sliced tensors survive."""
+    import zipfile
+
+    from modelkit.checkpoint import Checkpoint
+
+    monkeypatch.setattr("modelkit.converters.pth._FILL_MIN", 0)
+    base = torch.randn(6, 8)
+    state = {"w": torch.randn(300, 70), "tied": None, "bf16": torch.randn(33, 5).to(torch.bfloat16),
+             "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4), "rows": base[2:4], "ints": torch.arange(10)}
+    state["tied"] = state["w"]
+    ckpt = Checkpoint.from_state_dict(state)
+    if source == "safetensors":
+        ckpt = modelkit.load(modelkit.save(ckpt, tmp_path / "src.safetensors"))
+        assert any(t.span is not None for t in ckpt.tensors.values())
+    out = modelkit.save(ckpt, tmp_path / "out.pt")
+    with zipfile.ZipFile(out) as archive:
+        assert archive.testzip() is None
+    loaded = torch.load(out, weights_only=True)
+    for name, tensor in state.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    assert loaded["tied"].data_ptr() == loaded["w"].data_ptr()

@@ -32,10 +32,10 @@ class ZipEntry:
     """One central directory entry, with zipfile.ZipInfo's attribute names for what the scanner uses."""
 
     __slots__ = ("filename", "flag_bits", "compress_type", "compress_size", "file_size", "header_offset",
-                 "external_attr", "raw_name")
+                 "external_attr", "raw_name", "directory_offset")
 
     def __init__(self, raw_name: bytes, flag_bits: int, compress_type: int, compress_size: int, file_size: int,
-                 header_offset: int, external_attr: int) -> None:
+                 header_offset: int, external_attr: int, directory_offset: int = -1) -> None:
         self.raw_name = raw_name                       # the name's bytes, as the local header must repeat them
         self.filename = raw_name.decode("utf-8" if flag_bits & 0x800 else "cp437")
         self.flag_bits = flag_bits
@@ -44,6 +44,7 @@ class ZipEntry:
         self.file_size = file_size
         self.header_offset = header_offset
         self.external_attr = external_attr
+        self.directory_offset = directory_offset       # where this entry's central directory header is
 
     def __repr__(self) -> str:
         return f"ZipEntry({self.filename!r}, method={self.compress_type}, size={self.file_size})"
@@ -111,7 +112,7 @@ def read_directory(buf, end: int | None = None, *, max_entries: int = 1 << 20) -
         extra = bytes(buf[names_end:names_end + extra_len])
         usize, csize, offset = _zip64_sizes(extra, usize, csize, offset)
         entries.append(ZipEntry(bytes(buf[pos + _CENTRAL_SIZE:names_end]), flags, method, csize, usize,
-                                offset + shift, attr))
+                                offset + shift, attr, pos))
         pos = names_end + extra_len + comment_len
     return entries
 
