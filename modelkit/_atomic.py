@@ -63,13 +63,14 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def sync_in_background(path: Path) -> Callable[[], None]:
+def sync_in_background(path: Path) -> Callable[..., None]:
     """Start fsyncing a written file (or a folder's files) on another thread; returns `wait`.
 
     Write-back of a large output is mostly waiting on the disk; verification meanwhile reads the
     same pages from the page cache and compares them on the CPU, so the two overlap. `wait()` joins
-    the thread and raises what fsync raised (a full disk can surface only here). The commit's own
-    fsync then has nothing left to write.
+    the thread and raises what fsync raised (a full disk can surface only here); `wait(check=False)`
+    only joins (when another error is already on its way). The commit's own fsync then has nothing
+    left to write.
     """
     failure: list[BaseException] = []
 
@@ -84,9 +85,9 @@ def sync_in_background(path: Path) -> Callable[[], None]:
     thread = threading.Thread(target=sync, name="modelkit-fsync", daemon=True)
     thread.start()
 
-    def wait() -> None:
+    def wait(check: bool = True) -> None:
         thread.join()
-        if failure:
+        if failure and check:
             raise failure[0]
 
     return wait

@@ -231,8 +231,10 @@ def write_verified(ckpt: Checkpoint, target: Path, fmt: str, options: WriteOptio
             wait_synced = sync_in_background(tmp if tmp.is_dir() else tmp.parent)   # disk writes while the CPU verifies
             try:
                 result = _verify_written(ckpt, converter, tmp, fmt, options, target, module, also)
-            finally:
-                wait_synced()
+            except BaseException:
+                wait_synced(check=False)             # the verification's error is the one to report
+                raise
+            wait_synced()
         size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else tmp.stat().st_size
     return result, size
 

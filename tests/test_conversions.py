@@ -159,6 +159,50 @@ def test_failed_verification_leaves_no_output(tmp_path, mlp, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
 
 
+@pytest.mark.parametrize("verification_fails", [False, True])
+def test_fsync_failure_during_verification_leaves_no_output(tmp_path, mlp, monkeypatch, verification_fails):
+    """The output is fsynced while it is verified: an fsync error (a full disk shows up there) fails
+    the conversion; when verification fails too, its error is the one reported."""
+    import errno
+    import os
+
+    from modelkit import conversion
+
+    real_fsync = os.fsync
+
+    def failing_fsync(fd):
+        if "modelkit-fsync" in __import__("threading").current_thread().name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    if verification_fails:
+        def broken(expected, written, *, label):
+            raise VerificationError(f"{label}: tensor differs", max_abs_err=1.0, atol=0.0)
+        monkeypatch.setattr(conversion, "verify_weights", broken)
+    source = _source(tmp_path, "safetensors", mlp)
+    with pytest.raises(VerificationError if verification_fails else OSError):
+        modelkit.convert(source, tmp_path / "out.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
+
+
+def test_cli_reports_a_full_disk_in_one_line(tmp_path):
+    model = build("cnn", seed=0)
+    source = _source(tmp_path, "safetensors", model)
+    code = (
+        "import resource, signal, sys\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "from modelkit.cli import run\n"
+        f"run(['convert', {str(source)!r}, {str(tmp_path / 'out.safetensors')!r}])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == EXIT_ERROR and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]        # after the progress lines
+    assert last.startswith("Error:") and "File too large" in last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
+
+
 def test_full_disk_leaves_no_output(tmp_path):
     """RLIMIT_FSIZE makes writes fail past a size, as a full disk would."""
     model = build("cnn", seed=0)

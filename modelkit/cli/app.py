@@ -44,9 +44,13 @@ class LazyGroup(click.Group):
         except ModelkitError as e:
             _report(ctx, e)
             ctx.exit(EXIT_ERROR)
+        except OSError as e:        # the system's refusal (a full disk, a file size limit, permissions)
+            _report(ctx, e, f"{e.filename}: {e.strerror}" if e.filename and e.strerror
+                    else f"the system refused a read or write: {e.strerror or e}; no output was left behind")
+            ctx.exit(EXIT_ERROR)
 
 
-def _report(ctx: click.Context, error: ModelkitError) -> None:
+def _report(ctx: click.Context, error: Exception, message: str | None = None) -> None:
     """The one place a library error becomes output: a JSON document or one line on stderr."""
     if debug_enabled(ctx):
         import traceback
@@ -54,10 +58,10 @@ def _report(ctx: click.Context, error: ModelkitError) -> None:
         traceback.print_exception(error, file=sys.stderr)
     if ctx.meta.get(JSON_META_KEY):
         doc = {"schema": "modelkit.error/1", "ok": False,
-               "error": {"type": type(error).__name__, "message": str(error)}}
+               "error": {"type": type(error).__name__, "message": message or str(error)}}
         click.echo(json.dumps(doc, indent=2))
     else:
-        click.echo(f"Error: {error}", err=True)
+        click.echo(f"Error: {message or error}", err=True)
 
 
 def set_json(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
