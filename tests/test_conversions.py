@@ -186,35 +186,22 @@ def test_fsync_failure_during_verification_leaves_no_output(tmp_path, mlp, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
 
 
-def test_cli_reports_a_full_disk_in_one_line(tmp_path):
+@pytest.mark.parametrize("entry", ["api", "cli"])
+def test_full_disk_leaves_no_output(tmp_path, entry):
+    """RLIMIT_FSIZE makes writes fail past a size, as a full disk would: no output either way, and
+    the CLI says so in one line (exit 2, no traceback)."""
     model = build("cnn", seed=0)
-    source = _source(tmp_path, "safetensors", model)
-    code = (
-        "import resource, signal, sys\n"
-        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
-        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-        "from modelkit.cli import run\n"
-        f"run(['convert', {str(source)!r}, {str(tmp_path / 'out.safetensors')!r}])\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == EXIT_ERROR and "Traceback" not in result.stderr
-    last = result.stderr.strip().splitlines()[-1]        # after the progress lines
-    assert last.startswith("Error:") and "File too large" in last
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
-
-
-def test_full_disk_leaves_no_output(tmp_path):
-    """RLIMIT_FSIZE makes writes fail past a size, as a full disk would."""
-    model = build("cnn", seed=0)
-    source = _source(tmp_path, "safetensors", model)
-    code = (
-        "import resource, sys, modelkit\n"
-        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
-        "import signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-        f"modelkit.convert({str(source)!r}, {str(tmp_path / 'out.safetensors')!r})\n"
-    )
+    source, out = _source(tmp_path, "safetensors", model), tmp_path / "out.safetensors"
+    call = (f"modelkit.convert({str(source)!r}, {str(out)!r})" if entry == "api" else
+            f"from modelkit.cli import run; run(['convert', {str(source)!r}, {str(out)!r}])")
+    code = ("import resource, signal, modelkit\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+            f"signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n{call}\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode != 0 and "File too large" in result.stderr
+    if entry == "cli":
+        last = result.stderr.strip().splitlines()[-1]        # after the progress lines
+        assert result.returncode == EXIT_ERROR and "Traceback" not in result.stderr and last.startswith("Error:")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
 
 
