@@ -31,7 +31,6 @@ import json
 import logging
 import pickletools
 import re
-import struct
 import sys
 import zipfile
 from collections import OrderedDict
@@ -42,7 +41,7 @@ from typing import IO, Any
 
 import torch
 
-from modelkit import quantized_layout
+from modelkit import _zip_records, quantized_layout
 from modelkit._mapped import FileSpan
 from modelkit._tensors import LEGACY_STORAGE_DTYPES
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint
@@ -151,18 +150,8 @@ def _file_spans(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, FileS
     the start of a data record; if no such base exists (byte-swapped or copied tensors), no spans.
     """
     try:
-        starts = {}
-        with path.open("rb") as f, zipfile.ZipFile(f) as archive:
-            for info in archive.infolist():
-                if info.compress_type != zipfile.ZIP_STORED or "/data/" not in f"/{info.filename}":
-                    continue
-                f.seek(info.header_offset)
-                local = f.read(30)                      # the local header: its name and extra lengths
-                if len(local) < 30 or local[:4] != b"PK\x03\x04":
-                    return {}
-                name_len, extra_len = struct.unpack("<HH", local[26:30])
-                starts[info.header_offset + 30 + name_len + extra_len] = info.file_size
-    except (OSError, zipfile.BadZipFile, ValueError):
+        starts = {r.data_offset: r.nbytes for r in _zip_records.records(path).values() if "/data/" in f"/{r.name}"}
+    except (OSError, ValueError, FormatError):
         return {}
     if not starts or sys.byteorder != "little":
         return {}
@@ -557,7 +546,6 @@ def _fill_storages(path: Path, state: Mapping[str, torch.Tensor], sources: dict[
     import zlib
     from concurrent.futures import ThreadPoolExecutor
 
-    from modelkit import _zip_records
     from modelkit._mapped import copy_span
 
     skeleton = torch.load(path, map_location="cpu", mmap=True, weights_only=True)   # our own file, just written
@@ -569,8 +557,8 @@ def _fill_storages(path: Path, state: Mapping[str, torch.Tensor], sources: dict[
         if name in state and place.offset in layout:
             todo.setdefault(place.offset, name)        # tied tensors share one record
     storages = {t.untyped_storage().data_ptr() for t in state.values() if t.untyped_storage().nbytes()}
-    if len(todo) != len(storages):
-        raise FormatError(path, "torch.save's archive does not have one record per storage; cannot fill it")
+    if len(todo) != len(storages) or any(layout[offset].descriptor_crc is None for offset in todo):
+        raise FormatError(path, "torch.save's archive does not have one record with a data descriptor per storage; cannot fill it")
 
     def crc(name: str) -> int:                          # zlib releases the GIL: this overlaps the copies
         return zlib.crc32(_bytes(state[name]))

@@ -1,4 +1,7 @@
-"""Filling in the data records of a torch zip checkpoint written with `torch.serialization.skip_data`.
+"""Where the stored records of a torch zip checkpoint lie, and filling in ones written with `skip_data`.
+
+`records` is how the pt converter finds each record's bytes in the file (for file-to-file copies
+out of a .pt, and for the records it fills in).
 
 torch.save under skip_data writes the whole archive (pickle, metadata records, every storage's
 local header and reserved space) but not the storage bytes, and leaves their CRC-32s 0. The pt
@@ -22,32 +25,37 @@ _DESCRIPTOR = b"PK\x07\x08"
 
 @dataclass(frozen=True)
 class Record:
-    """One stored zip member: where its data starts and where its two CRC-32 fields are."""
+    """One stored zip member: where its data starts and where its CRC-32 fields are."""
 
     name: str
     data_offset: int
     nbytes: int
-    descriptor_crc: int          # file offset of the CRC-32 in the data descriptor
+    descriptor_crc: int | None   # file offset of the CRC-32 in the data descriptor (None: no descriptor)
     directory_crc: int           # file offset of the CRC-32 in the central directory entry
 
 
 def records(path: Path) -> dict[int, Record]:
-    """Every stored member laid out as torch.save lays them out (flag bit 3, a data descriptor), by data offset."""
+    """Every stored (uncompressed) member with its local header where the directory says, by data offset.
+
+    Raises:
+        FormatError: the zip directory cannot be read.
+        OSError, ValueError: the file cannot be opened or mapped (an empty file).
+    """
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
             entries = zipdir.read_directory(buf)
         except ValueError as e:
-            raise FormatError(path, f"torch.save wrote an archive modelkit cannot read back ({e})") from e
+            raise FormatError(path, f"the zip directory cannot be read ({e})") from e
         found: dict[int, Record] = {}
         for entry in entries:
             at = entry.header_offset
-            if entry.compress_type != zipdir.STORED or not entry.flag_bits & 0x8 or buf[at:at + 4] != b"PK\x03\x04":
-                continue                     # not a record we could fill (the caller checks it has them all)
+            if entry.compress_type != zipdir.STORED or at + 30 > len(buf) or buf[at:at + 4] != b"PK\x03\x04":
+                continue                     # not a record whose bytes lie in the file as they are
             name_len, extra_len = struct.unpack_from("<HH", buf, at + 26)
             data = at + 30 + name_len + extra_len
             end = data + entry.compress_size
-            if buf[end:end + 4] == _DESCRIPTOR:
-                found[data] = Record(entry.filename, data, entry.file_size, end + 4, entry.directory_offset + 16)
+            descriptor = end + 4 if entry.flag_bits & 0x8 and buf[end:end + 4] == _DESCRIPTOR else None
+            found[data] = Record(entry.filename, data, entry.file_size, descriptor, entry.directory_offset + 16)
     return found
 
 
@@ -56,7 +64,8 @@ def patch_crcs(path: Path, crcs: dict[Record, int]) -> None:
     with path.open("r+b") as f:
         for record, crc in crcs.items():
             value = struct.pack("<I", crc & 0xFFFFFFFF)
-            f.seek(record.descriptor_crc)
-            f.write(value)
+            if record.descriptor_crc is not None:
+                f.seek(record.descriptor_crc)
+                f.write(value)
             f.seek(record.directory_crc)
             f.write(value)

@@ -13,6 +13,7 @@ import click
 
 from modelkit import __version__
 from modelkit.cli import COMMANDS, EXIT_ERROR, JSON_META_KEY, STDLIB_COMMANDS
+from modelkit.cli.logs import configure_logging
 from modelkit.errors import ModelkitError
 
 
@@ -93,7 +94,7 @@ def main(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
     ctx.obj = {"quiet": quiet, "debug": debug, "verbose": verbose}
     if ctx.invoked_subcommand in STDLIB_COMMANDS:
         return      # they set up their own logging (only at -v: importing logging costs start-up time)
-    _configure_logging(verbose, quiet)
+    configure_logging(verbose, quiet)
 
 
 def _forwarding_command(name: str) -> click.Command:
@@ -119,15 +120,3 @@ def _forwarding_command(name: str) -> click.Command:
         ctx.exit(code)
 
     return command
-
-
-def _configure_logging(verbose: int, quiet: bool) -> None:
-    import logging
-
-    level = logging.WARNING - 10 * verbose if not quiet else logging.ERROR
-    logger = logging.getLogger("modelkit")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(max(level, logging.DEBUG))

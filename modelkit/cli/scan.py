@@ -13,6 +13,7 @@ import sys
 
 from modelkit import __version__
 from modelkit.cli import EXIT_ERROR, EXIT_OK, EXIT_UNSAFE
+from modelkit.cli.logs import configure_logging
 from modelkit.cli.progress import Progress
 from modelkit.scan import ScanReport, Severity, scan_paths
 
@@ -68,7 +69,7 @@ def run(argv: list[str], *, prog: str = "modelkit scan") -> int:
     """Parse `argv` (the words after `scan`), scan, print the report; returns the exit code."""
     args = build_parser(prog).parse_args(argv)
     if args.verbose or args.debug:
-        _configure_logging(2 if args.debug else args.verbose)
+        configure_logging(2 if args.debug else args.verbose)
     threshold = Severity.SUSPICIOUS if args.strict else _FAIL_ON[args.fail_on]
     with Progress("scanning", enabled=not (args.as_json or args.quiet)) as bar:
         def progress(done: int, total: int) -> None:
@@ -118,14 +119,3 @@ def render(report: ScanReport, threshold: Severity) -> str:
                  f"{tally[Severity.SUSPICIOUS]} suspicious, {tally[Severity.SAFE]} clean, {len(report.errors)} error(s); "
                  f"exit 1 at {threshold.label} and above.")
     return "\n".join(lines) + "\n"
-
-
-def _configure_logging(verbose: int) -> None:
-    import logging
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("modelkit")
-    if not logger.handlers:
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
