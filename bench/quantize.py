@@ -10,7 +10,9 @@ Prints, each next to its baseline measured in the same run:
    strictly better than RTN int4 g32; QAT int4 g32 better than RTN int4 g32.
 3. Speed on 64 M parameters, byte-identical output checked: q8_0, q4_1, q5_1 at least 10x
    `gguf.quants.quantize`, q4_0 and q5_0 at least 4x; each also as a fraction of the machine's
-   memory bandwidth (a 256 MB copy timed here). int8-dynamic Linear 2048x2048 at batch 64 at most
+   memory bandwidth (a 256 MB copy timed here). The bars use the fastest implementation here
+   (gguf_blocks.IMPLEMENTATIONS[0]: the C kernels, avx2 where the CPU has it); the others
+   (generic C, eager torch) are timed and checked byte for byte too. int8-dynamic Linear 2048x2048 at batch 64 at most
    0.5x the float latency.
 4. Peers on the same models: torch.ao.quantization.quantize_dynamic (deprecated in torch 2.13,
    run here only as the baseline) and onnxruntime's quantize_dynamic, against int8-dynamic.
@@ -170,13 +172,21 @@ def block_speed(millions: int = 64) -> None:
     bandwidth = 2 * source.numel() / copy                                # bytes read + written per second
     print(f"  memcpy 256 MB: {1e3 * copy:.1f} ms -> {bandwidth / 1e9:.1f} GB/s (read + write)", flush=True)
     speed: dict[str, Any] = {"memcpy_gb_s": bandwidth / 1e9, "types": {}}
+    print(f"  implementations here, fastest first: {', '.join(gguf_blocks.IMPLEMENTATIONS)} "
+          f"(the bars use {gguf_blocks.IMPLEMENTATIONS[0]})", flush=True)
+    speed["implementation"] = gguf_blocks.IMPLEMENTATIONS[0]
     for name, need in (("q8_0", 10), ("q4_0", 4), ("q4_1", 10), ("q5_0", 4), ("q5_1", 10)):
-        gguf_blocks.quantize(x[:64], name)                                # warm-up
-        ours = _best(lambda name=name: gguf_blocks.quantize(x, name), 5)
-        out = gguf_blocks.quantize(x, name)
         kind = GGMLQuantizationType[name.upper()]
+        reference = gguf_quantize(x.numpy(), kind)
         theirs = _best(lambda kind=kind: gguf_quantize(x.numpy(), kind), 5)   # best of 5 for both
-        same = bool(np.array_equal(out.numpy(), gguf_quantize(x.numpy(), kind)))
+        times, same = {}, True
+        for implementation in gguf_blocks.IMPLEMENTATIONS:
+            gguf_blocks.quantize(x[:64], name, implementation=implementation)   # warm-up
+            times[implementation] = _best(lambda n=name, i=implementation: gguf_blocks.quantize(x, n, implementation=i), 5)
+            out = gguf_blocks.quantize(x, name, implementation=implementation)
+            same = same and bool(np.array_equal(out.numpy(), reference))
+        ours = times[gguf_blocks.IMPLEMENTATIONS[0]]
+        others = "; ".join(f"{i}: {1e3 * t:.0f} ms = {theirs / t:.1f}x" for i, t in list(times.items())[1:])
         traffic = x.numel() * 4 + out.numel()
         fraction = traffic / ours / bandwidth
         # The floor no implementation avoids: the output is new memory, and first touching it costs
@@ -184,12 +194,13 @@ def block_speed(millions: int = 64) -> None:
         fresh = _best(lambda n=out.numel(): _fresh(n), 3)
         speed["types"][name] = {"ours_ms": 1e3 * ours, "gguf_py_ms": 1e3 * theirs, "ratio": theirs / ours,
                                 "bandwidth_fraction": fraction, "byte_identical": same,
-                                "fresh_output_ms": 1e3 * fresh}
+                                "fresh_output_ms": 1e3 * fresh,
+                                "implementations_ms": {i: 1e3 * t for i, t in times.items()}}
         bar(f"{name} on {millions} M parameters >= {need}x gguf.quants.quantize",
             f"{theirs / ours:.1f}x", same and theirs / ours >= need,
             f"{1e3 * ours:.0f} ms vs {1e3 * theirs:.0f} ms; {100 * fraction:.0f}% of memory bandwidth; "
             f"first touching {out.numel() / 2**20:.0f} MiB of fresh 4 KiB pages alone (we use huge pages): {1e3 * fresh:.0f} ms; "
-            f"byte-identical: {same}")
+            f"byte-identical (every implementation): {same}; other implementations: {others or 'none'}")
     RESULTS["block_speed"] = speed
 
 

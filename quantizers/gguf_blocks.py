@@ -13,9 +13,17 @@ its own fp16 scale (and minimum) followed by the packed values. Byte layouts, li
 Quantization reproduces gguf-py's reference `gguf.quants.quantize` byte for byte (the same
 float32 operations in the same order: a division stays a division, nothing is fused), and
 dequantization reproduces `gguf.quants.dequantize` bit for bit; tests/test_quant_gguf.py checks
-both with hypothesis. The work is whole-tensor torch: blocks are a reshape, a tensor is cut
-into chunks of 16,384 blocks (2 MiB of float32: fewer torch calls, intermediates still in cache), and
-torch's thread count of worker threads take shares of the chunks; no Python loop ever runs per block.
+both with hypothesis.
+
+Two implementations of quantize, with the same bytes:
+- "avx2" / "generic": the C kernels in _gguf_kernels.c, which read each block once and write its
+  bytes once (eager torch needs 7 to 9 passes over the data per type). Built at install time where
+  a C compiler is found; "avx2" where the CPU has it. `IMPLEMENTATIONS[0]` is the one used.
+- "torch": whole-tensor eager torch (the reference, and the fallback without the extension):
+  blocks are a reshape, a tensor is cut into chunks of 16,384 blocks (2 MiB of float32: fewer
+  torch calls, intermediates still in cache).
+Either way torch's thread count of worker threads take shares of the tensor (the C kernels
+release the GIL); no Python loop ever runs per block. Tensors holding NaN or infinity are refused.
 
 Quantized tensors are `QuantizedTensor(layout="gguf", parts={"qdata": uint8 (rows, row bytes)},
 params={"ggml_type": "Q4_0"})`, the form modelkit's GGUF converter reads and writes natively.
@@ -36,9 +44,18 @@ from modelkit.checkpoint import DEQUANTIZERS, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, MissingDependencyError
 from modelkit.quantizers import _modules
 
+try:
+    from modelkit.quantizers import _gguf_kernels
+except ImportError:                 # installed without a C compiler: eager torch only
+    _gguf_kernels = None
+
+# The implementations quantize can use here, fastest first ("torch" is always there).
+IMPLEMENTATIONS: tuple[str, ...] = (*(_gguf_kernels.ISAS if _gguf_kernels else ()), "torch")
+
 BLOCK = 32                  # weights per block for every type here (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0)
 _CHUNK_BLOCKS = 16384       # 512 Ki floats (2 MiB) per chunk: measured best on a 2 MiB-L2 EPYC (8192: +10%, 65536: +30%)
 _ROUND = 0.49999997         # float32(0.5 - 2**-25): trunc(|x| + this) == gguf-py's np_roundf(x) for |x| < 2**22
+_MIN_SHARE = 2**16          # blocks per thread at least (2 MiB of float32): smaller tensors run on one thread
 
 
 @dataclass(frozen=True)
@@ -47,7 +64,7 @@ class BlockType:
 
     name: str                                       # "Q4_0"
     type_size: int                                  # bytes per block of BLOCK weights
-    quantize: Callable[[torch.Tensor, torch.Tensor, _Workspace], None]
+    quantize: Callable[[torch.Tensor, torch.Tensor, _Workspace], bool]     # torch path; False: NaN or inf seen
     dequantize: Callable[[torch.Tensor], torch.Tensor]
     bits: int                                       # bits of each quantized value
 
@@ -87,14 +104,23 @@ def _put_half(out: torch.Tensor, value: torch.Tensor) -> None:
     out.view(torch.float16).copy_(value)
 
 
-def _signed_absmax(x: torch.Tensor, ws: _Workspace) -> torch.Tensor:
+def _finite(*reductions: torch.Tensor) -> bool:
+    """Whether per-block maxima / minima are finite: amax and amin propagate NaN, so this is
+    whether the blocks themselves are (a check on 1/32 of the data)."""
+    return all(bool(torch.isfinite(r).all()) for r in reductions)
+
+
+def _signed_absmax(x: torch.Tensor, ws: _Workspace) -> torch.Tensor | None:
     """Each block's value of largest magnitude, the first one where several tie (gguf-py's argmax).
 
     max and min decide it unless they tie in magnitude (+m and -m both present, or an all-zero
     block where the sign of zero matters); those few blocks are settled with argmax.
+    None if a block holds NaN or infinity.
     """
     torch.amax(x, -1, keepdim=True, out=ws.hi)
     torch.amin(x, -1, keepdim=True, out=ws.lo)
+    if not _finite(ws.hi, ws.lo):
+        return None
     value = torch.where(-ws.lo > ws.hi, ws.lo, ws.hi)
     ties = (ws.hi == -ws.lo).view(-1)
     if bool(ties.any()):
@@ -125,45 +151,60 @@ def _levels(f: torch.Tensor, ws: _Workspace, top: int) -> torch.Tensor:
     return ws.i.copy_(f.clamp_(max=top))
 
 
-def _q8_0(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
+def _q8_0(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> bool:
     f = torch.abs(x, out=ws.f)
-    d = torch.amax(f, -1, keepdim=True, out=ws.hi).div_(127)        # d = max|x| / 127
+    amax = torch.amax(f, -1, keepdim=True, out=ws.hi)
+    if not _finite(amax):
+        return False
+    d = amax.div_(127)                                              # d = max|x| / 127
     f.mul_(_inverse(d, ws)).add_(_ROUND)                            # |x * id| + (0.5 - 2**-25)
     sign = torch.bitwise_and(x.view(torch.int32), -0x80000000, out=ws.i)
     f.view(torch.int32).bitwise_or_(sign)                           # copysign: roundf(x * id) after trunc
     out[:, 2:].view(torch.int8).copy_(f)                            # float -> int8 truncates
     _put_half(out[:, :2], d)
+    return True
 
 
-def _q4_0(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
-    d = _signed_absmax(x, ws).div_(-8)                              # d = max / -8
+def _q4_0(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> bool:
+    if (value := _signed_absmax(x, ws)) is None:
+        return False
+    d = value.div_(-8)                                              # d = max / -8
     torch.mul(x, _inverse(d, ws), out=ws.f).add_(8.5)
     _pack_nibbles(_levels(ws.f, ws, 15), ws, out[:, 2:])
     _put_half(out[:, :2], d)
+    return True
 
 
-def _q4_1(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
+def _q4_1(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> bool:
     lo = torch.amin(x, -1, keepdim=True, out=ws.lo)
     hi = torch.amax(x, -1, keepdim=True, out=ws.hi)
+    if not _finite(lo, hi):
+        return False
     d = hi.sub_(lo).div_(15)                                        # d = (max - min) / 15
     torch.sub(x, lo, out=ws.f).mul_(_inverse(d, ws)).add_(0.5)
     _pack_nibbles(_levels(ws.f, ws, 15), ws, out[:, 4:])
     _put_half(out[:, :2], d)
     _put_half(out[:, 2:4], lo)
+    return True
 
 
-def _q5_0(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
-    d = _signed_absmax(x, ws).div_(-16)                             # d = max / -16
+def _q5_0(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> bool:
+    if (value := _signed_absmax(x, ws)) is None:
+        return False
+    d = value.div_(-16)                                             # d = max / -16
     torch.mul(x, _inverse(d, ws), out=ws.f).add_(16.5)
     q = _levels(ws.f, ws, 31)
     _pack_high_bits(q, out[:, 2:6])
     _pack_nibbles(q.bitwise_and_(0x0F), ws, out[:, 6:])
     _put_half(out[:, :2], d)
+    return True
 
 
-def _q5_1(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
+def _q5_1(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> bool:
     lo = torch.amin(x, -1, keepdim=True, out=ws.lo)
     hi = torch.amax(x, -1, keepdim=True, out=ws.hi)
+    if not _finite(lo, hi):
+        return False
     d = hi.sub_(lo).div_(31)                                        # d = (max - min) / 31
     torch.sub(x, lo, out=ws.f).mul_(_inverse(d, ws)).add_(0.5)
     q = _levels(ws.f, ws, 31)
@@ -171,6 +212,7 @@ def _q5_1(x: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
     _pack_nibbles(q.bitwise_and_(0x0F), ws, out[:, 8:])
     _put_half(out[:, :2], d)
     _put_half(out[:, 2:4], lo)
+    return True
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -237,7 +279,8 @@ def _check_rows(shape: tuple[int, ...], kind: BlockType) -> None:
                           f"the tensor is {list(shape)}: keep it in float (skip it) or pick another scheme")
 
 
-def quantize(tensor: torch.Tensor, type_name: str, *, threads: int | None = None) -> torch.Tensor:
+def quantize(tensor: torch.Tensor, type_name: str, *, threads: int | None = None,
+             implementation: str | None = None) -> torch.Tensor:
     """Quantize a float tensor to GGUF blocks along its last dimension.
 
     Args:
@@ -245,13 +288,16 @@ def quantize(tensor: torch.Tensor, type_name: str, *, threads: int | None = None
             as gguf-py does.
         type_name: "q8_0", "q4_0", "q4_1", "q5_0" or "q5_1".
         threads: Worker threads (default: torch's intra-op thread count).
+        implementation: "avx2", "generic" or "torch" (default: the fastest available,
+            IMPLEMENTATIONS[0]); all give the same bytes.
 
     Returns:
         uint8 (rows, bytes per row): rows = all leading dimensions, the same bytes and shape
         that `gguf.quants.quantize` gives for the tensor viewed as (rows, last dimension).
 
     Raises:
-        ConfigError: the last dimension is not a multiple of 32, or the type is unknown.
+        ConfigError: the last dimension is not a multiple of 32, the type or implementation is
+            unknown here, or the tensor holds NaN or infinity.
 
     Example:
         >>> w = torch.randn(4, 64)
@@ -259,34 +305,72 @@ def quantize(tensor: torch.Tensor, type_name: str, *, threads: int | None = None
         torch.Size([4, 68])
     """
     kind = block_type(type_name)
+    implementation = implementation or IMPLEMENTATIONS[0]
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(f"GGUF quantization implementation {implementation!r} is not available here; "
+                          f"available: {', '.join(IMPLEMENTATIONS)}")
     shape = tuple(tensor.shape)
     _check_rows(shape, kind)
     rows = math.prod(shape[:-1])
     blocks = tensor.detach().to("cpu", torch.float32).contiguous().view(-1, BLOCK)   # (rows * nb, 32)
     out = empty_bytes(blocks.shape[0] * kind.type_size).view(blocks.shape[0], kind.type_size)   # huge pages: few faults
-    starts = list(range(0, blocks.shape[0], _CHUNK_BLOCKS))
-    workers = max(1, min(threads or torch.get_num_threads(), len(starts)))
+    workers = threads or torch.get_num_threads()
+    run = _run_torch if implementation == "torch" else _run_kernels
+    if not run(kind, blocks, out, workers, implementation):
+        bad = int((~torch.isfinite(blocks)).any(-1).nonzero()[0])
+        raise ConfigError(f"cannot quantize to {kind.name}: the tensor of shape {list(shape)} holds NaN or infinity "
+                          f"(row {bad * BLOCK // shape[-1]}); fix the weights, or keep this tensor in float (skip it)")
+    return out.view(rows, shape[-1] // BLOCK * kind.type_size)
 
-    def run(part: list[int]) -> None:
+
+def _shares(total: int, workers: int, least: int) -> list[tuple[int, int]]:
+    """Split range(total) into at most `workers` contiguous (start, stop) shares of at least `least`."""
+    if total == 0:
+        return [(0, 0)]
+    count = max(1, min(workers, total // least))
+    size = math.ceil(total / count)
+    return [(start, min(start + size, total)) for start in range(0, total, size)]
+
+
+def _in_threads(work: Callable[[int, int], bool], shares: list[tuple[int, int]]) -> bool:
+    """Run work(start, stop) for each share, side by side; whether all returned True."""
+    if len(shares) == 1:
+        return work(*shares[0])
+    with ThreadPoolExecutor(len(shares)) as pool:
+        return all(list(pool.map(lambda share: work(*share), shares)))
+
+
+def _run_kernels(kind: BlockType, blocks: torch.Tensor, out: torch.Tensor, workers: int, isa: str) -> bool:
+    """The C kernels, one contiguous share of the blocks per thread (they release the GIL)."""
+    source, target = blocks.view(-1).numpy(), out.view(-1).numpy()
+    name, size = kind.name.lower(), kind.type_size
+
+    def work(start: int, stop: int) -> bool:
+        return _gguf_kernels.quantize(name, source[start * BLOCK:stop * BLOCK], target[start * size:stop * size], isa) < 0
+
+    return _in_threads(work, _shares(blocks.shape[0], workers, _MIN_SHARE))
+
+
+def _run_torch(kind: BlockType, blocks: torch.Tensor, out: torch.Tensor, workers: int, _: str) -> bool:
+    """Eager torch over chunks of _CHUNK_BLOCKS; each thread takes a contiguous run of chunks."""
+    def work(start: int, stop: int) -> bool:
         ws = _Workspace(_CHUNK_BLOCKS)
-        for start in part:
-            stop = min(start + _CHUNK_BLOCKS, blocks.shape[0])
-            kind.quantize(blocks[start:stop], out[start:stop], ws.rows(stop - start))
+        for chunk in range(start, stop, _CHUNK_BLOCKS):
+            end = min(chunk + _CHUNK_BLOCKS, stop)
+            if not kind.quantize(blocks[chunk:end], out[chunk:end], ws.rows(end - chunk)):
+                return False
+        return True
 
-    # Our own threads, each op single-threaded inside them: torch's intra-op threads would split
-    # every small op again and wait on each other at each one (slow on a busy machine).
+    chunks = _shares(math.ceil(blocks.shape[0] / _CHUNK_BLOCKS), workers, 1)
+    shares = [(first * _CHUNK_BLOCKS, min(last * _CHUNK_BLOCKS, blocks.shape[0])) for first, last in chunks]
+    # Each op single-threaded inside our threads: torch's intra-op threads would split every
+    # small op again and wait on each other at each one (slow on a busy machine).
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        if workers == 1:
-            run(starts)
-        else:    # torch releases the GIL inside each op, so the threads overlap
-            share = math.ceil(len(starts) / workers)
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(run, [starts[i:i + share] for i in range(0, len(starts), share)]))
+    try:     # torch releases the GIL inside each op, so the threads overlap
+        return _in_threads(work, shares)
     finally:
         torch.set_num_threads(previous)
-    return out.view(rows, -1)
 
 
 def dequantize(data: torch.Tensor, type_name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:

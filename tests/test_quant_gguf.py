@@ -2,7 +2,9 @@
 
 gguf-py (`gguf.quants`) is the judge: the same float32 input must give the same bytes, and the
 same bytes must give the same float32 values, bit for bit, on random tensors of awkward shapes,
-on ties (+m and -m in one block), zeros of both signs, and across chunk boundaries.
+on ties (+m and -m in one block), zeros of both signs, and across chunk and thread boundaries;
+for every implementation of quantize this machine has (the C kernels: avx2 and generic, and
+eager torch).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from modelkit.errors import ConfigError  # noqa: E402
 from modelkit.quantizers import gguf_blocks  # noqa: E402
 
 TYPES = sorted(gguf_blocks.BLOCK_TYPES)
+IMPLEMENTATIONS = gguf_blocks.IMPLEMENTATIONS
 KINDS = ("normal", "uniform", "ties", "zeros", "small", "large", "integers", "outlier")
 
 
@@ -49,13 +52,19 @@ def _data(kind: str, rows: int, blocks: int, seed: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
+def test_the_c_kernels_are_built_here():
+    """CI has a C compiler: a silent fallback to eager torch (the extension is optional) must show."""
+    assert IMPLEMENTATIONS[0] != "torch", "modelkit.quantizers._gguf_kernels did not build: see setup.py"
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("type_name", TYPES)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(KINDS), rows=st.integers(1, 9), blocks=st.integers(1, 5), seed=st.integers(0, 2**31))
-def test_quantize_is_byte_identical_to_gguf_py(type_name, kind, rows, blocks, seed):
+def test_quantize_is_byte_identical_to_gguf_py(type_name, implementation, kind, rows, blocks, seed):
     x = _data(kind, rows, blocks, seed)
     expected = gguf_quantize(x, GGMLQuantizationType[type_name.upper()])
-    got = gguf_blocks.quantize(torch.from_numpy(x), type_name).numpy()
+    got = gguf_blocks.quantize(torch.from_numpy(x), type_name, implementation=implementation).numpy()
     assert got.shape == expected.shape and got.dtype == np.uint8
     assert np.array_equal(got, expected)
 
@@ -78,15 +87,69 @@ def test_dequantize_is_bit_identical_to_gguf_py(type_name, rows, blocks, seed):
     assert np.array_equal(got.view(np.uint32), expected.astype(np.float32).view(np.uint32))
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("type_name", TYPES)
 @settings(max_examples=25, deadline=None)
 @given(values=st.lists(st.floats(min_value=-1e3, max_value=1e3, width=32, allow_subnormal=False),
                        min_size=64, max_size=64))
-def test_element_level_fuzz(type_name, values):
+def test_element_level_fuzz(type_name, implementation, values):
     x = np.array(values, dtype=np.float32).reshape(2, 32)
     x[np.abs(x) < 1e-30] = 0.0          # scales stay normal numbers (see gguf_blocks' docstring)
     expected = gguf_quantize(x, GGMLQuantizationType[type_name.upper()])
-    assert np.array_equal(gguf_blocks.quantize(torch.from_numpy(x), type_name).numpy(), expected)
+    got = gguf_blocks.quantize(torch.from_numpy(x), type_name, implementation=implementation).numpy()
+    assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("type_name", TYPES)
+def test_extreme_finite_values(type_name, implementation):
+    """Scales and minima that overflow float16 (stored as inf, as gguf-py does) and huge ranges.
+
+    (Ranges beyond float32, max - min = inf, make gguf-py cast NaN to uint8, which numpy leaves
+    to the CPU: no reference there.)"""
+    x = np.array([[1e30, -1e30] + [1.0] * 30, [7e4] * 32, [-1e6] + [1e6] * 31, [1e5, -1e-3] * 16,
+                  [65504.0, -65520.0] * 16], np.float32)
+    expected = gguf_quantize(x, GGMLQuantizationType[type_name.upper()])
+    got = gguf_blocks.quantize(torch.from_numpy(x), type_name, implementation=implementation).numpy()
+    assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_infinity_are_refused_with_the_row(type_name, implementation, bad):
+    x = torch.randn(6, 64)
+    x[4, 40] = bad
+    with pytest.raises(ConfigError, match=r"holds NaN or infinity \(row 4\)"):
+        gguf_blocks.quantize(x, type_name, implementation=implementation)
+
+
+def test_unknown_implementation_names_the_available_ones():
+    with pytest.raises(ConfigError, match="available: .*torch"):
+        gguf_blocks.quantize(torch.randn(1, 32), "q8_0", implementation="cuda")
+
+
+@pytest.mark.skipif("torch" == IMPLEMENTATIONS[0], reason="no C kernels")
+def test_half_conversion_matches_numpy():
+    """Every block's scale goes through the kernels' float32 -> float16 rounding: compared with
+    numpy on every float32 exponent (normal, subnormal-half, overflow, NaN, inf), every 2**-13
+    mantissa step around the rounding points, and random bit patterns."""
+    from modelkit.quantizers import _gguf_kernels
+
+    exponents = np.arange(256, dtype=np.uint32) << 23
+    near_rounding = (np.arange(1 << 10, dtype=np.uint32) << 13)[:, None] + np.array([0, 1, 0xfff, 0x1000, 0x1001, 0x1fff])
+    mantissas = np.concatenate([np.arange(0, 1 << 23, 4093, dtype=np.uint32), near_rounding.ravel().astype(np.uint32)])
+    patterns = (exponents[:, None] | mantissas[None, :]).ravel()
+    patterns = np.concatenate([patterns, patterns | 0x80000000,
+                               np.random.default_rng(0).integers(0, 2**32, 1_000_000, dtype=np.uint32)])
+    values = patterns.view(np.float32)
+    got = np.empty(values.size, np.uint16)
+    _gguf_kernels.half_bits(values, got.view(np.uint8))
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = values.astype(np.float16).view(np.uint16)
+    nan = np.isnan(values)
+    assert np.array_equal(got[~nan], expected[~nan])
+    assert np.all((got[nan] & 0x7c00) == 0x7c00) and np.all(got[nan] & 0x03ff)      # NaN stays NaN
 
 
 @pytest.mark.parametrize("type_name", ["q8_0", "q4_0", "q5_0"])
@@ -100,17 +163,26 @@ def test_mixed_signed_zeros(type_name):
     x[0, 0], x[1, 5], x[2, :] = -0.0, -0.0, -0.0
     x[3, 1::2] = -0.0
     expected = gguf_quantize(x, GGMLQuantizationType[type_name.upper()])
-    assert np.array_equal(gguf_blocks.quantize(torch.from_numpy(x), type_name).numpy(), expected)
+    for implementation in IMPLEMENTATIONS:
+        got = gguf_blocks.quantize(torch.from_numpy(x), type_name, implementation=implementation).numpy()
+        assert np.array_equal(got, expected), implementation
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("type_name", TYPES)
-def test_chunks_and_threads_do_not_change_the_bytes(type_name, monkeypatch):
+def test_chunks_and_threads_do_not_change_the_bytes(type_name, implementation, monkeypatch):
     x = _data("normal", 37, 3, seed=7)                  # 111 blocks: 12 chunks of 10 with a short last one
     expected = gguf_quantize(x, GGMLQuantizationType[type_name.upper()])
     monkeypatch.setattr(gguf_blocks, "_CHUNK_BLOCKS", 10)
+    monkeypatch.setattr(gguf_blocks, "_MIN_SHARE", 10)  # the C kernels' shares: 37 + 37 + 37 blocks
     for threads in (1, 3):
-        got = gguf_blocks.quantize(torch.from_numpy(x), type_name, threads=threads).numpy()
-        assert np.array_equal(got, expected)
+        got = gguf_blocks.quantize(torch.from_numpy(x), type_name, threads=threads, implementation=implementation)
+        assert np.array_equal(got.numpy(), expected)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_empty_tensors(implementation):
+    assert gguf_blocks.quantize(torch.empty(0, 64), "q4_0", implementation=implementation).shape == (0, 36)
 
 
 def test_thread_setting_is_restored():

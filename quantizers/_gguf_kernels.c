@@ -1,0 +1,184 @@
+/* GGUF block quantization (q8_0, q4_0, q4_1, q5_0, q5_1) in one pass per block.
+ *
+ * The accelerated path of quantizers/gguf_blocks.py, which also holds the reference in eager
+ * torch (used wherever this extension was not built) and the byte layouts. Both reproduce
+ * gguf-py's `gguf.quants.quantize` byte for byte: the same float32 operations in the same
+ * order (a division stays a division; this file is built without -ffast-math and with
+ * -ffp-contract=off, so nothing is fused or reassociated). tests/test_quant_gguf.py checks
+ * this extension, the torch path and gguf-py against each other.
+ *
+ * Why C: eager torch runs each step (abs, max, scale, round, pack) as its own pass over the
+ * data, 7 to 9 passes per block type; here a block of 32 floats is read once and its bytes
+ * written once. Two implementations of each kernel, checked against each other and gguf-py:
+ * _gguf_kernels_avx2.h (x86-64 CPUs with AVX2, picked at run time) and
+ * _gguf_kernels_generic.h (GCC/clang vector extensions, no intrinsics: builds and runs
+ * anywhere). The GIL is released while a call runs: gguf_blocks.py splits a tensor between
+ * threads that call in here side by side.
+ *
+ * Blocks holding NaN or infinity are not quantized: the call returns the index of the first
+ * such block (gguf-py's output for them depends on the CPU's conversion of NaN to integers).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 32
+
+/* float32(0.5 - 2**-25): trunc(|y| + ROUND) == gguf-py's np_roundf(|y|) (round half away from
+ * zero) for |y| < 2**22; q8_0's |y| is at most 127. */
+static const float ROUND = 0.49999997f;
+static const int32_t EXPONENT = 0x7f800000;   /* bits of +inf: |x| bits >= this is inf or NaN */
+
+/* id = where(d == 0, 0, 1 / d) */
+static inline float inverse(float d) { return d == 0.0f ? 0.0f : 1.0f / d; }
+
+/* float32 -> IEEE binary16 bits, round to nearest even (numpy's astype(float16)): overflow to
+ * inf, subnormal halves rounded through a float addition that aligns the bits. */
+static inline uint16_t half_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    u &= 0x7fffffffu;
+    uint16_t h;
+    if (u >= 0x47800000u) {                     /* >= 65536, inf or NaN */
+        h = u > 0x7f800000u ? 0x7e00 : 0x7c00;
+    } else if (u < 0x38800000u) {               /* below 2**-14: a subnormal half or zero */
+        float a, magic = 0.5f;                  /* 2**-1: its ulp is 2**-24, a half's subnormal step */
+        memcpy(&a, &u, 4);
+        a += magic;
+        uint32_t r;
+        memcpy(&r, &a, 4);
+        h = (uint16_t)(r - 0x3f000000u);
+    } else {                                    /* rebias 127 -> 15, round the 13 dropped bits */
+        u += 0xc8000fffu + ((u >> 13) & 1u);
+        h = (uint16_t)(u >> 13);
+    }
+    return (uint16_t)(h | sign);
+}
+
+static inline void put_half(uint8_t *dst, float f) {
+    uint16_t h = half_bits(f);
+    dst[0] = (uint8_t)h;                        /* little-endian, as GGUF stores it */
+    dst[1] = (uint8_t)(h >> 8);
+}
+
+#include "_gguf_kernels_generic.h"
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_AVX2_KERNELS 1
+#include "_gguf_kernels_avx2.h"
+#endif
+
+typedef Py_ssize_t (*kernel_t)(const float *, uint8_t *, Py_ssize_t);
+
+/* Each kernel returns -1 when done, or the index of the first block with NaN or infinity. */
+static const struct { const char *name; int type_size; kernel_t generic, avx2; } KERNELS[] = {
+#ifdef HAVE_AVX2_KERNELS
+    {"q8_0", 34, q8_0_generic, q8_0_avx2}, {"q4_0", 18, q4_0_generic, q4_0_avx2},
+    {"q4_1", 20, q4_1_generic, q4_1_avx2}, {"q5_0", 22, q5_0_generic, q5_0_avx2},
+    {"q5_1", 24, q5_1_generic, q5_1_avx2},
+#else
+    {"q8_0", 34, q8_0_generic, NULL}, {"q4_0", 18, q4_0_generic, NULL}, {"q4_1", 20, q4_1_generic, NULL},
+    {"q5_0", 22, q5_0_generic, NULL}, {"q5_1", 24, q5_1_generic, NULL},
+#endif
+};
+
+static int cpu_has_avx2(void) {
+#ifdef HAVE_AVX2_KERNELS
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+PyDoc_STRVAR(quantize_doc,
+"quantize(type_name, src, dst, isa=None) -> int\n\n"
+"Quantize the float32 blocks in the buffer `src` (a multiple of 32 values) into `dst` (exactly\n"
+"the block bytes they need). Returns -1, or the index of the first block holding NaN or\n"
+"infinity (dst is then incomplete). `isa`: \"avx2\" or \"generic\" (default: the best this\n"
+"CPU runs, ISAS[0]). Releases the GIL while it runs.");
+
+static PyObject *quantize(PyObject *self, PyObject *args) {
+    const char *name, *isa = NULL;
+    Py_buffer src, dst;
+    if (!PyArg_ParseTuple(args, "sy*w*|z", &name, &src, &dst, &isa)) return NULL;
+    PyObject *result = NULL;
+    kernel_t kernel = NULL;
+    int type_size = 0, found = 0;
+    for (size_t i = 0; i < sizeof KERNELS / sizeof KERNELS[0]; i++)
+        if (strcmp(name, KERNELS[i].name) == 0) {
+            found = 1;
+            type_size = KERNELS[i].type_size;
+            if (isa == NULL) kernel = cpu_has_avx2() ? KERNELS[i].avx2 : KERNELS[i].generic;
+            else if (strcmp(isa, "generic") == 0) kernel = KERNELS[i].generic;
+            else if (strcmp(isa, "avx2") == 0 && cpu_has_avx2()) kernel = KERNELS[i].avx2;
+        }
+    Py_ssize_t n = src.len / (BLOCK * (Py_ssize_t)sizeof(float));
+    if (!found) {
+        PyErr_Format(PyExc_ValueError, "unknown block type %s", name);
+    } else if (kernel == NULL) {
+        PyErr_Format(PyExc_ValueError, "no %s kernels on this CPU", isa);
+    } else if (src.len % (BLOCK * sizeof(float)) || dst.len != n * type_size) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd source bytes are not whole blocks for %zd output bytes",
+                     name, src.len, dst.len);
+    } else {
+        Py_ssize_t bad;
+        Py_BEGIN_ALLOW_THREADS
+        bad = kernel((const float *)src.buf, (uint8_t *)dst.buf, n);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(bad);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+PyDoc_STRVAR(half_doc,
+"half_bits(src, dst)\n\n"
+"float32 values in `src` to IEEE binary16 bits in `dst` (2 bytes each), as every block's\n"
+"scale is stored; exposed so that tests can compare it with numpy's astype(float16).");
+
+static PyObject *half(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    if (!PyArg_ParseTuple(args, "y*w*", &src, &dst)) return NULL;
+    PyObject *result = NULL;
+    if (src.len % 4 || dst.len != src.len / 2) {
+        PyErr_SetString(PyExc_ValueError, "dst must hold 2 bytes per float32 of src");
+    } else {
+        const float *s = (const float *)src.buf;
+        uint8_t *d = (uint8_t *)dst.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < src.len / 4; i++) put_half(d + 2 * i, s[i]);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+static PyMethodDef METHODS[] = {
+    {"quantize", quantize, METH_VARARGS, quantize_doc},
+    {"half_bits", half, METH_VARARGS, half_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef MODULE = {
+    PyModuleDef_HEAD_INIT, "_gguf_kernels",
+    "GGUF block quantization kernels; see quantizers/gguf_blocks.py.", -1, METHODS,
+};
+
+PyMODINIT_FUNC PyInit__gguf_kernels(void) {
+    PyObject *module = PyModule_Create(&MODULE);
+    if (module == NULL) return NULL;
+    /* ISAS: the instruction sets this CPU runs kernels for, best first. */
+    PyObject *isas = cpu_has_avx2() ? Py_BuildValue("(ss)", "avx2", "generic") : Py_BuildValue("(s)", "generic");
+    if (isas == NULL || PyModule_AddObject(module, "ISAS", isas) < 0) {
+        Py_XDECREF(isas);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
