@@ -24,6 +24,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "little-endian CPUs only (the kernels store 32-bit lanes as GGUF's little-endian bytes); eager torch runs elsewhere"
+#endif
+
 #define BLOCK 32
 
 /* float32(0.5 - 2**-25): trunc(|y| + ROUND) == gguf-py's np_roundf(|y|) (round half away from
