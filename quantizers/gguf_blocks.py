@@ -491,7 +491,11 @@ def apply(model: nn.Module, config: BlockConfig) -> nn.Module:
         if weight.ndim != 2 or weight.shape[-1] % BLOCK:
             _modules.log_kept(name, f"rows of {weight.shape[-1]} weights are not whole {BLOCK}-weight blocks")
             return None
-        return _modules.quantized_module(module, quantized_tensor(weight, kind.name, scheme=config.scheme))
+        try:
+            quantized = quantized_tensor(weight, kind.name, scheme=config.scheme)
+        except ConfigError as e:               # NaN / inf weights: say which module
+            raise ConfigError(f"{name}.weight: {e}") from e
+        return _modules.quantized_module(module, quantized)
 
     return _modules.replace(model, config, convert, kinds=(nn.Linear, nn.Embedding))
 

@@ -124,6 +124,14 @@ def test_nan_and_infinity_are_refused_with_the_row(type_name, implementation, ba
         gguf_blocks.quantize(x, type_name, implementation=implementation)
 
 
+def test_a_model_with_nan_weights_names_the_module():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8 * 4, 4))
+    with torch.no_grad():
+        model[0].weight[3, 5] = float("nan")
+    with pytest.raises(ConfigError, match=r"^0\.weight: cannot quantize to Q8_0: .*NaN or infinity \(row 3\)"):
+        gguf_blocks.apply(model, gguf_blocks.Q8_0Config())
+
+
 def test_unknown_implementation_names_the_available_ones():
     with pytest.raises(ConfigError, match="available: .*torch"):
         gguf_blocks.quantize(torch.randn(1, 32), "q8_0", implementation="cuda")
