@@ -6,20 +6,27 @@ q8_0 quantization of the 256 MB that produce them). Linux backs a 2 MiB-aligned 
 madvise(MADV_HUGEPAGE)'d with 2 MiB pages when /sys/kernel/mm/transparent_hugepage/enabled says
 "madvise" or "always" (the same 68 MiB: about 8 ms). PyTorch's own allocator does this only
 when THP_MEM_ALLOC_ENABLE=1 is set before it starts, which a library cannot rely on.
+
+The buffer is also populated up front, in one madvise(MADV_POPULATE_WRITE) call (Linux 5.14+):
+two threads first-touching fresh huge pages at once were measured here at 94-138 ms for 68 MiB
+(page faults serialized in the VM), against 3-10 ms for populating it in one call.
 """
 from __future__ import annotations
 
 import ctypes
 import mmap
+import sys
 
 import torch
 
 HUGE_PAGE = 2 * 2**20
 _MIN_BYTES = 4 * HUGE_PAGE          # below this the saving is too small to be worth an mmap
+# Not in Python 3.11's mmap module; 23 in Linux's uapi headers
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
 def empty_bytes(nbytes: int) -> torch.Tensor:
-    """An uninitialized uint8 tensor of `nbytes`, on huge pages where the system allows it.
+    """An uninitialized uint8 tensor of `nbytes`, on huge pages where the system allows it, populated.
 
     The tensor owns its memory (an anonymous mmap kept alive by the tensor's storage); falls back
     to torch.empty for small sizes and where madvise or MADV_HUGEPAGE is not available.
@@ -34,4 +41,9 @@ def empty_bytes(nbytes: int) -> torch.Tensor:
         region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes - nbytes % HUGE_PAGE)
     except OSError:                                                 # THP disabled: ordinary pages
         pass
+    if _POPULATE_WRITE is not None:
+        try:
+            region.madvise(_POPULATE_WRITE, offset, nbytes)
+        except OSError:                                             # before Linux 5.14: faults on first touch
+            pass
     return torch.frombuffer(region, dtype=torch.uint8, offset=offset, count=nbytes)
