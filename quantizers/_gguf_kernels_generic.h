@@ -7,6 +7,7 @@
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
 /* One block of 32 floats as eight vectors, each half (16 values) transposed: in v[k] (and
  * v[4 + k]) lane i holds value 4i + k (16 + 4i + k). Order does not matter to the per-value
@@ -99,7 +100,7 @@ static inline vi levels(vf f, int32_t top) {
 
 /* Four transposed vectors (lane i of q[k]: value 4i + k) -> 16 bytes, each value's low byte. */
 static inline void put_bytes(uint8_t *dst, const vi q[4]) {
-    vi words = (q[0] & 0xff) | (q[1] & 0xff) << 8 | (q[2] & 0xff) << 16 | q[3] << 24;
+    vu words = ((vu)q[0] & 0xff) | ((vu)q[1] & 0xff) << 8 | ((vu)q[2] & 0xff) << 16 | (vu)q[3] << 24;   /* unsigned: no overflow */
     memcpy(dst, &words, sizeof words);          /* little-endian: lane i's bytes are dst[4i..4i+3] */
 }
 
