@@ -46,8 +46,9 @@ def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
     """Copy the span's bytes into `out`, an open file (buffered or raw): appended at its current
     position, or written at byte `at` (the file's position then stays where it was).
 
-    copy_file_range first (no user-space copy); where the kernel or filesystem refuses it
-    (another filesystem on old kernels, special files), ordinary reads and writes.
+    splice through a 1 MiB pipe first, then copy_file_range (neither copies through user space);
+    where the kernel or filesystem refuses both (another filesystem on old kernels, special
+    files), ordinary reads and writes.
 
     Raises:
         FormatError: the source file ends before the span does (truncated since it was opened).

@@ -88,26 +88,19 @@ static const struct { const char *name; int type_size; kernel_t generic, avx2; }
 #endif
 };
 
-static int cpu_has_avx2(void) {
-#ifdef HAVE_AVX2_KERNELS
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2");
-#else
-    return 0;
-#endif
-}
+static int has_avx2;            /* this CPU runs the AVX2 kernels: set once, when the module loads */
 
 PyDoc_STRVAR(quantize_doc,
-"quantize(type_name, src, dst, isa=None) -> int\n\n"
+"quantize(type_name, src, dst, isa) -> int\n\n"
 "Quantize the float32 blocks in the buffer `src` (a multiple of 32 values) into `dst` (exactly\n"
 "the block bytes they need). Returns -1, or the index of the first block holding NaN or\n"
-"infinity (dst is then incomplete). `isa`: \"avx2\" or \"generic\" (default: the best this\n"
-"CPU runs, ISAS[0]). Releases the GIL while it runs.");
+"infinity (dst is then incomplete). `isa`: one of ISAS, \"avx2\" or \"generic\".\n"
+"Releases the GIL while it runs.");
 
 static PyObject *quantize(PyObject *self, PyObject *args) {
-    const char *name, *isa = NULL;
+    const char *name, *isa;
     Py_buffer src, dst;
-    if (!PyArg_ParseTuple(args, "sy*w*|z", &name, &src, &dst, &isa)) return NULL;
+    if (!PyArg_ParseTuple(args, "sy*w*s", &name, &src, &dst, &isa)) return NULL;
     PyObject *result = NULL;
     kernel_t kernel = NULL;
     int type_size = 0, found = 0;
@@ -115,9 +108,8 @@ static PyObject *quantize(PyObject *self, PyObject *args) {
         if (strcmp(name, KERNELS[i].name) == 0) {
             found = 1;
             type_size = KERNELS[i].type_size;
-            if (isa == NULL) kernel = cpu_has_avx2() ? KERNELS[i].avx2 : KERNELS[i].generic;
-            else if (strcmp(isa, "generic") == 0) kernel = KERNELS[i].generic;
-            else if (strcmp(isa, "avx2") == 0 && cpu_has_avx2()) kernel = KERNELS[i].avx2;
+            if (strcmp(isa, "generic") == 0) kernel = KERNELS[i].generic;
+            else if (strcmp(isa, "avx2") == 0 && has_avx2) kernel = KERNELS[i].avx2;
         }
     Py_ssize_t n = src.len / (BLOCK * (Py_ssize_t)sizeof(float));
     if (!found) {
@@ -177,8 +169,12 @@ static struct PyModuleDef MODULE = {
 PyMODINIT_FUNC PyInit__gguf_kernels(void) {
     PyObject *module = PyModule_Create(&MODULE);
     if (module == NULL) return NULL;
+#ifdef HAVE_AVX2_KERNELS
+    __builtin_cpu_init();
+    has_avx2 = __builtin_cpu_supports("avx2");
+#endif
     /* ISAS: the instruction sets this CPU runs kernels for, best first. */
-    PyObject *isas = cpu_has_avx2() ? Py_BuildValue("(ss)", "avx2", "generic") : Py_BuildValue("(s)", "generic");
+    PyObject *isas = has_avx2 ? Py_BuildValue("(ss)", "avx2", "generic") : Py_BuildValue("(s)", "generic");
     if (isas == NULL || PyModule_AddObject(module, "ISAS", isas) < 0) {
         Py_XDECREF(isas);
         Py_DECREF(module);

@@ -1,4 +1,4 @@
-"""GGUF block types q8_0, q4_0, q4_1, q5_0, q5_1: llama.cpp's block quantization in vectorized torch.
+"""GGUF block types q8_0, q4_0, q4_1, q5_0, q5_1: llama.cpp's block quantization (C kernels, or vectorized torch).
 
 Each row (the last dimension, GGML's ne[0]) is cut into blocks of 32 weights; each block stores
 its own fp16 scale (and minimum) followed by the packed values. Byte layouts, little-endian, as
@@ -323,12 +323,13 @@ def quantize(tensor: torch.Tensor, type_name: str, *, threads: int | None = None
     return out.view(rows, shape[-1] // BLOCK * kind.type_size)
 
 
-def _shares(total: int, workers: int, least: int) -> list[tuple[int, int]]:
-    """Split range(total) into at most `workers` contiguous (start, stop) shares of at least `least`."""
+def _shares(total: int, workers: int, least: int, step: int = 1) -> list[tuple[int, int]]:
+    """Split range(total) into at most `workers` contiguous (start, stop) shares of at least
+    `least`, each starting at a multiple of `step`."""
     if total == 0:
         return [(0, 0)]
     count = max(1, min(workers, total // least))
-    size = math.ceil(total / count)
+    size = math.ceil(math.ceil(total / count) / step) * step
     return [(start, min(start + size, total)) for start in range(0, total, size)]
 
 
@@ -361,8 +362,7 @@ def _run_torch(kind: BlockType, blocks: torch.Tensor, out: torch.Tensor, workers
                 return False
         return True
 
-    chunks = _shares(math.ceil(blocks.shape[0] / _CHUNK_BLOCKS), workers, 1)
-    shares = [(first * _CHUNK_BLOCKS, min(last * _CHUNK_BLOCKS, blocks.shape[0])) for first, last in chunks]
+    shares = _shares(blocks.shape[0], workers, 1, step=_CHUNK_BLOCKS)
     # Each op single-threaded inside our threads: torch's intra-op threads would split every
     # small op again and wait on each other at each one (slow on a busy machine).
     previous = torch.get_num_threads()
