@@ -409,10 +409,12 @@ def _measure(report: QuantizeReport, quantized: nn.Module, reference: dict[str, 
 
 
 def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], format: str = "safetensors",
-            evaluate: bool = True, force: bool = False, **options: Any) -> list[QuantizeReport]:
+            evaluate: bool = True, force: bool = False, schemes_done: Callable[[int, int], None] | None = None,
+            **options: Any) -> list[QuantizeReport]:
     """Run several schemes on one model (float metric and latency measured once), one file each.
 
     Files are `out_dir/<scheme>.<suffix>`; `options` go to `quantize` (group_size, skip, qat, ...).
+    `schemes_done(done, total)` is called after each scheme (the CLI's progress display).
     """
     from modelkit.formats import FORMATS
 
@@ -428,12 +430,14 @@ def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], fo
         reference = measure_float(model)
     suffix = ".onnx" if str(src).endswith(".onnx") else FORMATS[format].suffixes[0]
     reports = []
-    for name in scheme_names:
+    for done, name in enumerate(scheme_names, start=1):
         fmt = None if suffix == ".onnx" else format
         report = quantize(src, folder / f"{name}{suffix}", scheme=name, format=fmt, evaluate=evaluate,
-                                force=force, reference=reference, **options)
+                          force=force, reference=reference, **options)
         if report is not None:           # None: a rank other than 0 under torchrun (QAT)
             reports.append(report)
+        if schemes_done is not None:
+            schemes_done(done, len(scheme_names))
     return reports
 
 

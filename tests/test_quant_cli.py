@@ -56,6 +56,15 @@ def test_comparison_table_and_plot(runner, small_cnn, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_comparison_runs_show_progress_per_scheme(runner, small_cnn, tmp_path):
+    result = runner.invoke(main, ["quantize", str(small_cnn), str(tmp_path / "out"), "--scheme", "int8,fp16"])
+    assert result.exit_code == EXIT_OK, result.output
+    assert [line for line in result.stderr.splitlines() if line.startswith("schemes")] == ["schemes: 1/2", "schemes: 2/2"]
+    quiet = runner.invoke(main, ["quantize", str(small_cnn), str(tmp_path / "out"), "--scheme", "int8,fp16",
+                                 "--force", "--json"])
+    assert quiet.exit_code == EXIT_OK and "schemes" not in quiet.stderr
+
+
 def test_gguf_output(runner, small_cnn, tmp_path):
     out = tmp_path / "q.gguf"
     result = runner.invoke(main, ["quantize", str(small_cnn), str(out), "--scheme", "q8_0", "--json"])

@@ -107,13 +107,14 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int
         raise ConfigError("--scheme needs at least one scheme name")
     options = {"group_size": group_size, "skip": skip, "qat": qat, "epochs": epochs, "steps": steps, "lr": lr,
                "verify": verify}
-    with Progress("qat", enabled=qat and not as_json) as progress:
+    with Progress("qat", enabled=qat and not as_json) as progress, \
+            Progress("schemes", enabled=len(names) > 1 and not qat and not as_json) as schemes_done:
         if len(names) == 1:
             reports = [run_quantize(src, dst, scheme=names[0], format=to, evaluate=evaluate, force=force,
                                     progress=progress, **options)]
-        else:
+        else:     # a line per scheme done (with QAT, the training's own progress shows instead)
             reports = compare(src, dst, scheme_names=names, format=to or "safetensors", evaluate=evaluate,
-                              force=force, progress=progress, **options)
+                              force=force, progress=progress, schemes_done=schemes_done, **options)
     reports = [r for r in reports if r is not None]
     if not reports:                     # a rank other than 0 under torchrun: rank 0 writes and reports
         return
