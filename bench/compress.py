@@ -16,9 +16,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from modelkit.compression import distill_file, prune_file
+from modelkit.pipeline.compress import distill_file, prune_file
+from modelkit.pipeline.train import MODEL_FILE, train
 from modelkit.quantizers.prune import PruneConfig
-from modelkit.training import MODEL_FILE, train
 
 FINETUNE_EPOCHS = 10
 PRUNE_CASES = [  # (label, config, bar on parameters removed)

@@ -31,7 +31,7 @@ TIME_BAR_RATIO = 1.5
 # Runs inside each subprocess: import, measure the baseline, sample RssAnon while `work` runs.
 _HARNESS = textwrap.dedent('''
     import json, os, shutil, sys, threading, time
-    import torch, safetensors.torch, modelkit, modelkit.conversion
+    import torch, safetensors.torch, modelkit, modelkit.pipeline.convert
     from modelkit.formats import load_format
     for name in ("gguf", "hdf5", "pth", "safetensors"):
         load_format(name)

@@ -38,8 +38,8 @@ import torch
 from modelkit import schemes
 from modelkit.api import evaluate, load, load_module
 from modelkit.models import config_from_dict, load_model_module
-from modelkit.quantization import latencies, quantize_module, train_qat
-from modelkit.training import TRAIN_KEY, TrainConfig, train
+from modelkit.pipeline.quantize import latencies, quantize_module, train_qat
+from modelkit.pipeline.train import TRAIN_KEY, TrainConfig, train
 
 RESULTS: dict[str, Any] = {"bars": []}
 
@@ -236,8 +236,8 @@ def peers(name: str, model: torch.nn.Module, ours: float, folder: Path) -> None:
     """torch.ao and onnxruntime dynamic int8 on the same model, next to modelkit's int8-dynamic."""
     from modelkit.api import save
     from modelkit.checkpoint import Checkpoint
-    from modelkit.conversion import convert
-    from modelkit.quantization import quantize
+    from modelkit.pipeline.convert import convert
+    from modelkit.pipeline.quantize import quantize
 
     key = load_model_module(name).TASK.metric
     table = []

@@ -54,12 +54,12 @@ from gguf import (
 )
 from gguf.quants import dequantize as gguf_dequantize
 
-from modelkit._mapped import FileSpan, MappedFile, copy_span
-from modelkit._metadata import json_object
-from modelkit._tensors import dtype_name
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, DEQUANTIZERS, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.metadata import json_object
+from modelkit.storage.dtypes import dtype_name
+from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
 
 class _KEYS:
@@ -372,7 +372,7 @@ DEQUANTIZERS.setdefault("gguf", _dequantize)
 
 class _SpanData:
     """What GGUFWriter.write_tensor_data needs of an array (nbytes, tofile), for bytes that go
-    unchanged from a file: copied file to file by modelkit._mapped.copy_span."""
+    unchanged from a file: copied file to file by modelkit.storage.mapped.copy_span."""
 
     def __init__(self, span: FileSpan) -> None:
         self.span = span

@@ -46,11 +46,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from modelkit._mapped import FileSpan, MappedFile, copy_span
-from modelkit._tensors import dtype_name
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ModelkitError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.storage.dtypes import dtype_name
+from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ the file itself stays under protobuf's 2 GiB limit.
 Quantized checkpoints are written as QDQ weight-only graphs at opset 21: the float model holding
 the dequantized weights is exported, then each quantized weight's initializer is replaced by
 integer (INT8 / UINT8 / INT4 / UINT4), float32 scale and zero point initializers feeding a
-DequantizeLinear node whose output has the old initializer's name (modelkit/qdq.py has the
+DequantizeLinear node whose output has the old initializer's name (modelkit/storage/qdq.py has the
 mapping). `metadata_props["modelkit.quantized"]` records, per weight, what rebuilds the
 QuantizedTensor bit for bit on reading (scheme, layout, shape, dtype, params, encoding, transpose,
 scale dtype, initializer names); its `modelkit.names` entry is `{"quantized": true}`.
@@ -59,13 +59,14 @@ import torch
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
-from modelkit import __version__, qdq, quantized_layout
-from modelkit._metadata import json_object
-from modelkit._tensors import tensor_bytes
-from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
+from modelkit import __version__
+from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, instantiate
 from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.models import MODELS, instantiate, load_model_module
+from modelkit.metadata import json_object
+from modelkit.models import MODELS, load_model_module
+from modelkit.storage import qdq, quantized_layout
+from modelkit.storage.dtypes import tensor_bytes
 
 logger = logging.getLogger(__name__)
 

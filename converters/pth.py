@@ -19,7 +19,7 @@ module prefix, and no module prefix is `__modelkit__` in practice.
 
 Quantized weights (QuantizedTensor) are stored as their parts under compressed-tensors' names
 (`N` int8, `N_packed`, `N_scale`, `N_zero_point`), described by the "modelkit.quantized" record
-in that same metadata entry: modelkit/quantized_layout.py, shared with safetensors. Reading
+in that same metadata entry: modelkit/storage/quantized_layout.py, shared with safetensors. Reading
 puts them back together, still with `weights_only=True` (the parts are plain tensors).
 
 Reading never unpickles arbitrary code: `torch.load(weights_only=True)` with mmap for zip files
@@ -41,13 +41,14 @@ from typing import IO, Any
 
 import torch
 
-from modelkit import _zip_records, quantized_layout
-from modelkit._mapped import FileSpan
-from modelkit._tensors import LEGACY_STORAGE_DTYPES
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.sniff import torch_zip_roots
+from modelkit.parse.sniff import torch_zip_roots
+from modelkit.storage import quantized_layout
+from modelkit.storage import zip_records as _zip_records
+from modelkit.storage.dtypes import LEGACY_STORAGE_DTYPES
+from modelkit.storage.mapped import FileSpan
 
 logger = logging.getLogger(__name__)
 
@@ -546,7 +547,7 @@ def _fill_storages(path: Path, state: Mapping[str, torch.Tensor], sources: dict[
     import zlib
     from concurrent.futures import ThreadPoolExecutor
 
-    from modelkit._mapped import copy_span
+    from modelkit.storage.mapped import copy_span
 
     skeleton = torch.load(path, map_location="cpu", mmap=True, weights_only=True)   # our own file, just written
     places = _file_spans(path, {n: t for n, t in skeleton.items() if isinstance(t, torch.Tensor)})

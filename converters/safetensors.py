@@ -19,7 +19,7 @@ Quantized tensors (QuantizedTensor) are stored as their parts, named after compr
 two per byte, low nibble first, or GGUF block bytes), or `N` itself as int8 for 8-bit values
 (compressed-tensors' "int-quantized"), `N_scale` and `N_zero_point`. The metadata entry
 "modelkit.quantized" (JSON: N -> scheme, layout, shape, dtype, params and part -> stored name)
-is what reading uses to put them back together (modelkit/quantized_layout.py, shared with pth);
+is what reading uses to put them back together (modelkit/storage/quantized_layout.py, shared with pth);
 "quantization_config" holds the same facts in compressed-tensors' config shape for other tools
 to read. See docs/quantizers/safetensors.md.
 
@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from modelkit import quantized_layout
-from modelkit._mapped import FileSpan, MappedFile, copy_span
-from modelkit._metadata import json_object
-from modelkit._tensors import SAFETENSORS_CODES, SAFETENSORS_DTYPES, tensor_bytes
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.metadata import json_object
+from modelkit.storage import quantized_layout
+from modelkit.storage.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, tensor_bytes
+from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
 _HEADER_LIMIT = 100_000_000      # the reference implementation's own cap on header size
 _INDEX_LIMIT = 50_000_000        # an index is names and file names: far below this
@@ -69,7 +69,7 @@ def detect(path: Path) -> bool:
 
 
 class _File:
-    """A file's tensors as views of one copy-on-write memory map (modelkit._mapped)."""
+    """A file's tensors as views of one copy-on-write memory map (modelkit.storage.mapped)."""
 
     def __init__(self, path: Path, offsets: dict[str, tuple[int, int]], data_start: int) -> None:
         self.path = path
@@ -243,7 +243,7 @@ QUANT_CONFIG_KEY = "quantization_config"    # compressed-tensors' description, f
 
 
 def _flatten_quantized(ckpt: Checkpoint) -> Checkpoint:
-    """QuantizedTensors as their stored parts (modelkit.quantized_layout), plus compressed-tensors' config."""
+    """QuantizedTensors as their stored parts (modelkit.storage.quantized_layout), plus compressed-tensors' config."""
     ckpt, record = quantized_layout.flatten(ckpt, target="safetensors")
     if record:
         ckpt.metadata[QUANT_CONFIG_KEY] = json.dumps(_compressed_tensors_config(record), sort_keys=True,

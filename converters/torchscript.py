@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from modelkit._tensors import LEGACY_STORAGE_DTYPES
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint, LazyTensor
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.sniff import torch_zip_roots
+from modelkit.parse.sniff import torch_zip_roots
+from modelkit.storage.dtypes import LEGACY_STORAGE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -396,7 +396,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     The module is `options.module`, else rebuilt from the checkpoint's ArchSpec. torch.jit.save
     needs the whole module in memory and builds the archive in memory before writing it.
     """
-    from modelkit.models import instantiate
+    from modelkit.checkpoint import instantiate
 
     module = options.module
     if module is None:

@@ -19,8 +19,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from modelkit import sniff
 from modelkit.errors import ConfigError, FormatError, MissingDependencyError, UnknownFormatError
+from modelkit.parse import sniff
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ SCHEMES: dict[str, str] = {
     "q8_0": "modelkit.quantizers.gguf_blocks:Q8_0Config",
 }
 
-# Schemes for ONNX models, run by onnxruntime's own quantization tools (modelkit.onnx_quantization).
+# Schemes for ONNX models, run by onnxruntime's own quantization tools (modelkit.pipeline.onnx_quantize).
 ONNX_SCHEMES: tuple[str, ...] = ("int4", "int8-dynamic", "int8-static")
 
 SCHEME_KEY = "scheme"

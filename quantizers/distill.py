@@ -5,7 +5,7 @@ loss = alpha * T^2 * KL(softmax(teacher / T) || softmax(student / T)) + (1 - alp
 (Hinton et al., 2015: the T^2 factor keeps the soft-target gradients on the same scale as the
 hard-label ones when T changes.) For classifiers the distributions are over classes; for tinylm
 over the next byte at every position. Training runs through the zoo's own loop
-(`modelkit.training.train(..., loss=...)`), so it scales out with torchrun like any training.
+(`modelkit.pipeline.train.train(..., loss=...)`), so it scales out with torchrun like any training.
 """
 from __future__ import annotations
 

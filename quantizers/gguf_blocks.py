@@ -39,10 +39,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from modelkit._memory import empty_bytes
 from modelkit.checkpoint import DEQUANTIZERS, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, MissingDependencyError
 from modelkit.quantizers import _modules
+from modelkit.storage.memory import empty_bytes
 
 try:
     from modelkit.quantizers import _gguf_kernels

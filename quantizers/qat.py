@@ -16,7 +16,7 @@ Example:
     >>> from modelkit.models import build
     >>> from modelkit.quantizers.int4 import Int4Config
     >>> qat = prepare_qat(build("cnn", seed=0), Int4Config(group_size=32))
-    >>> # modelkit.training.train("cnn", "runs/cnn-qat", model=qat, config=TrainConfig(epochs=3))
+    >>> # modelkit.pipeline.train.train("cnn", "runs/cnn-qat", model=qat, config=TrainConfig(epochs=3))
     >>> type(convert_qat(qat).fc1).__name__
     'QuantizedLinear'
 """

@@ -61,7 +61,7 @@ def small_model(model_name: str) -> torch.nn.Module:
 @pytest.fixture(scope="session")
 def trained_mlp(tmp_path_factory) -> Path:
     """A quickly trained mlp checkpoint (a few epochs): for CLI and API tests, not for bars."""
-    from modelkit.training import TrainConfig, train
+    from modelkit.pipeline.train import TrainConfig, train
 
     out = tmp_path_factory.mktemp("mlp")
     return train("mlp", out, config=TrainConfig(epochs=3, seed=0, device="cpu")).path
@@ -70,7 +70,7 @@ def trained_mlp(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def trained_tinylm(tmp_path_factory) -> Path:
     """A tiny tinylm trained for a handful of steps: enough to exercise eval and generate."""
-    from modelkit.training import TrainConfig, train
+    from modelkit.pipeline.train import TrainConfig, train
 
     out = tmp_path_factory.mktemp("tinylm")
     return train("tinylm", out, config=TrainConfig(epochs=1, steps_per_epoch=5, seed=0, device="cpu"),

@@ -83,6 +83,117 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+# The layer rule (docs/architecture.md): bottom first; a module imports its own layer and the layers
+# before it, never a later one. Within a layer, modules import each other without circles.
+LAYERS = [
+    ("core", ("modelkit.errors", "modelkit.metadata")),
+    ("parse", ("modelkit.parse",)),
+    ("scan", ("modelkit.scan",)),
+    ("storage", ("modelkit.storage",)),
+    ("models", ("modelkit.models",)),
+    ("checkpoint", ("modelkit.checkpoint", "modelkit.formats", "modelkit.schemes", "modelkit.testing")),
+    ("quantizers", ("modelkit.quantizers",)),
+    ("converters", ("modelkit.converters",)),
+    ("pipeline", ("modelkit.pipeline",)),
+    ("api", ("modelkit.api",)),
+    ("cli", ("modelkit.cli", "modelkit.__main__")),
+]
+ROOT_MODULES_MAX = 10
+# Issue 13 removes these in its next commits (the parse layer, the CLI); the tuple must end empty.
+_CIRCLES_BEING_REMOVED = ("modelkit.cli -> modelkit.cli.app", "modelkit.scan.containers -> ")   # modules directly in modelkit/ (packages are the layers)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] in ("converters", "quantizers"):
+        parts.insert(0, "modelkit")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _source_files() -> dict[str, Path]:
+    files = [*(ROOT / "modelkit").rglob("*.py"), *(ROOT / "converters").glob("*.py"), *(ROOT / "quantizers").glob("*.py")]
+    return {_module_name(p): p for p in files}
+
+
+def _runtime_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modelkit modules `path` imports at run time, at any depth (imports inside functions count;
+    `if TYPE_CHECKING:` blocks, which never run, do not)."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(n) for node in ast.walk(tree)
+               if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+               for child in node.body for n in ast.walk(child)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("modelkit"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("modelkit"))
+    found.discard(_module_name(path))
+    found.discard("modelkit")    # the package root only resolves names lazily
+    return found
+
+
+def _layer(module: str) -> int:
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS (and docs/architecture.md)")
+
+
+def test_every_module_imports_only_its_layer_and_those_below():
+    modules = _source_files()
+    upward = []
+    for name, path in sorted(modules.items()):
+        if name == "modelkit":
+            continue
+        for dep in sorted(_runtime_imports(path, modules)):
+            if _layer(dep) > _layer(name):
+                upward.append(f"{name} ({LAYERS[_layer(name)][0]}) imports {dep} ({LAYERS[_layer(dep)][0]})")
+    assert not upward, "imports that reach up a layer:\n" + "\n".join(upward)
+
+
+def test_no_import_circles():
+    modules = _source_files()
+    graph = {name: _runtime_imports(path, modules) & set(modules) for name, path in modules.items()}
+    circles, state = [], {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                circles.append(" -> ".join(trail[trail.index(dep):] + [node, dep]) if dep in trail else f"{node} -> {dep}")
+            elif dep not in state:
+                visit(dep, trail + [node])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    circles = [c for c in circles if not c.startswith(_CIRCLES_BEING_REMOVED)]
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_root_of_modelkit_stays_small():
+    root = sorted(p.name for p in (ROOT / "modelkit").glob("*.py"))
+    assert len(root) <= ROOT_MODULES_MAX, f"{len(root)} modules at modelkit/: {root}; put new ones in a layer package"
+
+
+@pytest.mark.parametrize("layer", ["modelkit.parse", "modelkit.scan"])
+def test_parse_and_scan_never_import_torch(layer):
+    result = _run(f"import sys, {layer}, pkgutil, importlib\n"
+                  f"for m in pkgutil.iter_modules({layer}.__path__):\n"
+                  f"    importlib.import_module('{layer}.' + m.name)\n"
+                  "print('torch' in sys.modules)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
 def test_converters_do_not_import_each_other_or_quantizers():
     for path in (ROOT / "converters").glob("*.py"):
         bad = {n for n in _imports(path) if n.startswith(("modelkit.converters", "modelkit.quantizers"))}

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 import modelkit
 from modelkit.checkpoint import ALIASES_KEY, Checkpoint
 from modelkit.cli import EXIT_ERROR, EXIT_OK, main
-from modelkit.conversion import parse_size
 from modelkit.errors import ConfigError, OutputExistsError, UnsupportedConversionError, VerificationError
 from modelkit.formats import FORMATS
 from modelkit.models import build, load_model_module
+from modelkit.pipeline.convert import parse_size
 
 PAIRS = [(a, b) for a in sorted(FORMATS) for b in sorted(FORMATS) if a != b]
 UNSUPPORTED: dict[tuple[str, str], str] = {}   # every pair below works for the reference models
@@ -147,7 +147,7 @@ def test_existing_output_needs_force_and_input_is_never_the_output(tmp_path, mlp
 
 
 def test_failed_verification_leaves_no_output(tmp_path, mlp, monkeypatch):
-    from modelkit import conversion
+    from modelkit.pipeline import convert as conversion
 
     def broken(expected, written, *, label):
         raise VerificationError(f"{label}: tensor differs", max_abs_err=1.0, atol=0.0)
@@ -166,7 +166,7 @@ def test_fsync_failure_during_verification_leaves_no_output(tmp_path, mlp, monke
     import errno
     import os
 
-    from modelkit import conversion
+    from modelkit.pipeline import convert as conversion
 
     real_fsync = os.fsync
 

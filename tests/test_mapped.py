@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import modelkit
-from modelkit import _mapped
-from modelkit._mapped import FileSpan, copy_span
 from modelkit.checkpoint import Checkpoint
 from modelkit.errors import FormatError
 from modelkit.models import build
+from modelkit.storage import mapped as _mapped
+from modelkit.storage.mapped import FileSpan, copy_span
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_torch_zip_checkpoints_give_spans_for_mapped_tensors(tmp_path):
 
 @pytest.mark.parametrize("offset", [0, 1, 8])
 def test_verification_finds_one_flipped_byte_at_any_alignment(offset):
-    from modelkit.conversion import _same_bits
+    from modelkit.pipeline.convert import _same_bits
 
     raw = torch.arange(64 + offset, dtype=torch.uint8)
     a = raw[offset:].view(torch.float16) if offset % 2 == 0 else raw[offset:offset + 64].clone().view(torch.float16)
@@ -189,7 +189,7 @@ def test_hdf5_contiguous_datasets_give_spans_and_views(tmp_path):
 @pytest.mark.parametrize("at", [None, 8, 70_001])
 def test_large_spans_copy_exactly_through_the_pipe(tmp_path, at):
     """Spans of several pipe-fulls (1 MiB) at odd offsets, appended or written at a position."""
-    from modelkit import _mapped
+    from modelkit.storage import mapped as _mapped
 
     data = torch.randint(0, 256, (3 * _mapped._PIPE + 12_345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     source = tmp_path / "source.bin"

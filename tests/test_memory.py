@@ -1,4 +1,4 @@
-"""modelkit._memory.empty_bytes: big output buffers (huge pages, populated up front) behave as tensors."""
+"""modelkit.storage.memory.empty_bytes: big output buffers (huge pages, populated up front) behave as tensors."""
 from __future__ import annotations
 
 import platform
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from modelkit._memory import HUGE_PAGE, empty_bytes
+from modelkit.storage.memory import HUGE_PAGE, empty_bytes
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4096, 4 * HUGE_PAGE - 1, 4 * HUGE_PAGE, 9 * HUGE_PAGE + 12345])

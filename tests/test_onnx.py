@@ -14,11 +14,11 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import modelkit
-from modelkit._atomic import atomic_path
 from modelkit.checkpoint import ARCH_KEY, Checkpoint, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ModelkitError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions, detect_format, load_format
 from modelkit.models import build, load_model_module
+from modelkit.storage.atomic import atomic_path
 
 onnx_format = load_format("onnx")
 

@@ -8,11 +8,11 @@ from modelkit import schemes
 from modelkit.checkpoint import Checkpoint
 from modelkit.errors import ConfigError
 from modelkit.models import load_model_module
-from modelkit.quantization import convert_qat, prepare_qat, train_qat
+from modelkit.pipeline.quantize import convert_qat, prepare_qat, train_qat
+from modelkit.pipeline.train import TrainConfig, train
 from modelkit.quantizers.int4 import Int4Config
 from modelkit.quantizers.int8 import Int8Config
 from modelkit.quantizers.int8_dynamic import Int8DynamicConfig
-from modelkit.training import TrainConfig, train
 
 CONFIGS = {"int8": Int8Config(), "int4": Int4Config(group_size=32), "int8-dynamic": Int8DynamicConfig()}
 

@@ -17,7 +17,7 @@ def runner() -> CliRunner:
 @pytest.fixture(scope="module")
 def small_cnn(tmp_path_factory):
     """A small cnn trained for a few steps, saved as safetensors."""
-    from modelkit.training import TrainConfig, train
+    from modelkit.pipeline.train import TrainConfig, train
 
     out = tmp_path_factory.mktemp("cnn")
     return train("cnn", out, config=TrainConfig(epochs=1, steps_per_epoch=10, seed=0, device="cpu"),
@@ -110,7 +110,7 @@ def test_existing_output_needs_force(runner, small_cnn, tmp_path):
 @pytest.mark.slow
 def test_onnx_input_through_onnxruntime(runner, small_cnn, tmp_path):
     """Export, then each ORT scheme: both sessions are run and agree within the pinned bound."""
-    from modelkit.conversion import convert
+    from modelkit.pipeline.convert import convert
 
     model = tmp_path / "cnn.onnx"
     convert(small_cnn, model)

@@ -211,7 +211,7 @@ def _same_quantized(a: QuantizedTensor, b: QuantizedTensor) -> bool:
 @pytest.mark.parametrize(("fmt", "scheme"), ROUND_TRIPS, ids=[f"{f}-{s}" for f, s in ROUND_TRIPS])
 @pytest.mark.parametrize("model_name", ["cnn", "tinylm"], indirect=True)
 def test_save_load_round_trip(small_model, model_name, tmp_path, scheme, fmt):
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
 
     name = model_name
     config = _config(scheme)
@@ -238,7 +238,7 @@ def test_save_load_round_trip(small_model, model_name, tmp_path, scheme, fmt):
 
 def _check_onnxruntime(quantized, path, name: str, scheme: str) -> None:
     from modelkit.formats import load_format
-    from modelkit.quantization import RUNTIME_RTOL
+    from modelkit.pipeline.quantize import RUNTIME_RTOL
 
     run = load_format("onnx").runnable(path)
     rtol = RUNTIME_RTOL.get(scheme, RUNTIME_RTOL[None])
@@ -254,7 +254,7 @@ def _check_onnxruntime(quantized, path, name: str, scheme: str) -> None:
 def test_symmetric_int4_g32_is_written_to_gguf_as_q4_0(small_model, tmp_path, scheme):
     from gguf import GGUFReader
 
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
 
     config = _config(scheme)
     quantized = schemes.apply(small_model, config)
@@ -269,7 +269,7 @@ def test_symmetric_int4_g32_is_written_to_gguf_as_q4_0(small_model, tmp_path, sc
 @one_model("cnn")
 def test_gguf_refuses_affine_layouts(small_model, tmp_path):
     from modelkit.errors import UnsupportedConversionError
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
 
     quantized = schemes.apply(small_model, _config("int8"))
     with pytest.raises(UnsupportedConversionError, match="affine"):
@@ -281,7 +281,7 @@ def test_gguf_refuses_affine_layouts(small_model, tmp_path):
 def test_safetensors_layout_follows_compressed_tensors_names(small_model, tmp_path):
     from safetensors import safe_open
 
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
 
     config = schemes.config_from_dict({"scheme": "int4", "symmetric": False})
     path = tmp_path / "m.safetensors"
@@ -322,7 +322,7 @@ def test_onnx_holds_integer_initializers_feeding_dequantize_linear(small_model, 
     import onnx
     from onnx import TensorProto, helper
 
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
 
     config = schemes.config_from_dict({"scheme": kind[0], **ONNX_CONFIGS[kind]})
     quantized = schemes.apply(small_model, config)
@@ -383,7 +383,7 @@ def _check_dequantize_linear_is_bit_exact(model, nodes, quantized) -> None:
 @one_model("cnn")
 def test_onnx_refuses_block_types_with_a_minimum(small_model, tmp_path, scheme):
     from modelkit.errors import UnsupportedConversionError
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
 
     with pytest.raises(UnsupportedConversionError, match=r"d \* q \+ m.*write gguf or safetensors.*q4_0"):
         save_quantized(schemes.apply(small_model, _config(scheme)), tmp_path / "m.onnx", config=_config(scheme))
@@ -403,7 +403,7 @@ def test_onnxruntime_default_session_stays_close(small_model, tmp_path, scheme):
     import onnx
     import onnxruntime as ort
 
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
 
     quantized = schemes.apply(small_model, _config(scheme))
     path = tmp_path / "m.onnx"
@@ -424,7 +424,7 @@ def test_onnx_blocked_conv_weight_is_reshaped_after_dequantizing(tmp_path):
     import onnx
 
     from modelkit.models import build
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
 
     model = build("cnn", {"channels": [32, 8], "hidden": 16}, seed=0).eval()
     config = _config("int4")
@@ -442,7 +442,7 @@ def test_onnx_blocked_conv_weight_is_reshaped_after_dequantizing(tmp_path):
 @one_model("tinylm")
 def test_quantized_files_convert_between_formats(small_model, tmp_path):
     """safetensors -> pth -> onnx -> safetensors: the same QuantizedTensors at every step, verified by convert."""
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
 
     config = schemes.config_from_dict({"scheme": "int4", "symmetric": False})
     quantized = schemes.apply(small_model, config)
@@ -478,8 +478,8 @@ def test_onnx_reader_unpacks_4_bit_initializers(tmp_path):
 
 @one_model("tinylm")
 def test_pth_quantized_file_is_a_plain_weights_only_state_dict(small_model, tmp_path):
-    from modelkit import quantized_layout
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
+    from modelkit.storage import quantized_layout
 
     config = schemes.config_from_dict({"scheme": "int4", "symmetric": False})
     path = tmp_path / "m.pt"
@@ -499,7 +499,7 @@ def test_llama_cpp_runs_our_gguf_blocks(small_model, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     import numpy as np
 
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
 
     prompt = list(b"def f(x):\n    return x")[:12]
     for scheme, atol in (("q8_0", 0.01), ("q4_0", 0.01)):    # measured 2026-11-21: 0.0025 / 0.0022 (logits up to 0.39)
@@ -525,9 +525,9 @@ TAMPERING = [
 @pytest.mark.parametrize("tamper,match", TAMPERING)
 @one_model("cnn")
 def test_tampered_quantized_metadata_is_a_format_error(small_model, tmp_path, tamper, match):
-    from modelkit import quantized_layout
     from modelkit.converters import safetensors as st
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
+    from modelkit.storage import quantized_layout
 
     path = tmp_path / "m.safetensors"
     save_quantized(schemes.apply(small_model, _config("int8")), path, config=_config("int8"))
@@ -552,8 +552,8 @@ def test_tampered_quantized_metadata_is_a_format_error(small_model, tmp_path, ta
 def test_tampered_onnx_quantized_record_is_a_format_error(small_model, tmp_path, tamper, match):
     import onnx
 
-    from modelkit import quantized_layout
-    from modelkit.quantization import save_quantized
+    from modelkit.pipeline.quantize import save_quantized
+    from modelkit.storage import quantized_layout
 
     path = tmp_path / "m.onnx"
     save_quantized(schemes.apply(small_model, _config("int8")), path, config=_config("int8"))
@@ -570,7 +570,7 @@ def test_tampered_onnx_quantized_record_is_a_format_error(small_model, tmp_path,
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt", ".onnx"])
 def test_modelkit_eval_runs_a_quantized_file(tmp_path, trained_mlp, suffix):
     from modelkit.api import evaluate
-    from modelkit.quantization import quantize
+    from modelkit.pipeline.quantize import quantize
 
     path = tmp_path / f"q{suffix}"
     report = quantize(trained_mlp, path, scheme="int8", evaluate=True)

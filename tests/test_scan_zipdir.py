@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from modelkit.scan import zipdir
+from modelkit.parse import zipdir
 from modelkit.scan.pickle import _OPS
 
 

@@ -11,7 +11,7 @@ import torch
 
 import modelkit
 from modelkit.errors import ConfigError, OutputExistsError
-from modelkit.training import MODEL_FILE, STATE_FILE, TrainConfig, train
+from modelkit.pipeline.train import MODEL_FILE, STATE_FILE, TrainConfig, train
 
 TINY_LM = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}

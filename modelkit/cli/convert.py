@@ -46,7 +46,7 @@ def convert(src: str, dst: str, to: str | None, source_format: str | None, dtype
       modelkit convert big.pt out/ --to safetensors --shard-size 2GB
       modelkit convert weights.safetensors m.onnx --arch mypkg.models:make_model
     """
-    from modelkit.conversion import convert as run_convert
+    from modelkit.pipeline.convert import convert as run_convert
 
     with Progress("convert", enabled=not as_json, unit="bytes") as progress:
         report = run_convert(src, dst, to=to, source_format=source_format, dtype=dtype, arch=arch,

@@ -33,9 +33,9 @@ def _meets(value: float, bar: float, direction: str) -> bool:
 
 def _conversions(results: dict, out: Path) -> list[dict]:
     """Convert each trained model to every other format; each result is verified by convert()."""
-    from modelkit.conversion import convert
     from modelkit.errors import ModelkitError
     from modelkit.formats import FORMATS
+    from modelkit.pipeline.convert import convert
 
     rows = []
     for name, result in results.items():
@@ -54,7 +54,7 @@ def _conversions(results: dict, out: Path) -> list[dict]:
 
 def _quantization(results: dict, out: Path) -> dict[str, list]:
     """modelkit quantize --eval on cnn and tinylm, every scheme of QUANT_SCHEMES; one report each."""
-    from modelkit.quantization import compare
+    from modelkit.pipeline.quantize import compare
 
     return {name: compare(results[name]["path"], out / name / "quantized", scheme_names=schemes, evaluate=True,
                           force=True)
@@ -64,9 +64,9 @@ def _quantization(results: dict, out: Path) -> dict[str, list]:
 def _chain(results: dict, out: Path, seed: int) -> list[dict]:
     """cnn: structured prune 50% + 10 epochs fine-tune -> int8 -> ONNX, the metric after each step."""
     from modelkit.api import evaluate, inspect
-    from modelkit.compression import prune_file
-    from modelkit.conversion import convert
-    from modelkit.quantization import quantize
+    from modelkit.pipeline.compress import prune_file
+    from modelkit.pipeline.convert import convert
+    from modelkit.pipeline.quantize import quantize
     from modelkit.quantizers.prune import PruneConfig
 
     folder = out / "cnn" / "chain"
@@ -116,7 +116,7 @@ def demo(out: str, seed: int, as_json: bool) -> None:
       modelkit demo --out runs
     """
     from modelkit.api import generate, inspect
-    from modelkit.training import TrainConfig, train
+    from modelkit.pipeline.train import TrainConfig, train
 
     results = {}
     for name in BARS:

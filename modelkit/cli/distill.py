@@ -35,7 +35,7 @@ def distill(teacher: str, student: str, out: str, temperature: float | None, alp
       modelkit distill --teacher runs/tinylm/model.safetensors --student tinylm:num_hidden_layers=2,hidden_size=96 --out runs/lm-small
     """
     from modelkit.api import load
-    from modelkit.compression import distill_file
+    from modelkit.pipeline.compress import distill_file
     from modelkit.quantizers.distill import default_config
 
     arch = load(teacher).arch

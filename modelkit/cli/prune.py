@@ -41,7 +41,7 @@ def prune(src: str, dst: str, method: str, sparsity: float, scope: str, skip: tu
       modelkit prune runs/cnn/model.safetensors cnn-24.safetensors --method 2:4 --finetune-epochs 10
       modelkit prune runs/tinylm/model.safetensors lm-m80.safetensors --sparsity 0.8 --scope global --json
     """
-    from modelkit.compression import prune_file
+    from modelkit.pipeline.compress import prune_file
     from modelkit.quantizers.prune import PruneConfig
 
     config = PruneConfig(method=method, sparsity=sparsity, scope=scope, skip=skip)

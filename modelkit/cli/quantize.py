@@ -99,8 +99,8 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int
     from pathlib import Path
 
     from modelkit.errors import ConfigError
-    from modelkit.quantization import compare, plot_reports
-    from modelkit.quantization import quantize as run_quantize
+    from modelkit.pipeline.quantize import compare, plot_reports
+    from modelkit.pipeline.quantize import quantize as run_quantize
 
     names = _schemes(scheme_values)
     if not names:

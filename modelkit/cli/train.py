@@ -55,8 +55,8 @@ def train(model: str, out: str, epochs: int | None, batch_size: int | None, lr: 
       modelkit train mlp --out runs/mlp --resume --epochs 60
       torchrun --nproc-per-node 2 -m modelkit train cnn --out runs/cnn-ddp
     """
-    from modelkit.training import TrainConfig
-    from modelkit.training import train as run_training
+    from modelkit.pipeline.train import TrainConfig
+    from modelkit.pipeline.train import train as run_training
 
     is_main = int(os.environ.get("RANK", "0")) == 0
     config = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, weight_decay=weight_decay,

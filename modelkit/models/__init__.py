@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from modelkit.errors import ConfigError, UnknownModelError, did_you_mean
+from modelkit.errors import ConfigError, FormatError, UnknownModelError, did_you_mean
+from modelkit.metadata import ARCH_KEY
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from modelkit.checkpoint import ArchSpec, Checkpoint
+_PRIMITIVES = (str, int, float, bool, type(None))
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,58 @@ MODELS: dict[str, ModelInfo] = {m.name: m for m in (
     ModelInfo("mlp", "modelkit.models.mlp", "Linear-ReLU-Linear-ReLU-Linear on two interleaved 2-D spirals"),
     ModelInfo("tinylm", "modelkit.models.tinylm", "byte-level Llama decoder trained on the Python standard library"),
 )}
+
+
+def _is_primitive_tree(value: Any) -> bool:
+    if isinstance(value, _PRIMITIVES):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_primitive_tree(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_primitive_tree(v) for k, v in value.items())
+    return False
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How to rebuild the nn.Module that owns these weights.
+
+    `name` is a key of modelkit.models.MODELS; `config` its constructor arguments (widths,
+    layers, vocab...), so pruned or distilled variants rebuild too. A spec read from a file
+    only ever names a registered model: nothing from a file decides what code is imported.
+    """
+
+    name: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"ArchSpec name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.config, dict) or not _is_primitive_tree(self.config):
+            raise ConfigError(f"ArchSpec config for {self.name!r} must be a dict of JSON values")
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "config": self.config}, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str | Path = "<metadata>") -> ArchSpec:
+        """Parse a spec stored in a file; refuse anything but a registered model name."""
+        try:
+            raw = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise FormatError(source, f"the {ARCH_KEY} entry is not valid JSON ({e})") from e
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(raw.get("config", {}), dict):
+            raise FormatError(source, f'the {ARCH_KEY} entry must look like {{"name": ..., "config": {{...}}}}')
+        if raw["name"] not in MODELS:
+            raise FormatError(
+                source,
+                f"names architecture {raw['name']!r}, which is not a registered model "
+                f"(known: {', '.join(MODELS)}); pass --arch to choose one",
+            )
+        try:
+            return cls(raw["name"], raw.get("config", {}))
+        except ConfigError as e:
+            raise FormatError(source, str(e)) from e
 
 
 def load_model_module(name: str) -> ModuleType:
@@ -95,8 +150,6 @@ def build(name: str, config: Mapping[str, Any] | None = None, *, seed: int | Non
 
 def arch_spec(model: nn.Module) -> ArchSpec:
     """The ArchSpec that rebuilds `model` (a reference model built by `build`)."""
-    from modelkit.checkpoint import ArchSpec
-
     name = getattr(type(model), "arch", None)
     if name not in MODELS:
         raise ConfigError(f"{type(model).__name__} is not a registered reference model; known: {', '.join(MODELS)}")
@@ -124,51 +177,3 @@ def load_factory(reference: str) -> Callable[[], nn.Module]:
     if not callable(factory):
         raise ConfigError(f"--arch {reference!r} is not callable")
     return factory
-
-
-def instantiate(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source: str = "checkpoint",
-                target: str = "a runnable model") -> nn.Module:
-    """Rebuild a runnable module from a checkpoint: its ArchSpec (or `arch`) plus its weights.
-
-    Args:
-        ckpt: The weights (and usually the ArchSpec).
-        arch: Overrides the file: an ArchSpec, a registered model name (the file's config is kept
-            when it names the same model), or a user factory "pkg.module:function".
-        source, target: Names for error messages ("m.safetensors", "onnx").
-
-    Raises:
-        UnsupportedConversionError: no architecture is known.
-        ConfigError: the weights do not fit the architecture.
-    """
-    from modelkit.checkpoint import ArchSpec
-    from modelkit.errors import UnsupportedConversionError
-
-    if isinstance(arch, str) and ":" in arch:
-        model = load_factory(arch)()
-        label = arch
-    else:
-        if isinstance(arch, str):
-            arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
-        spec = arch or ckpt.arch
-        if spec is None:
-            raise UnsupportedConversionError(
-                source, target,
-                f"the file names no architecture; pass --arch NAME (one of {', '.join(MODELS)}) "
-                "or --arch pkg.module:factory (API: arch=...)",
-            )
-        model = build_from_spec(spec)
-        label = spec.name
-    state = ckpt.materialize()
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ConfigError(
-            f"{source}: weights do not fit architecture {label!r}"
-            + (f"; missing {missing[:3]}" if missing else "") + (f"; unexpected {unexpected[:3]}" if unexpected else "")
-        )
-    wrong = [k for k in expected if tuple(expected[k].shape) != tuple(state[k].shape)]
-    if wrong:
-        raise ConfigError(f"{source}: weights do not fit architecture {label!r}; {wrong[0]} is "
-                          f"{list(state[wrong[0]].shape)}, the model expects {list(expected[wrong[0]].shape)}")
-    model.load_state_dict(state)
-    return model.eval()

@@ -13,7 +13,7 @@ import struct
 import zlib
 from collections.abc import Callable
 
-from modelkit.scan import zipdir
+from modelkit.parse import zipdir
 from modelkit.scan.model import Finding, Severity
 from modelkit.scan.pickle import (
     Limits,

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from modelkit.checkpoint import QuantizedTensor
 from modelkit.errors import UnsupportedConversionError
+from modelkit.storage.tensors import QuantizedTensor
 
 GGUF_BLOCK = 32                                   # weights per GGUF block (QK8_0 = QK4_0 = QK5_0)
 _GGUF = {"Q8_0": (8, True, None, 34), "Q4_0": (4, False, 8, 18), "Q5_0": (8, False, 16, 22)}   # bits, signed, zp, bytes

@@ -27,13 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
 
-from modelkit._atomic import atomic_path
 from modelkit.checkpoint import ARCH_KEY, ArchSpec
 from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError, VerificationError, did_you_mean
 from modelkit.schemes import ONNX_SCHEMES
+from modelkit.storage.atomic import atomic_path
 
 PathLike = str | os.PathLike[str]
 logger = logging.getLogger(__name__)
@@ -172,10 +170,10 @@ def _quantize(model: Any, scheme: str, arch: ArchSpec, *, group_size: int, exclu
 def quantize_onnx(src: PathLike, dst: PathLike | None, *, scheme: str, group_size: int | None = None,
                   skip: Sequence[str] = (), evaluate: bool = False, latency: bool | None = None, verify: bool = True,
                   force: bool = False, reference: dict[str, Any] | None = None, calibration_samples: int = 128) -> Any:
-    """Quantize an ONNX model written by modelkit; returns a QuantizeReport (see modelkit.quantization)."""
+    """Quantize an ONNX model written by modelkit; returns a QuantizeReport (see modelkit.pipeline.quantize)."""
     import onnx
 
-    from modelkit.quantization import QuantizeReport
+    from modelkit.pipeline.reports import QuantizeReport
 
     if not isinstance(scheme, str) or scheme not in ONNX_SCHEMES:
         raise ConfigError(f"unknown scheme {scheme!r} for ONNX models; known: {', '.join(ONNX_SCHEMES)}"
@@ -225,33 +223,10 @@ def quantize_onnx(src: PathLike, dst: PathLike | None, *, scheme: str, group_siz
     return report
 
 
-def session_module(path: PathLike, arch: ArchSpec | None = None) -> nn.Module:
-    """An onnxruntime session dressed as the reference model, so the zoo's evaluation runs it.
-
-    `arch` defaults to the ArchSpec stored in the file's metadata_props.
-    """
-    from modelkit.formats import load_format
-    from modelkit.models import config_from_dict
-
-    path = Path(path)
-    arch = arch or _arch(_load(path), path)
-    run = load_format("onnx").runnable(path)
-
-    class Session(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.config = config_from_dict(arch.name, arch.config)
-
-        def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-            return torch.as_tensor(run(*inputs))
-
-    Session.arch = arch.name
-    return Session()
-
-
 def _check(src: Path, quantized: Path, arch: ArchSpec, scheme: str) -> dict[str, Any]:
     """Run the float and the quantized session on seeded inputs; their outputs must stay close."""
     from modelkit.models import load_model_module
+    from modelkit.pipeline.measure import session_module
 
     make = load_model_module(arch.name).example_inputs
     reference, candidate = session_module(src, arch), session_module(quantized, arch)
@@ -270,8 +245,8 @@ def _check(src: Path, quantized: Path, arch: ArchSpec, scheme: str) -> dict[str,
 def _measure(src: Path, quantized: Path, arch: ArchSpec, *, evaluate: bool, latency: bool,
              reference: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     from modelkit.models import load_model_module
-    from modelkit.quantization import latency_ms
-    from modelkit.training import evaluate as run_evaluate
+    from modelkit.pipeline.measure import latency_ms, session_module
+    from modelkit.pipeline.train import evaluate as run_evaluate
 
     module = load_model_module(arch.name)
     metric = lat = None
@@ -292,7 +267,8 @@ def _measure(src: Path, quantized: Path, arch: ArchSpec, *, evaluate: bool, late
 def float_reference(src: PathLike) -> dict[str, Any]:
     """The float ONNX model's metric, measured once for a comparison run."""
     from modelkit.models import load_model_module
-    from modelkit.training import evaluate as run_evaluate
+    from modelkit.pipeline.measure import session_module
+    from modelkit.pipeline.train import evaluate as run_evaluate
 
     src = Path(src)
     arch = _arch(_load(src), src)

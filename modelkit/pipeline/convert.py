@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from modelkit._atomic import atomic_dir, atomic_path, sync_in_background
-from modelkit._tensors import DTYPE_NAMES, dtype_name
 from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, UnsupportedConversionError, VerificationError, did_you_mean
 from modelkit.formats import (
@@ -35,6 +33,8 @@ from modelkit.formats import (
     format_for_output,
     load_format,
 )
+from modelkit.storage.atomic import atomic_dir, atomic_path, sync_in_background
+from modelkit.storage.dtypes import DTYPE_NAMES, dtype_name
 
 if TYPE_CHECKING:
     from torch import nn
@@ -314,7 +314,7 @@ def convert(
     module = None
     options = WriteOptions(shard_size=shard_bytes, final_path=dst)
     if FORMATS[out_fmt].has_graph:
-        from modelkit.models import instantiate
+        from modelkit.checkpoint import instantiate
 
         module = instantiate(ckpt, arch=arch if isinstance(arch, str) else None, source=str(src), target=out_fmt)
         if cast is not None:

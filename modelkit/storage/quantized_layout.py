@@ -1,6 +1,6 @@
 """Quantized tensors in weight containers: stored parts plus one JSON record that puts them back together.
 
-A QuantizedTensor (checkpoint.py) is kept as its parts. For a weight `N`, after
+A QuantizedTensor (modelkit/storage/tensors.py) is kept as its parts. For a weight `N`, after
 compressed-tensors (https://github.com/neuralmagic/compressed-tensors), the names vLLM and
 llm-compressor read:
 
@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from modelkit._metadata import json_object
-from modelkit.checkpoint import Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import FormatError, UnsupportedConversionError
+from modelkit.metadata import json_object
+from modelkit.storage.tensors import LazyTensor, QuantizedTensor
+
+if TYPE_CHECKING:
+    from modelkit.checkpoint import Checkpoint  # storage sits below checkpoint: annotations only
 
 QUANTIZED_KEY = "modelkit.quantized"        # N -> {scheme, layout, shape, dtype, params, parts: {part: stored}}
 RECORD_LIMIT = 20_000_000                   # bytes of the JSON entry; far above any real model's
@@ -82,12 +85,12 @@ def flatten(ckpt: Checkpoint, *, target: str) -> tuple[Checkpoint, dict[str, Any
         record[name] = {**info, "parts": parts}
     metadata = dict(ckpt.metadata)
     metadata[QUANTIZED_KEY] = json.dumps(record, sort_keys=True, separators=(",", ":"))
-    return Checkpoint(tensors, metadata, ckpt.arch), record
+    return type(ckpt)(tensors, metadata, ckpt.arch), record
 
 
 def parse_record(path: Path, raw: str) -> dict[str, dict[str, Any]]:
     """The "modelkit.quantized" entry of a file, every description checked; FormatError otherwise."""
-    from modelkit.checkpoint import DEQUANTIZERS, LAYOUT_MODULES
+    from modelkit.storage.tensors import DEQUANTIZERS, LAYOUT_MODULES
 
     record = json_object(path, QUANTIZED_KEY, raw, what="map tensor names to descriptions", limit=RECORD_LIMIT)
     for name, info in record.items():
@@ -160,4 +163,4 @@ def group(path: Path, ckpt: Checkpoint, *, also_drop: tuple[str, ...] = ()) -> C
             if q_name not in ordered and any(p is entry for p in q.parts.values()):
                 ordered[q_name] = q
     metadata = {k: v for k, v in ckpt.metadata.items() if k != QUANTIZED_KEY and k not in also_drop}
-    return Checkpoint(ordered, metadata, ckpt.arch)
+    return type(ckpt)(ordered, metadata, ckpt.arch)

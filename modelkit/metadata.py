@@ -9,6 +9,12 @@ from typing import Any
 
 from modelkit.errors import FormatError
 
+# Metadata keys modelkit writes into files (safetensors __metadata__, GGUF keys, ONNX metadata_props,
+# the pt state_dict's _metadata). Every value is a JSON string unless said otherwise.
+ARCH_KEY = "modelkit.arch"          # the ArchSpec: {"name": registered model, "config": {...}}
+METRICS_KEY = "modelkit.metrics"    # evaluation figures by split
+ALIASES_KEY = "modelkit.aliases"    # tied names -> the name whose tensor they share
+
 
 def json_object(path: Path | str, key: str, raw: str, *, what: str, limit: int | None = None) -> dict[str, Any]:
     """Metadata entry `key` as a JSON object; FormatError naming the file and the entry otherwise.

@@ -11,21 +11,24 @@ import contextlib
 import json
 import math
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from modelkit import distributed, schemes
-from modelkit._atomic import atomic_path
-from modelkit.checkpoint import METRICS_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import ConfigError, UnsupportedConversionError
+from modelkit import schemes
+from modelkit.checkpoint import METRICS_KEY, Checkpoint, LazyTensor, QuantizedTensor
+from modelkit.errors import ConfigError
+from modelkit.pipeline import distributed, measure
+from modelkit.pipeline.load import instantiate_quantized
+from modelkit.pipeline.measure import arch_name, latencies
+from modelkit.pipeline.reports import QuantizeReport
+from modelkit.storage.atomic import atomic_path
 
 PathLike = str | os.PathLike[str]
 QUANT_KEY = "modelkit.quantization"     # metadata: the scheme's config as JSON (config_to_dict)
@@ -37,7 +40,6 @@ QUANT_KEY = "modelkit.quantization"     # metadata: the scheme's config as JSON 
 # 2026-11-21 (torch 2.13.0, onnxruntime 1.31.1), max over cnn and tinylm, small test configs and
 # the trained runs/ (docs/formats/onnx.md): weight-only 1.1e-06, int8-dynamic 0.024. Pinned at 9x / 4x.
 RUNTIME_RTOL: dict[str | None, float] = {None: 1e-5, "int8-dynamic": 0.1}
-LATENCY_BATCHES = (1, 64)
 
 
 # ------------------------------------------------------------------------------- configs
@@ -107,9 +109,9 @@ def train_qat(model: nn.Module, config: Any, *, epochs: int = 1, lr: float | Non
         out: Folder for the training checkpoints (default: a temporary folder).
     """
     from modelkit.models import load_model_module
-    from modelkit.training import TrainConfig, train
+    from modelkit.pipeline.train import TrainConfig, train
 
-    name = _arch_name(model)
+    name = arch_name(model)
     recipe = load_model_module(name).TRAINING
     prepared = prepare_qat(model, config)
     train_config = TrainConfig(epochs=epochs, lr=lr or recipe.lr / 10, warmup_steps=0, steps_per_epoch=steps, seed=seed)
@@ -119,74 +121,7 @@ def train_qat(model: nn.Module, config: Any, *, epochs: int = 1, lr: float | Non
     return convert_qat(prepared.cpu())
 
 
-def _arch_name(model: nn.Module) -> str:
-    from modelkit.models import MODELS
-
-    name = getattr(type(model), "arch", None)
-    if name not in MODELS:
-        raise UnsupportedConversionError(type(model).__name__, "quantization report",
-                                         "metrics, QAT and calibration need a reference model (mlp, cnn, tinylm)")
-    return name
-
-
-def instantiate_quantized(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source: str = "checkpoint") -> nn.Module:
-    """Rebuild a runnable quantized model: the float model from the ArchSpec, quantized layers
-    holding the file's QuantizedTensors as stored (nothing is re-quantized), the rest loaded."""
-    from modelkit.models import build_from_spec, load_factory
-    from modelkit.quantizers import _modules
-
-    if isinstance(arch, str) and ":" in arch:
-        model = load_factory(arch)()
-    else:
-        if isinstance(arch, str):
-            arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
-        spec = arch or ckpt.arch
-        if spec is None:
-            raise UnsupportedConversionError(source, "a runnable model", "the file names no architecture; pass --arch NAME")
-        model = build_from_spec(spec)
-    quantized = {n: t for n, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)}
-    model = _modules.rebuild(model, quantized, source=source)
-    state = {n: t.load() for n, t in ckpt.tensors.items() if not isinstance(t, QuantizedTensor)}
-    owners = {n.rpartition(".")[0] for n in quantized}
-    expected = {k for k in model.state_dict()
-                if k.rpartition(".")[0] not in owners or k.rpartition(".")[2] in ("bias",)}
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - set(model.state_dict()))
-    if missing or unexpected:
-        raise ConfigError(f"{source}: weights do not fit the architecture"
-                          + (f"; missing {missing[:3]}" if missing else "") + (f"; unexpected {unexpected[:3]}" if unexpected else ""))
-    current = model.state_dict()
-    wrong = [k for k in state if tuple(current[k].shape) != tuple(state[k].shape)]
-    if wrong:
-        raise ConfigError(f"{source}: {wrong[0]} is {list(state[wrong[0]].shape)}, the model expects {list(current[wrong[0]].shape)}")
-    model.load_state_dict(state, strict=False)
-    return model.eval()
-
-
 # ------------------------------------------------------------------------------- measuring
-
-
-@torch.no_grad()
-def latency_ms(model: nn.Module, inputs: Any, *, repeats: int = 20, min_seconds: float = 0.2) -> float:
-    """Median wall time of one forward pass on CPU, in milliseconds (after two warm-up calls)."""
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    model.eval()
-    for _ in range(2):
-        model(*args)
-    times: list[float] = []
-    started = time.perf_counter()
-    while len(times) < repeats or (time.perf_counter() - started < min_seconds and len(times) < 10 * repeats):
-        t0 = time.perf_counter()
-        model(*args)
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
-
-
-def latencies(model: nn.Module, batches: Sequence[int] = LATENCY_BATCHES) -> dict[str, float]:
-    """CPU latency at each batch size on the model's example inputs (tinylm: 16-token windows)."""
-    from modelkit.models import load_model_module
-
-    make = load_model_module(_arch_name(model)).example_inputs
-    return {f"batch_{b}": round(latency_ms(model.cpu(), make(b)), 4) for b in batches}
 
 
 def checkpoint_stats(ckpt: Checkpoint) -> dict[str, Any]:
@@ -198,37 +133,11 @@ def checkpoint_stats(ckpt: Checkpoint) -> dict[str, Any]:
             "quantized_tensors": len(quantized), "quantized_parameters": sum(t.numel for t in quantized)}
 
 
-def _metric(model: nn.Module, device: str = "cpu") -> dict[str, Any]:
-    from modelkit.api import evaluate
-
-    return evaluate(model, device=device)
-
-
-@dataclass
-class QuantizeReport:
-    """What one scheme did to one model; `to_dict()` is a row of the CLI's --json document."""
-
-    scheme: str
-    config: dict[str, Any]
-    source: dict[str, Any]
-    target: dict[str, Any]
-    stats: dict[str, Any]
-    seconds_quantize: float
-    size_ratio: float | None = None
-    metric: dict[str, Any] | None = None           # {"name", "higher_is_better", "float", "quantized", "delta"}
-    latency_ms: dict[str, dict[str, float]] | None = None   # {"float": {"batch_1": ..}, "quantized": {...}}
-    verify: dict[str, Any] | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 # ------------------------------------------------------------------------------- files
 
 
 def _load_float(src: PathLike | nn.Module) -> tuple[nn.Module, dict[str, Any], dict[str, str]]:
-    from modelkit.api import load, load_module
+    from modelkit.pipeline.load import load, load_module
 
     if isinstance(src, nn.Module):
         return src.eval(), {"path": None, "module": type(src).__name__}, {}
@@ -252,8 +161,8 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
 
     Returns (target info, verification result).
     """
-    from modelkit.conversion import write_verified
     from modelkit.formats import FORMATS, ReadOptions, WriteOptions, format_for_output, load_format
+    from modelkit.pipeline.convert import write_verified
     from modelkit.testing import assert_same_outputs
 
     dst = Path(dst)
@@ -287,7 +196,7 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
 def _check_runtime(model: nn.Module, run: Callable[..., Any], inputs: Any, *, scheme: str, label: str) -> dict[str, Any]:
     """A graph file run by its runtime (onnxruntime) against the quantized torch model, within
     RUNTIME_RTOL[scheme] (default RUNTIME_RTOL[None]) of the largest output."""
-    from modelkit.conversion import verify_outputs
+    from modelkit.pipeline.convert import verify_outputs
 
     with torch.no_grad():
         largest = float(model(inputs).abs().max())
@@ -339,7 +248,7 @@ def quantize(
         0.0
     """
     if isinstance(src, (str, os.PathLike)) and str(src).endswith(".onnx"):
-        from modelkit.onnx_quantization import quantize_onnx
+        from modelkit.pipeline.onnx_quantize import quantize_onnx
 
         ignored = [flag for flag, given in (("--qat", qat), ("--epochs", epochs != 1), ("--steps", steps is not None),
                                             ("--lr", lr is not None), ("--to", format not in (None, "onnx")))
@@ -386,10 +295,10 @@ def measure_float(model: nn.Module, *, evaluate: bool = True, latency: bool = Tr
     """The float model's metric and latency, for comparison with each scheme."""
     from modelkit.models import load_model_module
 
-    task = load_model_module(_arch_name(model)).TASK
+    task = load_model_module(arch_name(model)).TASK
     out: dict[str, Any] = {"metric_name": task.metric, "higher_is_better": task.higher_is_better}
     if evaluate:
-        out["metric"] = _metric(model)
+        out["metric"] = measure.evaluate(model, device="cpu")
     if latency:
         out["latency_ms"] = latencies(model)
     return out
@@ -400,7 +309,7 @@ def _measure(report: QuantizeReport, quantized: nn.Module, reference: dict[str, 
     if evaluate:
         name = reference["metric_name"]
         before = reference["metric"][name]
-        after = _metric(quantized)[name]
+        after = measure.evaluate(quantized, device="cpu")[name]
         report.metric = {"name": name, "higher_is_better": reference["higher_is_better"], "float": before,
                          "quantized": after, "delta": after - before,
                          "relative": (after - before) / before if before else math.nan}
@@ -422,7 +331,7 @@ def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], fo
     folder.mkdir(parents=True, exist_ok=True)
     reference = None
     if evaluate and str(src).endswith(".onnx"):
-        from modelkit.onnx_quantization import float_reference
+        from modelkit.pipeline.onnx_quantize import float_reference
 
         reference = float_reference(src)
     elif evaluate:

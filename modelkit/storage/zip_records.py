@@ -5,7 +5,7 @@ out of a .pt, and for the records it fills in).
 
 torch.save under skip_data writes the whole archive (pickle, metadata records, every storage's
 local header and reserved space) but not the storage bytes, and leaves their CRC-32s 0. The pt
-writer then copies each storage's bytes into its record file to file (modelkit._mapped.copy_span)
+writer then copies each storage's bytes into its record file to file (modelkit.storage.mapped.copy_span)
 and patches the CRC-32 where torch's archives keep it: the data descriptor after the record
 (torch writes every record with general-purpose flag bit 3) and the central directory entry.
 The local header's CRC field stays 0, as torch.save leaves it in every archive.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelkit.errors import FormatError
-from modelkit.scan import zipdir
+from modelkit.parse import zipdir
 
 _DESCRIPTOR = b"PK\x07\x08"
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from modelkit import distributed
 from modelkit.checkpoint import Checkpoint
 from modelkit.errors import ConfigError, UnsupportedConversionError
+from modelkit.pipeline import distributed
 
 PathLike = str | os.PathLike[str]
 PRUNE_KEY = "modelkit.prune"
@@ -43,7 +43,7 @@ def _arch_name(model: nn.Module) -> str:
 
 
 def _metric(model: nn.Module, device: str) -> dict[str, Any]:
-    from modelkit.api import evaluate
+    from modelkit.pipeline.measure import evaluate
 
     return evaluate(model, device=device)
 
@@ -76,8 +76,8 @@ class PruneReport:
 def finetune(model: nn.Module, *, epochs: int, lr: float | None = None, seed: int = 0, device: str = "auto",
              keep_zeros: bool = True, progress=None) -> nn.Module:
     """Train `model` in place for a few epochs with its own recipe, keeping pruned weights at zero."""
+    from modelkit.pipeline.train import TrainConfig, train
     from modelkit.quantizers.prune import keep_masks
-    from modelkit.training import TrainConfig, train
 
     handles = keep_masks(model) if keep_zeros else []
     try:
@@ -102,12 +102,12 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
         >>> report = prune_file("runs/cnn/model.safetensors", "cnn-pruned.safetensors",        # doctest: +SKIP
         ...                     PruneConfig(method="structured", sparsity=0.5), finetune_epochs=10)
     """
-    from modelkit import api
+    from modelkit.pipeline.load import load_module, save
     from modelkit.quantizers import prune
 
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    model = api.load_module(src)
+    model = load_module(src)
     name = _arch_name(model)
     before = _metric(model, device)
     pruned = prune.apply(model, config)
@@ -122,7 +122,7 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
                 "modelkit.metrics": json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})}
     if not distributed.from_environment().is_main:
         return None                     # under torchrun only rank 0 writes and reports
-    api.save(Checkpoint.from_module(pruned, metadata=metadata), dst, force=force)
+    save(Checkpoint.from_module(pruned, metadata=metadata), dst, force=force)
     return PruneReport(
         source=str(src), target=str(dst), config=prune.config_dict(config), metric=metric,
         parameters={"before": _parameters(model), "after": _parameters(pruned)},
@@ -191,14 +191,15 @@ def distill_file(teacher: PathLike, student: str, out: PathLike, config: Any = N
 
     Writes OUT/student/model.safetensors (and OUT/scratch/model.safetensors for the baseline).
     """
-    from modelkit import api
     from modelkit.models import load_model_module
+    from modelkit.pipeline.load import load_module
+    from modelkit.pipeline.measure import evaluate
+    from modelkit.pipeline.train import TrainConfig, train
     from modelkit.quantizers.distill import DistillationLoss, config_dict, default_config
-    from modelkit.training import TrainConfig, train
 
     started = time.perf_counter()
     out = Path(out)
-    teacher_model = api.load_module(teacher)
+    teacher_model = load_module(teacher)
     name = _arch_name(teacher_model)
     student_name, student_config = parse_student(student, name)
     config = config if config is not None else default_config(name)
@@ -217,9 +218,9 @@ def distill_file(teacher: PathLike, student: str, out: PathLike, config: Any = N
     metric, split = task.metric, task.default_split
 
     def summary(path: Path, model: nn.Module | None = None) -> dict[str, Any]:
-        model = model or api.load_module(path)
+        model = model or load_module(path)
         return {"path": str(path), "parameters": _parameters(model), "bytes": _file_bytes(path),
-                "value": api.evaluate(model, split=split, device=device)[metric]}
+                "value": evaluate(model, split=split, device=device)[metric]}
 
     return DistillReport(
         teacher=summary(Path(teacher), teacher_model), student=summary(distilled.path),

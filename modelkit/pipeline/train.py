@@ -22,11 +22,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from modelkit import distributed
-from modelkit._atomic import atomic_path
 from modelkit.checkpoint import METRICS_KEY, Checkpoint
 from modelkit.errors import ConfigError, FormatError, OutputExistsError
 from modelkit.models import build, load_model_module
+from modelkit.pipeline import distributed
+from modelkit.storage.atomic import atomic_path
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -198,7 +198,7 @@ def train(
         TrainResult with the saved path and the final validation and test metrics.
 
     Example:
-        >>> from modelkit.training import TrainConfig, train
+        >>> from modelkit.pipeline.train import TrainConfig, train
         >>> result = train("mlp", "runs/mlp", config=TrainConfig(epochs=2))   # doctest: +SKIP
         >>> result.metrics["test"]["accuracy"] > 0.9                           # doctest: +SKIP
         True
