@@ -61,6 +61,25 @@ class FormatError(ModelkitError, ValueError):
         super().__init__(f"{self.path}: {message}")
 
 
+class ParseError(FormatError):
+    """Untrusted bytes that do not hold the structure they claim (modelkit.parse): carries where.
+
+    `source` names the file (or archive member) when the caller gave one; `offset` is the byte where
+    the structure broke, when known. Built without pathlib, so the scanner can raise and catch it.
+    """
+
+    def __init__(self, message: str, *, offset: int | None = None, source: str | None = None) -> None:
+        self.reason = message
+        self.offset = offset
+        self.source = source
+        where = f" (at byte {offset})" if offset is not None else ""
+        ModelkitError.__init__(self, f"{source}: {message}{where}" if source else f"{message}{where}")
+
+    @property
+    def path(self) -> Path:  # type: ignore[override] - FormatError's attribute, made lazily here
+        return _as_path(self.source or "")
+
+
 class UnsupportedConversionError(ModelkitError):
     """A conversion modelkit cannot do; the message says why and what would make it possible."""
 

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import struct
 
+from modelkit.errors import ParseError
+
 STORED, DEFLATED, BZIP2, LZMA = 0, 8, 12, 14     # compression methods (APPNOTE 4.4.5)
 
 _END = b"PK\x05\x06"
 _END64 = b"PK\x06\x06"
 _LOCATOR64 = b"PK\x06\x07"
 _CENTRAL = b"PK\x01\x02"
+_LOCAL, _LOCAL_SIZE = b"PK\x03\x04", 30
 _END_SIZE, _END64_SIZE, _LOCATOR64_SIZE, _CENTRAL_SIZE = 22, 56, 20, 46
 _MAX_COMMENT = 0xFFFF
 _ZIP64_EXTRA = 0x0001
 
 
-class ZipDirectoryError(ValueError):
+class ZipDirectoryError(ParseError):
     """The archive's directory cannot be read: no end record, or a record or entry that does not fit."""
 
 
@@ -72,8 +75,8 @@ def read_directory(buf, end: int | None = None, *, max_entries: int = 1 << 20) -
     Header offsets are returned relative to buf[0] (shifted like zipfile's when bytes were prepended).
 
     Raises:
-        ZipDirectoryError: anything that does not fit or is not where the records say.
-        UnicodeDecodeError: a name flagged UTF-8 that is not.
+        ZipDirectoryError: anything that does not fit or is not where the records say, or a name
+            flagged UTF-8 that is not.
     """
     end = len(buf) if end is None else end
     at = _end_record(buf, end)
@@ -103,18 +106,46 @@ def read_directory(buf, end: int | None = None, *, max_entries: int = 1 << 20) -
         if len(entries) > max_entries:
             break
         if pos + _CENTRAL_SIZE > stop or buf[pos:pos + 4] != _CENTRAL:
-            raise ZipDirectoryError(f"no central directory entry at byte {pos}")
+            raise ZipDirectoryError("no central directory entry where the directory says", offset=pos)
         (flags, method, csize, usize, name_len, extra_len, comment_len, attr,
          offset) = struct.unpack_from("<8xHH8xIIHHH4xII", buf, pos)
         names_end = pos + _CENTRAL_SIZE + name_len
         if names_end + extra_len + comment_len > stop:
-            raise ZipDirectoryError(f"central directory entry at byte {pos} runs past the directory")
+            raise ZipDirectoryError("a central directory entry runs past the directory", offset=pos)
         extra = bytes(buf[names_end:names_end + extra_len])
         usize, csize, offset = _zip64_sizes(extra, usize, csize, offset)
-        entries.append(ZipEntry(bytes(buf[pos + _CENTRAL_SIZE:names_end]), flags, method, csize, usize,
-                                offset + shift, attr, pos))
+        try:
+            entries.append(ZipEntry(bytes(buf[pos + _CENTRAL_SIZE:names_end]), flags, method, csize, usize,
+                                    offset + shift, attr, pos))
+        except UnicodeDecodeError as e:
+            raise ZipDirectoryError(f"a member name flagged UTF-8 is not ({e.reason})", offset=pos) from None
         pos = names_end + extra_len + comment_len
     return entries
+
+
+def member_data(buf, entry: ZipEntry, end: int | None = None) -> int:
+    """Where a member's data starts in buf, after checking its local header against the directory.
+
+    The local header must be where the directory points and repeat the member's name, and the
+    member's compressed bytes must fit before `end`: otherwise a loader reading local headers (as
+    torch does) would see other content than a reader of the directory.
+
+    Raises:
+        ZipDirectoryError: what does not match, in words.
+    """
+    end = len(buf) if end is None else end
+    off = entry.header_offset
+    if off < 0 or off + _LOCAL_SIZE > end or bytes(buf[off:off + 4]) != _LOCAL:
+        raise ZipDirectoryError("no local header where the central directory points", offset=off)
+    nlen, xlen = struct.unpack_from("<HH", buf, off + 26)
+    local_name = bytes(buf[off + _LOCAL_SIZE:off + _LOCAL_SIZE + nlen])
+    if local_name != entry.raw_name:
+        raise ZipDirectoryError(f"local header names {local_name[:60]!r}, the central directory "
+                                f"{entry.filename[:60]!r}", offset=off)
+    data = off + _LOCAL_SIZE + nlen + xlen
+    if entry.compress_size > end - data:
+        raise ZipDirectoryError("member data runs past the end of the archive", offset=data)
+    return data
 
 
 def _zip64_sizes(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:

@@ -13,7 +13,10 @@ import struct
 import zlib
 from collections.abc import Callable
 
+from modelkit.errors import ParseError
 from modelkit.parse import zipdir
+from modelkit.parse.onnx import looks_like_model
+from modelkit.parse.paths import member_problem
 from modelkit.scan.model import Finding, Severity
 from modelkit.scan.pickle import (
     Limits,
@@ -68,6 +71,11 @@ class Context:
     def sink(self, label: str, base: int = 0) -> Sink:
         return Sink(label, base, self.findings)
 
+    def trailing(self, buf, pos: int, end: int, label: str, *, base: int = 0) -> None:
+        """Analyse bytes after a complete file (see `trailing`); header analysers call this, so they
+        need not import this module."""
+        trailing(buf, pos, end, self, label, base=base)
+
 
 # ---------------------------------------------------------------------------------------------
 # Dispatch.
@@ -98,10 +106,8 @@ def sniff(buf, start: int, end: int) -> str | None:
     for magic, name in _COMPRESSED:
         if head.startswith(magic):
             return name
-    if head[:1] == b"\x08":
-        from modelkit.scan import onnx
-        if onnx.looks_like_onnx(buf, start, end):
-            return "onnx"
+    if head[:1] == b"\x08" and looks_like_model(buf, start, end):
+        return "onnx"
     return None
 
 
@@ -268,32 +274,6 @@ def trailing(buf, pos: int, end: int, ctx: Context, label: str, *, base: int = 0
 # Zip: torch checkpoints, TorchScript, npz, .keras. Names, sizes and local headers are checked
 # before anything is read; members are read from the raw bytes, ignoring flag bits (as torch does).
 
-def _bad_name(name: str) -> str | None:
-    if "\x00" in name:
-        return "contains a NUL byte"
-    parts = re.split(r"[\\/]", name)
-    if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name):
-        return "is an absolute path"
-    if ".." in parts:
-        return "climbs out of the extraction folder with '..'"
-    return None
-
-
-def _member_reader(buf, info: zipdir.ZipEntry, end: int) -> tuple[int, str | None]:
-    """Offset of the member's data in `buf`, or an error; checks the local header against the directory."""
-    off = info.header_offset
-    if off < 0 or off + 30 > end or bytes(buf[off:off + 4]) != b"PK\x03\x04":
-        return 0, "no local header where the central directory points"
-    nlen, xlen = struct.unpack_from("<HH", buf, off + 26)
-    local_name = bytes(buf[off + 30:off + 30 + nlen])
-    if local_name != info.raw_name:
-        return 0, f"local header names {local_name[:60]!r}, the central directory {info.filename[:60]!r}"
-    data = off + 30 + nlen + xlen
-    if data + info.compress_size > end:
-        return 0, "member data runs past the end of the archive"
-    return data, None
-
-
 def _read_member(buf, data: int, info: zipdir.ZipEntry, limit: int) -> bytes:
     """Up to `limit` bytes of the member, decompressed; raises ValueError for what cannot be read."""
     raw = buf[data:data + info.compress_size]
@@ -315,8 +295,8 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
     view = buf if start == 0 and end == len(buf) else bytes(buf[start:end])
     try:
         infos = zipdir.read_directory(view, max_entries=MAX_MEMBERS)
-    except (ValueError, struct.error) as e:     # ZipDirectoryError and UnicodeDecodeError are ValueErrors
-        sink.add(Severity.DANGEROUS, "zip.malformed", f"the zip directory cannot be parsed ({e}); loaders may "
+    except ParseError as e:
+        sink.add(Severity.DANGEROUS, "zip.malformed", f"the zip directory cannot be parsed ({e.reason}); loaders may "
                  "read it differently than scanners", offset=start)
         return None
     base_buf = view
@@ -339,7 +319,7 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
     for info in order:
         name = info.filename
         member = f"{label}:{name}"
-        problem = _bad_name(name)
+        problem = member_problem(name)
         if problem:
             sink.add(Severity.DANGEROUS, "zip.path_traversal", f"member {name!r} {problem}", module="", name=name)
         if name in seen:
@@ -358,9 +338,10 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
                      f"{name!r} has the encryption flag, which torch ignores and zipfile refuses", name=name)
         if name.endswith("/"):
             continue
-        data, error = _member_reader(base_buf, info, len(base_buf))
-        if error:
-            sink.add(Severity.DANGEROUS, "zip.header_mismatch", f"{name!r}: {error}", name=name)
+        try:
+            data = zipdir.member_data(base_buf, info)
+        except ParseError as e:
+            sink.add(Severity.DANGEROUS, "zip.header_mismatch", f"{name!r}: {e.reason}", name=name)
             continue
         if _is_storage(name, roots, storages):
             counts["storages"] += 1
@@ -478,13 +459,13 @@ def _scan_tar(buf, start: int, end: int, ctx: Context, label: str) -> None:
                 if count > MAX_MEMBERS:
                     sink.add(Severity.DANGEROUS, "scan.limit.members", f"more than {MAX_MEMBERS} members")
                     break
-                problem = _bad_name(member.name)
+                problem = member_problem(member.name)
                 if problem:
                     sink.add(Severity.DANGEROUS, "tar.path_traversal", f"member {member.name!r} {problem}",
                              name=member.name)
                 if member.issym() or member.islnk():
                     target = member.linkname
-                    severity = Severity.DANGEROUS if _bad_name(target) else Severity.SUSPICIOUS
+                    severity = Severity.DANGEROUS if member_problem(target) else Severity.SUSPICIOUS
                     sink.add(severity, "tar.link", f"{member.name!r} links to {target!r}", name=member.name)
                     continue
                 if not member.isfile() or member.size == 0:
