@@ -43,7 +43,6 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import (
-    GGML_QUANT_SIZES,
     GGML_QUANT_VERSION,
     GGMLQuantizationType,
     GGUFReader,
@@ -55,9 +54,10 @@ from gguf import (
 from gguf.quants import dequantize as gguf_dequantize
 
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, DEQUANTIZERS, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError
+from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import json_object
+from modelkit.parse import gguf as gguf_header
 from modelkit.storage.dtypes import dtype_name
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
@@ -102,10 +102,8 @@ class _KEYS:
 
 _GENERIC_ARCH = "modelkit"
 _LLAMA_ARCH = "llama"
-_MAGIC = b"GGUF"
-_MAX_DIMS = 4                    # GGML_MAX_DIMS: llama.cpp refuses tensors with more
+_MAX_DIMS = gguf_header.MAX_DIMS  # GGML_MAX_DIMS: llama.cpp refuses tensors with more
 _MAX_NAME_BYTES = 63             # GGML_MAX_NAME is 64 including the terminating NUL
-_MAX_ARRAY_ITEMS = 1 << 23       # all metadata arrays together; a 256k vocabulary and its merges use ~1M
 _BOS, _EOS = 0x02, 0x03          # ASCII STX / ETX: byte tokens that Python source never contains
 
 F32, F16, BF16, F64 = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
@@ -161,10 +159,10 @@ def detect(path: Path) -> bool:
     """
     try:
         with path.open("rb") as f:
-            head = f.read(24)
+            head = f.read(gguf_header.HEADER_BYTES)
     except OSError:
         return False
-    return len(head) == 24 and head[:4] == _MAGIC and struct.unpack_from("<I", head, 4)[0] in (2, 3)
+    return gguf_header.plausible(head)
 
 
 # ---------------------------------------------------------------------------------------- read
@@ -608,111 +606,20 @@ def _from_llama_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------- header bounds
 
 
-_SCALAR_SIZES = {
-    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
-    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
-    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
-}
-
-
-class _Bounds:
-    """Walks a GGUF header checking each count and length against the bytes left; reads no values."""
-
-    def __init__(self, path: Path, data: mmap.mmap | bytes) -> None:
-        self.path, self.data, self.pos, self.items = path, data, 0, 0
-
-    def fail(self, what: str) -> FormatError:
-        return FormatError(self.path, f"{what} (at byte {self.pos} of {len(self.data)}); the file is truncated or corrupt")
-
-    def take(self, n: int, what: str) -> int:
-        if n > len(self.data) - self.pos:
-            raise self.fail(f"{what} needs {n} bytes but only {len(self.data) - self.pos} remain")
-        start, self.pos = self.pos, self.pos + n
-        return start
-
-    def uint(self, fmt: str, what: str) -> int:
-        return struct.unpack_from(fmt, self.data, self.take(struct.calcsize(fmt), what))[0]
-
-    def string(self, what: str) -> bytes:
-        n = self.uint("<Q", f"{what} length")
-        start = self.take(n, what)
-        return bytes(self.data[start:start + n]) if n <= 64 else b""     # only short keys are compared
-
-    def value(self, vtype: int, depth: int = 0) -> None:
-        if vtype in _SCALAR_SIZES:
-            self.take(_SCALAR_SIZES[GGUFValueType(vtype)], "a value")
-        elif vtype == GGUFValueType.STRING:
-            self.string("a string")
-        elif vtype == GGUFValueType.ARRAY and depth < 2:
-            item_type, count = self.uint("<I", "an array type"), self.uint("<Q", "an array length")
-            smallest = _SCALAR_SIZES.get(item_type) or {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}.get(item_type, 1)
-            if count * smallest > len(self.data) - self.pos:
-                raise self.fail(f"an array claims {count} items, more than the file can hold")
-            self.items += count
-            if self.items > _MAX_ARRAY_ITEMS:      # gguf's reader keeps each item as a numpy array
-                raise self.fail(f"metadata arrays hold over {_MAX_ARRAY_ITEMS} items; refusing to read them")
-            if item_type in _SCALAR_SIZES:
-                self.take(count * smallest, f"an array of {count} items")
-            else:
-                for _ in range(count):
-                    self.value(item_type, depth + 1)
-        else:
-            raise self.fail(f"unknown metadata value type {vtype}")
-
-
 def _check_layout(path: Path) -> None:
-    """Check the header's counts, lengths, tensor types and data offsets against the file size."""
+    """Check the header's counts, lengths, tensor types and data offsets against the file size
+    (modelkit.parse.gguf) before gguf's reader, which trusts them, sees the file."""
     try:
         with path.open("rb") as f:
             size = path.stat().st_size
-            if size < 24:
-                raise FormatError(path, f"a GGUF file has a 24-byte header; this file has {size} bytes")
+            if size < gguf_header.HEADER_BYTES:
+                raise FormatError(path, f"a GGUF file has a {gguf_header.HEADER_BYTES}-byte header; "
+                                        f"this file has {size} bytes")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                _walk(_Bounds(path, data))
+                gguf_header.read_header(data)
+    except ParseError as e:
+        raise FormatError(path, str(e)) from e
     except (OSError, ValueError) as e:
         if isinstance(e, FormatError):
             raise
         raise FormatError(path, f"cannot read the file ({e})") from e
-
-
-def _walk(b: _Bounds) -> None:
-    if b.data[:4] != _MAGIC:
-        raise FormatError(b.path, f"not a GGUF file: it starts with {bytes(b.data[:4])!r}, not {_MAGIC!r}")
-    b.pos = 4
-    version = b.uint("<I", "the version")
-    if version not in (2, 3):
-        raise FormatError(b.path, f"GGUF version {version} is not supported (2 and 3 are)")
-    n_tensors, n_kv = b.uint("<Q", "the tensor count"), b.uint("<Q", "the metadata count")
-    # a metadata entry takes at least 13 bytes (key length, type, one byte), a tensor info 24
-    if n_kv * 13 + n_tensors * 24 > len(b.data) - b.pos:
-        raise b.fail(f"the header claims {n_tensors} tensors and {n_kv} metadata entries, more than the file holds")
-    alignment = 32
-    for _ in range(n_kv):
-        key = b.string("a metadata key")
-        vtype = b.uint("<I", "a metadata type")
-        if key == _KEYS.ALIGNMENT.encode() and vtype == GGUFValueType.UINT32:
-            alignment = b.uint("<I", "general.alignment")
-            if alignment == 0 or alignment & (alignment - 1):
-                raise b.fail(f"general.alignment {alignment} is not a power of two")
-        else:
-            b.value(vtype)
-    infos = []
-    for _ in range(n_tensors):
-        b.string("a tensor name")
-        n_dims = b.uint("<I", "a tensor's dimension count")
-        if n_dims > _MAX_DIMS:
-            raise b.fail(f"a tensor has {n_dims} dimensions; GGUF allows {_MAX_DIMS}")
-        dims = [b.uint("<Q", "a tensor dimension") for _ in range(n_dims)]
-        raw_type, offset = b.uint("<I", "a tensor type"), b.uint("<Q", "a tensor offset")
-        if raw_type not in GGMLQuantizationType._value2member_map_ or GGMLQuantizationType(raw_type) not in GGML_QUANT_SIZES:
-            raise b.fail(f"unknown tensor type {raw_type}")
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
-        if dims and dims[0] % block:
-            raise b.fail(f"a tensor's rows of {dims[0]} do not fill whole blocks of {block}")
-        infos.append((offset, math.prod(dims) // block * type_size))
-    start = -(-b.pos // alignment) * alignment
-    for offset, nbytes in infos:
-        if offset % alignment or start + offset + nbytes > len(b.data):
-            raise b.fail(f"tensor data at offset {offset} ({nbytes} bytes) is misaligned or lies past the end")
-

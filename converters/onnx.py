@@ -50,7 +50,6 @@ import mmap
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +60,13 @@ from onnx import TensorProto, numpy_helper
 
 from modelkit import __version__
 from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, instantiate
-from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError
+from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import json_object
 from modelkit.models import MODELS, load_model_module
+from modelkit.parse.onnx import GRAPH, MODEL, TENSOR, TYPED_TENSOR_FIELDS, is_model
+from modelkit.parse.paths import resolve_location
+from modelkit.parse.protobuf import LEN, VARINT, fields, int64s, string_pairs, text
 from modelkit.storage import qdq, quantized_layout
 from modelkit.storage.dtypes import tensor_bytes
 
@@ -78,7 +80,6 @@ VERSION_KEY = "modelkit.version"
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24   # weights above this go to external data (protobuf caps a file at 2 GiB)
 _INLINE_LIMIT = 1024                # with external data, tensors smaller than this stay in the file (onnx's default)
 _ALIGNMENT = 65536                  # external tensors over 1 MiB start at 64 KiB offsets, so runtimes can mmap them
-_DETECT_FIELDS = 64                 # top-level fields detect walks before it gives up
 
 # ONNX element types torch can hold (TensorProto.DataType); raw bytes are little-endian in both.
 _DTYPES: dict[int, torch.dtype] = {
@@ -96,47 +97,6 @@ _ONNX_TYPES: dict[torch.dtype, int] = {v: k for k, v in _DTYPES.items()}
 _PACKED4: dict[int, torch.dtype] = {TensorProto.INT4: torch.int8, TensorProto.UINT4: torch.uint8}
 
 
-class _Wire(IntEnum):
-    """Protobuf wire types (https://protobuf.dev/programming-guides/encoding/)."""
-
-    VARINT = 0
-    I64 = 1
-    LEN = 2
-    I32 = 5
-
-
-class _ModelField(IntEnum):
-    IR_VERSION = 1
-    GRAPH = 7
-    METADATA_PROPS = 14
-
-
-class _GraphField(IntEnum):
-    INITIALIZER = 5
-    SPARSE_INITIALIZER = 15
-
-
-class _TensorField(IntEnum):
-    DIMS = 1
-    DATA_TYPE = 2
-    SEGMENT = 3
-    NAME = 8
-    RAW_DATA = 9
-    EXTERNAL_DATA = 13
-    DATA_LOCATION = 14
-
-
-_TYPED_FIELDS = frozenset({4, 5, 6, 7, 10, 11})    # float_data, int32_data, string_data, int64_data, double, uint64
-# Wire type of each ModelProto field (onnx.proto); detect rejects a known field with the wrong one.
-_MODEL_WIRE = {1: _Wire.VARINT, 2: _Wire.LEN, 3: _Wire.LEN, 4: _Wire.LEN, 5: _Wire.VARINT, 6: _Wire.LEN,
-               7: _Wire.LEN, 8: _Wire.LEN, 14: _Wire.LEN, 20: _Wire.LEN, 25: _Wire.LEN, 26: _Wire.LEN}
-_GRAPH_FIELDS = frozenset({1, 2, 5, 10, 11, 12, 13, 14, 15, 16})
-
-
-class _Malformed(Exception):
-    """Raised while walking the wire format; read() turns it into FormatError naming the file."""
-
-
 def detect(path: Path) -> bool:
     """A ModelProto: ir_version first (as every protobuf writer orders it), then known fields up to
     the graph. Walks field headers through an mmap, so only a few pages are read."""
@@ -144,26 +104,9 @@ def detect(path: Path) -> bool:
         if not path.is_file() or path.stat().st_size < 4:
             return False
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _looks_like_model(buf)
-    except (OSError, ValueError, _Malformed):
+            return is_model(buf)
+    except (OSError, ValueError):
         return False
-
-
-def _looks_like_model(buf: Any) -> bool:
-    for count, (number, wire, value) in enumerate(_fields(buf, 0, len(buf))):
-        if number in _MODEL_WIRE and wire != _MODEL_WIRE[number]:
-            return False
-        if count == 0 and (number != _ModelField.IR_VERSION or not 1 <= value <= 100):
-            return False
-        if number == _ModelField.GRAPH:
-            start, end = value
-            if start == end:
-                return True
-            first, _ = _varint(buf, start, end)
-            return first >> 3 in _GRAPH_FIELDS and first & 7 == _Wire.LEN
-        if count >= _DETECT_FIELDS:
-            return False
-    return False
 
 
 # ---------------------------------------------------------------- reading
@@ -188,7 +131,7 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     modelkit did not write); metadata_props as metadata and ArchSpec. Reads no tensor data."""
     try:
         initializers, metadata = _index(path)
-    except _Malformed as e:
+    except ParseError as e:
         raise FormatError(path, f"not a readable ONNX file ({e})") from e
     names = metadata.pop(NAMES_KEY, None)
     record = metadata.pop(quantized_layout.QUANTIZED_KEY, None)
@@ -214,22 +157,22 @@ def _index(path: Path) -> tuple[dict[str, _Initializer], dict[str, str]]:
     except OSError as e:
         raise FormatError(path, f"cannot open it ({e.strerror})") from e
     with f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        for number, wire, value in _fields(buf, 0, len(buf)):
-            if number == _ModelField.METADATA_PROPS and wire == _Wire.LEN:
-                entry = {n: _text(buf, v) for n, w, v in _fields(buf, *value) if w == _Wire.LEN and n in (1, 2)}
-                metadata[entry.get(1, "")] = entry.get(2, "")
-            elif number == _ModelField.GRAPH and wire == _Wire.LEN:
+        for number, wire, value in fields(buf, 0, len(buf)):
+            if number == MODEL["metadata_props"] and wire == LEN:
+                key, text = string_pairs(buf, value)
+                metadata[key] = text
+            elif number == MODEL["graph"] and wire == LEN:
                 graphs += 1  # a repeated message field merges, so initializers of every copy count
-                for n, w, v in _fields(buf, *value):
-                    if n == _GraphField.SPARSE_INITIALIZER:
-                        raise _Malformed("it has sparse initializers, which modelkit does not read")
-                    if n == _GraphField.INITIALIZER and w == _Wire.LEN:
+                for n, w, v in fields(buf, *value):
+                    if n == GRAPH["sparse_initializer"]:
+                        raise ParseError("it has sparse initializers, which modelkit does not read")
+                    if n == GRAPH["initializer"] and w == LEN:
                         init = _initializer(buf, path, *v)
                         if init.name in initializers:
-                            raise _Malformed(f"initializer {init.name!r} appears twice")
+                            raise ParseError(f"initializer {init.name!r} appears twice")
                         initializers[init.name] = init
     if not graphs:
-        raise _Malformed("no graph")
+        raise ParseError("no graph")
     return initializers, metadata
 
 
@@ -237,34 +180,34 @@ def _initializer(buf: Any, path: Path, start: int, end: int) -> _Initializer:
     dims: list[int] = []
     data_type, name, raw, typed, location = 0, "", None, False, 0
     external: dict[str, str] = {}
-    for number, wire, value in _fields(buf, start, end):
-        if number == _TensorField.DIMS:
-            dims += _int64s(buf, wire, value)
-        elif number == _TensorField.DATA_TYPE and wire == _Wire.VARINT:
+    for number, wire, value in fields(buf, start, end):
+        if number == TENSOR["dims"]:
+            dims += int64s(buf, wire, value)
+        elif number == TENSOR["data_type"] and wire == VARINT:
             data_type = value
-        elif number == _TensorField.NAME and wire == _Wire.LEN:
-            name = _text(buf, value)
-        elif number == _TensorField.RAW_DATA and wire == _Wire.LEN:
+        elif number == TENSOR["name"] and wire == LEN:
+            name = text(buf, value)
+        elif number == TENSOR["raw_data"] and wire == LEN:
             raw = value
-        elif number == _TensorField.EXTERNAL_DATA and wire == _Wire.LEN:
-            entry = {n: _text(buf, v) for n, w, v in _fields(buf, *value) if w == _Wire.LEN and n in (1, 2)}
-            external[entry.get(1, "")] = entry.get(2, "")
-        elif number == _TensorField.DATA_LOCATION and wire == _Wire.VARINT:
+        elif number == TENSOR["external_data"] and wire == LEN:
+            key, entry = string_pairs(buf, value)
+            external[key] = entry
+        elif number == TENSOR["data_location"] and wire == VARINT:
             location = value
-        elif number == _TensorField.SEGMENT:
-            raise _Malformed(f"tensor {name or '?'!r} is segmented, which modelkit does not read")
-        elif number in _TYPED_FIELDS:
+        elif number == TENSOR["segment"]:
+            raise ParseError(f"tensor {name or '?'!r} is segmented, which modelkit does not read")
+        elif number in TYPED_TENSOR_FIELDS:
             typed = True
     if not name:
-        raise _Malformed("an initializer has no name (ONNX requires one)")
+        raise ParseError("an initializer has no name (ONNX requires one)")
     label = repr(name)
     packed4 = data_type in _PACKED4
     dtype = _PACKED4.get(data_type) or _DTYPES.get(data_type)
     if dtype is None:
         kind = TensorProto.DataType.Name(data_type) if data_type in TensorProto.DataType.values() else data_type
-        raise _Malformed(f"initializer {label} has element type {kind}, which torch cannot hold")
+        raise ParseError(f"initializer {label} has element type {kind}, which torch cannot hold")
     if any(d < 0 for d in dims):
-        raise _Malformed(f"initializer {label} has negative dims {dims}")
+        raise ParseError(f"initializer {label} has negative dims {dims}")
     nbytes = (math.prod(dims) + 1) // 2 if packed4 else math.prod(dims) * dtype.itemsize
     shape = tuple(dims)
     if location == TensorProto.EXTERNAL or external:
@@ -273,12 +216,12 @@ def _initializer(buf: Any, path: Path, start: int, end: int) -> _Initializer:
     if raw is not None:
         if raw[1] - raw[0] != nbytes:
             kind = "4-bit" if packed4 else str(dtype)
-            raise _Malformed(f"initializer {label} has {raw[1] - raw[0]} bytes of data; {kind} {dims} needs {nbytes}")
+            raise ParseError(f"initializer {label} has {raw[1] - raw[0]} bytes of data; {kind} {dims} needs {nbytes}")
         return _Initializer(name, dtype, shape, path, raw[0], nbytes, packed4=packed4)
     if math.prod(dims) > 2 * (end - start):  # every typed value takes at least half a byte
-        raise _Malformed(f"initializer {label} claims {math.prod(dims)} values in a {end - start}-byte message")
+        raise ParseError(f"initializer {label} claims {math.prod(dims)} values in a {end - start}-byte message")
     if math.prod(dims) and not typed:
-        raise _Malformed(f"initializer {label} has no data")
+        raise ParseError(f"initializer {label} has no data")
     return _Initializer(name, dtype, shape, path, start, end - start, typed=True, packed4=packed4)
 
 
@@ -291,29 +234,16 @@ def _external(path: Path, name: str, info: dict[str, str], nbytes: int | None) -
         offset = int(info.get("offset", "0"))
         length = int(info["length"]) if "length" in info else nbytes if nbytes is not None else size - offset
     except ValueError as e:
-        raise _Malformed(f"initializer {name!r} has a non-numeric external offset or length") from e
+        raise ParseError(f"initializer {name!r} has a non-numeric external offset or length") from e
     if offset < 0 or length < 0 or (nbytes is not None and length != nbytes) or offset + length > size:
-        raise _Malformed(f"initializer {name!r} wants bytes {offset}..{offset + length} (needs {nbytes}) "
+        raise ParseError(f"initializer {name!r} wants bytes {offset}..{offset + length} (needs {nbytes}) "
                          f"of {data.name}, which has {size}")
     return data, offset, length
 
 
 def _data_file(path: Path, location: str, name: str) -> Path:
     """Resolve an external data location; refuse anything that is not a file inside the model's folder."""
-    folder = path.absolute().parent.resolve()
-    if not location or "\x00" in location:
-        raise _Malformed(f"initializer {name!r} has external data without a location")
-    relative = Path(location.replace("\\", "/"))
-    if relative.is_absolute() or relative.drive or ".." in relative.parts or location.startswith(("/", "\\")):
-        raise _Malformed(f"initializer {name!r} has external data at {location!r}; only file names inside "
-                         f"the model's folder are allowed (no '..', no absolute paths), so it was not read")
-    target = (folder / relative).resolve()
-    if not target.is_relative_to(folder):
-        raise _Malformed(f"initializer {name!r} has external data {location!r}, which links outside the "
-                         f"model's folder to {target}; refusing to follow it")
-    if not target.is_file():
-        raise _Malformed(f"initializer {name!r} has external data {location!r}, which is missing or not a file")
-    return target
+    return Path(resolve_location(str(path.absolute().parent.resolve()), location, what=f"initializer {name!r}"))
 
 
 def _named_tensors(path: Path, initializers: dict[str, _Initializer], names_json: str | None,
@@ -454,62 +384,6 @@ def _load(init: _Initializer) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8).view(init.dtype).reshape(init.shape)
 
 
-def _fields(buf: Any, start: int, end: int) -> Iterator[tuple[int, int, Any]]:
-    """(number, wire type, value) of each field of the message in buf[start:end]; LEN values are (start, end)."""
-    pos = start
-    while pos < end:
-        key, pos = _varint(buf, pos, end)
-        number, wire = key >> 3, key & 7
-        if number == 0:
-            raise _Malformed(f"field number 0 at byte {pos}")
-        if wire == _Wire.VARINT:
-            value, pos = _varint(buf, pos, end)
-        elif wire in (_Wire.I64, _Wire.I32):
-            value, pos = pos, pos + (8 if wire == _Wire.I64 else 4)
-        elif wire == _Wire.LEN:
-            length, pos = _varint(buf, pos, end)
-            value, pos = (pos, pos + length), pos + length
-        else:
-            raise _Malformed(f"wire type {wire} at byte {pos} (ONNX uses no groups)")
-        if pos > end:
-            raise _Malformed(f"a field runs past the end of its message (byte {pos} > {end})")
-        yield number, wire, value
-
-
-def _varint(buf: Any, pos: int, end: int) -> tuple[int, int]:
-    result = shift = 0
-    while shift < 70:
-        if pos >= end:
-            raise _Malformed("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-    raise _Malformed("varint longer than 10 bytes")
-
-
-def _int64s(buf: Any, wire: int, value: Any) -> list[int]:
-    if wire == _Wire.VARINT:
-        values = [value]
-    elif wire == _Wire.LEN:  # packed
-        values, pos = [], value[0]
-        while pos < value[1]:
-            v, pos = _varint(buf, pos, value[1])
-            values.append(v)
-    else:
-        raise _Malformed(f"dims with wire type {wire}")
-    return [v - (1 << 64) if v >= 1 << 63 else v for v in values]
-
-
-def _text(buf: Any, span: tuple[int, int]) -> str:
-    try:
-        return bytes(buf[span[0]:span[1]]).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _Malformed(f"a string field is not UTF-8 ({e})") from e
-
-
 # ---------------------------------------------------------------- running
 
 
@@ -538,7 +412,7 @@ def runnable(path: Path, options: ReadOptions = ReadOptions()) -> Callable[..., 
             if tensor.data_location == TensorProto.EXTERNAL or len(tensor.external_data):
                 info = {entry.key: entry.value for entry in tensor.external_data}
                 _external(path, tensor.name, info, _expected_bytes(tensor))
-    except _Malformed as e:
+    except ParseError as e:
         raise FormatError(path, f"refusing to run it: {e}") from e
     session_options = ort.SessionOptions()
     session_options.log_severity_level = 3      # errors only: ORT's warnings go to stderr otherwise
@@ -599,7 +473,7 @@ def _expected_bytes(tensor: TensorProto) -> int | None:
     """Bytes the tensor's dtype and dims need; None for types torch lacks (strings, 2-bit, ...)."""
     dtype = _DTYPES.get(tensor.data_type)
     if any(d < 0 for d in tensor.dims):
-        raise _Malformed(f"tensor {tensor.name!r} has negative dims {list(tensor.dims)}")
+        raise ParseError(f"tensor {tensor.name!r} has negative dims {list(tensor.dims)}")
     if tensor.data_type in _PACKED4:
         return (math.prod(tensor.dims) + 1) // 2
     return None if dtype is None else math.prod(tensor.dims) * dtype.itemsize

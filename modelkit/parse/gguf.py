@@ -79,9 +79,9 @@ class _Reader:
 
     def string(self, what: str) -> str:
         n = self.unpack(self.count_fmt, f"{what} length")
-        if n > MAX_STRING:
-            raise self.fail(f"{what} claims {n} bytes, more than the {MAX_STRING} allowed")
         at = self.take(n, what)
+        if n > MAX_STRING:
+            raise self.fail(f"{what} has {n} bytes, more than the {MAX_STRING} allowed")
         try:
             return bytes(self.buf[at:at + n]).decode("utf-8")
         except UnicodeDecodeError as e:
@@ -108,6 +108,11 @@ class _Reader:
                     self.value(item_type, depth + 1)
             return None
         raise self.fail(f"unknown metadata value type {vtype}")
+
+
+def plausible(head: bytes, *, versions: tuple[int, ...] = (2, 3)) -> bool:
+    """The first 24 bytes of a file start a GGUF header: the magic, a known version and room for two counts."""
+    return len(head) >= HEADER_BYTES and head[:4] == MAGIC and struct.unpack_from("<I", head, 4)[0] in versions
 
 
 def read_header(buf, start: int = 0, end: int | None = None, *, versions: tuple[int, ...] = (2, 3)) -> Header:
