@@ -49,12 +49,13 @@ from torch import nn
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ModelkitError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.parse import hdf5 as hdf5_header
 from modelkit.storage.dtypes import dtype_name
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
 logger = logging.getLogger(__name__)
 
-SIGNATURE = b"\x89HDF\r\n\x1a\n"       # the superblock signature, at offset 0 in files h5py and Keras write
+SIGNATURE = hdf5_header.SIGNATURE      # the superblock signature, at offset 0 in files h5py and Keras write
 GROUP = "modelkit"
 VERSION = 1
 LAYOUT_ATTR = "modelkit.keras_layout"
@@ -107,16 +108,10 @@ def detect(path: Path) -> bool:
         if not path.is_file():
             return False
         with path.open("rb") as f:
-            head = f.read(16)
+            head = f.read(hdf5_header.SUPERBLOCK_HEAD)
     except OSError:
         return False
-    if len(head) < 16 or head[:8] != SIGNATURE:
-        return False
-    # superblock v0/v1: sig | version | 4 version bytes | sizeof(offsets) @13 | sizeof(lengths) @14 | ...
-    # superblock v2/v3: sig | version | sizeof(offsets) @9 | sizeof(lengths) @10 | flags | addresses | checksum
-    version = head[8]
-    sizes = (head[13], head[14]) if version in (0, 1) else (head[9], head[10]) if version in (2, 3) else (0, 0)
-    return all(size in (2, 4, 8, 16) for size in sizes)
+    return hdf5_header.plausible_superblock(head)
 
 
 # ---------------------------------------------------------------------------------------------

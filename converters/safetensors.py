@@ -30,6 +30,7 @@ and written in turn, so peak memory is one tensor, not the model.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 from typing import Any
@@ -38,15 +39,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import FormatError, UnsupportedConversionError
+from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import json_object
+from modelkit.parse import safetensors as safetensors_header
+from modelkit.parse.paths import plain_name_problem
 from modelkit.storage import quantized_layout
 from modelkit.storage.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, tensor_bytes
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
-_HEADER_LIMIT = 100_000_000      # the reference implementation's own cap on header size
-_INDEX_LIMIT = 50_000_000        # an index is names and file names: far below this
 _ALIGN = 8
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -62,10 +63,7 @@ def detect(path: Path) -> bool:
         return False
     with path.open("rb") as f:
         head = f.read(9)
-    if len(head) < 9 or head[8:9] != b"{":
-        return False
-    (length,) = struct.unpack("<Q", head[:8])
-    return 2 <= length <= min(_HEADER_LIMIT, path.stat().st_size - 8)
+    return safetensors_header.plausible(head, path.stat().st_size)
 
 
 class _File:
@@ -97,13 +95,15 @@ def _read_file(path: Path, *, group: bool = True) -> Checkpoint:
         with safe_open(str(path), framework="pt") as f:   # validates header, offsets and sizes
             metadata = dict(f.metadata() or {})
             headers = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
-        with path.open("rb") as raw:                        # the offsets safe_open just checked
-            (length,) = struct.unpack("<Q", raw.read(8))
-            header = json.loads(raw.read(length))
+        with path.open("rb") as raw, mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = safetensors_header.read_header(buf)   # the offsets safe_open just checked
+    except ParseError as e:
+        raise FormatError(path, f"not a readable safetensors file ({e})") from e
     except (SafetensorError, OSError, ValueError) as e:
         raise FormatError(path, f"not a readable safetensors file ({e})") from e
-    offsets = {name: tuple(header[name]["data_offsets"]) for name in headers}
-    handle = _File(path, offsets, 8 + length)
+    length = header.length
+    offsets = {name: tuple(header.entries[name]["data_offsets"]) for name in headers}
+    handle = _File(path, offsets, header.data_start)
     tensors: dict[str, LazyTensor] = {}
     for name, (code, shape) in headers.items():
         dtype = SAFETENSORS_DTYPES.get(code)
@@ -135,20 +135,18 @@ def _read_sharded(path: Path) -> Checkpoint:
     index_path = folder / INDEX_NAME if path.is_dir() else path
     if path.is_dir() and not index_path.is_file():
         return _read_file(folder / SINGLE_NAME)
-    if index_path.stat().st_size > _INDEX_LIMIT:
-        raise FormatError(index_path, f"index is {index_path.stat().st_size} bytes; refusing anything over {_INDEX_LIMIT}")
+    size = index_path.stat().st_size
+    if size > safetensors_header.MAX_INDEX:
+        raise FormatError(index_path, f"index is {size} bytes; refusing anything over {safetensors_header.MAX_INDEX}")
     try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-        weight_map = index["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise FormatError(index_path, f"not a safetensors index (needs a JSON object with weight_map: {e})") from e
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise FormatError(index_path, "weight_map must map tensor names to shard file names")
+        weight_map = safetensors_header.read_index(index_path.read_bytes())
+    except ParseError as e:
+        raise FormatError(index_path, e.reason) from e
     shards: dict[str, Checkpoint] = {}
     for shard in sorted(set(weight_map.values())):
         # A shard name is a plain file name inside the folder: no folders, no '..', no links out.
         target = (folder / shard).resolve()
-        if Path(shard).name != shard or target.parent != folder.resolve():
+        if plain_name_problem(shard, str(folder)) is not None:
             raise FormatError(index_path, f"shard {shard!r} is not a file name inside {folder}; refusing to follow it")
         if not target.is_file():
             raise FormatError(index_path, f"shard {shard!r} is missing")

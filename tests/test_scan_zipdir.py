@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modelkit.parse import zipdir
-from modelkit.scan.pickle import _OPS
+from modelkit.parse.pickle import _OPS
 
 
 def _archive(*, compression=zipfile.ZIP_STORED, comment=b"", force_zip64=False, names=("a/data.pkl", "a/data/0")):

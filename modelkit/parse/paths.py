@@ -28,6 +28,16 @@ def member_problem(name: str) -> str | None:
     return None
 
 
+def plain_name_problem(name: str, directory: str) -> str | None:
+    """Why `name` is not a plain file name inside `directory` (shards of a sharded checkpoint), or None."""
+    if not name or name in (".", "..") or "\x00" in name or _SEPARATORS.search(name) or _DRIVE.match(name):
+        return "is not a plain file name"
+    root = os.path.realpath(directory)
+    if os.path.dirname(os.path.realpath(os.path.join(root, name))) != root:
+        return "resolves (through a symlink) outside the folder"
+    return None
+
+
 def location_problem(location: str, directory: str | None) -> str | None:
     """Why an ONNX external-data location may not be read, or None when it stays in `directory`.
 

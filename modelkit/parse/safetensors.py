@@ -15,6 +15,7 @@ import struct
 from modelkit.errors import ParseError
 
 MAX_HEADER = 100_000_000     # the safetensors library refuses larger headers
+MAX_INDEX = 50_000_000       # an index (model.safetensors.index.json) is names and file names: far below this
 # dtype -> bits per element (safetensors/src/tensor.rs Dtype::bitsize)
 BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
         "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64, "U64": 64,
@@ -100,3 +101,23 @@ def tensor_problem(info: object, data_len: int) -> str | None:
     if bits % 8 or bits // 8 != stop - begin:
         return f"{dtype} x {shape} needs {bits / 8:g} bytes, the offsets span {stop - begin}"
     return None
+
+
+def read_index(data: bytes) -> dict[str, str]:
+    """The weight_map of a sharded checkpoint's index (tensor name -> shard file name).
+
+    Shard names are returned as written; `modelkit.parse.paths.plain_name_problem` says whether one
+    may be opened.
+
+    Raises:
+        ParseError: too large, not a JSON object with a weight_map of strings to strings.
+    """
+    if len(data) > MAX_INDEX:
+        raise ParseError(f"index is {len(data)} bytes; refusing anything over {MAX_INDEX}")
+    try:
+        weight_map = json.loads(data.decode("utf-8"))["weight_map"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
+        raise ParseError(f"not a safetensors index (needs a JSON object with weight_map: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ParseError("weight_map must map tensor names to shard file names")
+    return weight_map

@@ -1,14 +1,54 @@
-"""Name what a file looks like from its first bytes, for messages about files modelkit cannot read;
-and tell torch.save zips from TorchScript archives by their member names.
+"""What content is, from its first bytes: the scanner's dispatch (`sniff`), a phrase for messages
+about files modelkit cannot read (`describe`), and torch.save zips told from TorchScript archives by
+their member names (`torch_zip_roots`).
 
-Standard library only (the scanner uses it too); reads at most `HEAD_BYTES` and never parses.
+Standard library only, and light to import (the scanner starts with it); reads at most a header.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+import os
+import struct
+
+from modelkit.parse import gguf, hdf5
+from modelkit.parse.onnx import looks_like_model
+from modelkit.parse.pickle import looks_like_pickle
+
+TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 HEAD_BYTES = 4096
+COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x5d\x00\x00", "lzma"),
+              (b"\x78\x01", "zlib"), (b"\x78\x5e", "zlib"), (b"\x78\x9c", "zlib"), (b"\x78\xda", "zlib"))
+
+
+def sniff(buf, start: int, end: int) -> str | None:
+    """The format name for content at buf[start:end], from its first bytes; None if not recognised.
+
+    Generous on purpose (the scanner must look at anything a loader might accept): a safetensors
+    length that does not fit the file still names safetensors, so the scanner reports it.
+    """
+    head = bytes(buf[start:start + 512])
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return "zip"
+    if looks_like_pickle(head):
+        return "pickle"
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if head.startswith(gguf.MAGIC):
+        return "gguf"
+    if hdf5.is_signature(head):
+        return "hdf5"
+    if len(head) >= 9 and head[8:9] == b"{" and struct.unpack_from("<Q", head)[0] > 0:
+        return "safetensors"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    for magic, name in COMPRESSED:
+        if head.startswith(magic):
+            return name
+    if head[:1] == b"\x08" and looks_like_model(buf, start, end):
+        return "onnx"
+    return None
 
 # (prefix, description), most specific first.
 _MAGIC: tuple[tuple[bytes, str], ...] = (
@@ -28,8 +68,9 @@ _MAGIC: tuple[tuple[bytes, str], ...] = (
 )
 
 
-def read_head(path: Path, size: int = HEAD_BYTES) -> bytes:
-    with path.open("rb") as f:
+def read_head(path: str | os.PathLike[str], size: int = HEAD_BYTES) -> bytes:
+    """The first `size` bytes of a file."""
+    with open(path, "rb") as f:
         return f.read(size)
 
 

@@ -15,15 +15,15 @@ from collections.abc import Callable
 
 from modelkit.errors import ParseError
 from modelkit.parse import zipdir
-from modelkit.parse.onnx import looks_like_model
 from modelkit.parse.paths import member_problem
+from modelkit.parse.pickle import looks_like_pickle
+from modelkit.parse.sniff import COMPRESSED, sniff
 from modelkit.scan.model import Finding, Severity
 from modelkit.scan.pickle import (
     Limits,
     PickleResult,
     Sink,
     StreamResult,
-    looks_like_pickle,
     probe_pickle,
     walk,
     walk_stream,
@@ -79,41 +79,6 @@ class Context:
 
 # ---------------------------------------------------------------------------------------------
 # Dispatch.
-
-def _is_safetensors(head: bytes, size: int) -> bool:
-    """An 8-byte length, then '{': a length that does not fit the file is reported, not a reason to look away."""
-    return len(head) >= 9 and head[8:9] == b"{" and struct.unpack_from("<Q", head)[0] > 0
-
-
-def sniff(buf, start: int, end: int) -> str | None:
-    """The format name for content at buf[start:end], from its first bytes; None if not recognised."""
-    head = bytes(buf[start:start + 512])
-    size = end - start
-    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        return "zip"
-    if looks_like_pickle(head):
-        return "pickle"
-    if head.startswith(b"\x93NUMPY"):
-        return "npy"
-    if head.startswith(b"GGUF"):
-        return "gguf"
-    if head.startswith(b"\x89HDF\r\n\x1a\n"):
-        return "hdf5"
-    if _is_safetensors(head, size):
-        return "safetensors"
-    if len(head) >= 262 and head[257:262] == b"ustar":
-        return "tar"
-    for magic, name in _COMPRESSED:
-        if head.startswith(magic):
-            return name
-    if head[:1] == b"\x08" and looks_like_model(buf, start, end):
-        return "onnx"
-    return None
-
-
-_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x5d\x00\x00", "lzma"),
-               (b"\x78\x01", "zlib"), (b"\x78\x5e", "zlib"), (b"\x78\x9c", "zlib"), (b"\x78\xda", "zlib"))
-
 
 def scan_buffer(buf, start: int, end: int, ctx: Context, label: str, *, hint: str = "") -> str:
     """Analyse buf[start:end] (a file or a member) as whatever its content is; returns the format name."""
@@ -546,7 +511,7 @@ _HANDLERS: dict[str, Callable[..., None]] = {
     "zip": _scan_zip, "pickle": lambda *args: "pth" if _scan_pickle(*args).legacy_torch else "pickle", "npy": _scan_npy, "tar": _scan_tar,
     "safetensors": _lazy("headers", "scan_safetensors"), "gguf": _lazy("headers", "scan_gguf"),
     "hdf5": _lazy("keras", "scan_hdf5"), "onnx": _lazy("onnx", "scan_onnx"),
-    **{codec: _scan_compressed(codec) for _, codec in _COMPRESSED},
+    **{codec: _scan_compressed(codec) for _, codec in COMPRESSED},
 }
 
 
