@@ -29,21 +29,24 @@ from __future__ import annotations
 
 import json
 import logging
-import pickletools
+import mmap
 import re
 import sys
+import time
 import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint
-from modelkit.errors import FormatError, UnsupportedConversionError
+from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.parse import pickle as pickle_walk
+from modelkit.parse import zipdir
 from modelkit.parse.sniff import torch_zip_roots
 from modelkit.storage import quantized_layout
 from modelkit.storage import zip_records as _zip_records
@@ -83,9 +86,8 @@ def detect(path: Path) -> bool:
             return True
         if not head.startswith(b"PK\x03\x04"):
             return False
-        with zipfile.ZipFile(path) as zf:            # reads the central directory only
-            return _archive_prefix(zf.namelist()) is not None
-    except _ZIP_ERRORS:
+        return _archive_prefix(zipdir.member_names(path)) is not None   # the central directory only
+    except (OSError, ParseError):
         return False
 
 
@@ -190,7 +192,7 @@ class _PickleFacts:
 
     globals: list[str] = field(default_factory=list)          # "module.name", in order of appearance
     persistent_ids: list[Any] = field(default_factory=list)
-    module_like: bool = False                                 # names '_modules' and '_parameters'
+    module_like: bool = False                                 # BUILD set '_modules' and '_parameters'
 
     @property
     def classes(self) -> list[str]:
@@ -198,96 +200,28 @@ class _PickleFacts:
         return [g for g in self.globals if g.rpartition(".")[0] not in _DATA_MODULES]
 
 
-_MARK, _UNKNOWN = object(), object()
+class _Walk(pickle_walk.Machine):
+    """modelkit.parse.pickle's symbolic walk (the scanner's too); a computed global counts as a class."""
+
+    computed = False
+
+    def unresolved_global(self, module: Any, name: Any, how: str) -> None:
+        self.computed = True
 
 
-def _walk_pickle(stream: Any, facts: _PickleFacts) -> None:
-    """Follow one pickle's opcodes on a symbolic stack; nothing is unpickled or called.
+def _walk_pickle(buf: Any, start: int, end: int, facts: _PickleFacts) -> int:
+    """Follow one pickle's opcodes from `start`; nothing is unpickled or called. Returns where it ends.
 
-    Raises ValueError (or IndexError) on a malformed stream. The scanner (issue 4) walks pickles
-    the same way and more thoroughly; once it exists, its report should replace this walk.
+    Raises ParseError on a malformed stream.
     """
-    stack: list[Any] = []
-    memo: dict[Any, Any] = {}
-    seen: set[str] = set()
-    start = stream.tell()
-    for op, arg, pos in pickletools.genops(stream):
-        if pos - start > _PICKLE_LIMIT:
-            raise ValueError(f"the pickle is larger than {_PICKLE_LIMIT} bytes")
-        name = op.name
-        if name == "MARK":
-            stack.append(_MARK)
-        elif name in ("GLOBAL", "INST"):
-            module, _, attr = str(arg).partition(" ")
-            facts.globals.append(f"{module}.{attr}")
-            if name == "INST":
-                _pop_mark(stack)
-            stack.append(_UNKNOWN if name == "INST" else ("global", module, attr))
-        elif name == "STACK_GLOBAL":
-            attr, module = stack.pop(), stack.pop()
-            ok = isinstance(module, str) and isinstance(attr, str)
-            facts.globals.append(f"{module}.{attr}" if ok else "<computed>.<computed>")
-            stack.append(("global", module, attr) if ok else _UNKNOWN)
-        elif name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_TUPLE"):
-            count = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "EMPTY_TUPLE": 0}.get(name)
-            items = _pop_mark(stack) if count is None else [stack.pop() for _ in range(count)][::-1]
-            stack.append(tuple(items))
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
-            stack.append(memo.get(arg, _UNKNOWN))
-        elif name in ("BINPERSID", "PERSID"):
-            facts.persistent_ids.append(stack.pop() if name == "BINPERSID" else arg)
-            stack.append(_UNKNOWN)
-        elif name == "NONE":
-            stack.append(None)
-        elif not op.stack_before and len(op.stack_after) == 1 and arg is not None:
-            stack.append(arg)                       # a literal: int, str, bytes, float
-            if arg in ("_modules", "_parameters"):
-                seen.add(arg)
-        else:                                       # everything else: pop its inputs, push unknowns
-            before = op.stack_before
-            if pickletools.markobject in before:
-                _pop_mark(stack)
-                below = before.index(pickletools.markobject)
-            else:
-                below = len(before)
-            if below > len(stack):
-                raise ValueError(f"{name} at byte {pos} needs more items than the stack holds")
-            del stack[len(stack) - below:]
-            stack.extend([_UNKNOWN] * len(op.stack_after))
-    facts.module_like = facts.module_like or len(seen) == 2
-
-
-def _pop_mark(stack: list[Any]) -> list[Any]:
-    for i in range(len(stack) - 1, -1, -1):
-        if stack[i] is _MARK:
-            items = stack[i + 1:]
-            del stack[i:]
-            return items
-    raise ValueError("no MARK on the stack")
-
-
-class _Capped:
-    """A stream that never reads past `size` bytes: genops trusts a pickle's length fields, which
-    would otherwise ask for gigabytes from a corrupt file."""
-
-    def __init__(self, stream: IO[bytes], size: int) -> None:
-        self._stream = stream
-        self._end = stream.tell() + size
-
-    def _left(self, n: int | None) -> int:
-        left = max(self._end - self._stream.tell(), 0)
-        return left if n is None or n < 0 else min(n, left)
-
-    def read(self, n: int | None = -1) -> bytes:
-        return self._stream.read(self._left(n))
-
-    def readline(self, n: int | None = -1) -> bytes:
-        return self._stream.readline(self._left(n))
-
-    def tell(self) -> int:
-        return self._stream.tell()
+    walk = _Walk(buf, start, end, pickle_walk.Bounds(), time.monotonic() + 60)
+    result = walk.run()
+    facts.globals += [f"{module}.{name}" for module, name in result.globals]
+    if walk.computed:
+        facts.globals.append("<computed>.<computed>")
+    facts.persistent_ids += result.persistent_ids
+    facts.module_like = facts.module_like or {"_modules", "_parameters"} <= result.build_keys
+    return result.end
 
 
 def _storage_itemsize(storage_class: str) -> int:
@@ -312,17 +246,20 @@ def _pickle_facts(path: Path, is_zip: bool) -> _PickleFacts:
                 info = zf.getinfo(f"{prefix}/data.pkl")
                 if info.file_size > _PICKLE_LIMIT:
                     raise FormatError(path, f"data.pkl is {info.file_size} bytes; refusing more than {_PICKLE_LIMIT}")
-                with zf.open(info) as stream:
-                    _walk_pickle(_Capped(stream, info.file_size), facts)
+                data = zf.read(info)
+            _walk_pickle(data, 0, len(data), facts)
             return facts
-        with path.open("rb") as f:
-            stream = _Capped(f, path.stat().st_size)
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            end = min(len(buf), _PICKLE_LIMIT)
+            pos = 0
             for _ in range(3):                      # magic number, protocol version, sys info
-                _walk_pickle(stream, _PickleFacts())
-            _walk_pickle(stream, facts)             # the object itself
+                pos = _walk_pickle(buf, pos, end, _PickleFacts())
+            _walk_pickle(buf, pos, end, facts)      # the object itself
+    except ParseError as e:
+        raise FormatError(path, f"the pickle is malformed ({e})") from e
     except FormatError:
         raise
-    except (*_ZIP_ERRORS, TypeError) as e:          # genops: ValueError; short or odd streams: the rest
+    except _ZIP_ERRORS as e:
         raise FormatError(path, f"the pickle is malformed ({e})") from e
     _check_legacy_sizes(path, facts)
     return facts
@@ -332,12 +269,12 @@ def _check_legacy_sizes(path: Path, facts: _PickleFacts) -> None:
     """Legacy torch.load allocates each storage at its claimed size before reading it: check first."""
     claimed: dict[Any, int] = {}
     for pid in facts.persistent_ids:
-        # ('storage', ('global', 'torch', 'FloatStorage'), key, location, numel, view_metadata)
-        ok = (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], tuple)
-              and len(pid[1]) == 3 and isinstance(pid[4], int) and pid[4] >= 0 and isinstance(pid[2], str))
+        # ('storage', torch.FloatStorage, key, location, numel, view_metadata)
+        ok = (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], pickle_walk.Global)
+              and isinstance(pid[4], int) and pid[4] >= 0 and isinstance(pid[2], str))
         if not ok:
             raise FormatError(path, "a storage reference in the legacy pickle is not ('storage', type, key, location, size)")
-        claimed[pid[2]] = pid[4] * _storage_itemsize(str(pid[1][2]))
+        claimed[pid[2]] = pid[4] * _storage_itemsize(pid[1].name)
     size = path.stat().st_size
     if sum(claimed.values()) > size:
         raise FormatError(path, f"the pickle claims {sum(claimed.values())} bytes of tensor data but the file "

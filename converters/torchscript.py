@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint, LazyTensor
-from modelkit.errors import FormatError, UnsupportedConversionError
+from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.parse import zipdir
 from modelkit.parse.sniff import torch_zip_roots
 from modelkit.storage.dtypes import LEGACY_STORAGE_DTYPES
 
@@ -69,9 +70,8 @@ def detect(path: Path) -> bool:
         with path.open("rb") as f:
             if f.read(4) != b"PK\x03\x04":
                 return False
-        with zipfile.ZipFile(path) as zf:            # reads the central directory only
-            return _archive_prefix(zf.namelist()) is not None
-    except _ZIP_ERRORS:
+        return _archive_prefix(zipdir.member_names(path)) is not None   # the central directory only
+    except (OSError, ParseError):
         return False
 
 

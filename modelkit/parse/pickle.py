@@ -80,6 +80,17 @@ class PickleLimit(ParseError):
         self.rule = rule
 
 
+class Bounds:
+    """Limits for a walk outside the scanner (the scanner passes its own `Limits`): opcodes, memo
+    slots, MARK depth, and seconds."""
+
+    __slots__ = ("max_opcodes", "max_memo", "max_depth", "seconds")
+
+    def __init__(self, *, max_opcodes: int = 20_000_000, max_memo: int = 2_000_000, max_depth: int = 10_000,
+                 seconds: float = 60.0) -> None:
+        self.max_opcodes, self.max_memo, self.max_depth, self.seconds = max_opcodes, max_memo, max_depth, seconds
+
+
 class _Mark:
     __slots__ = ()
 
@@ -623,7 +634,7 @@ _PUSH_CONST = {
 }
 
 
-def walk(buf, start: int, end: int, limits: Any, *, deadline: float | None = None) -> PickleResult:
+def walk(buf, start: int, end: int, limits: Any = Bounds(), *, deadline: float | None = None) -> PickleResult:
     """Walk one pickle from `start` with no judge (see Machine.run for what it raises)."""
     if deadline is None:
         deadline = time.monotonic() + limits.seconds

@@ -11,6 +11,7 @@ Layouts: APPNOTE.TXT sections 4.3.12 (central directory header), 4.3.14-4.3.16 (
 """
 from __future__ import annotations
 
+import os
 import struct
 
 from modelkit.errors import ParseError
@@ -168,3 +169,18 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int
             return fields[0], fields[1], fields[2]
         pos += 4 + size
     return usize, csize, offset
+
+
+def member_names(path) -> list[str]:
+    """The member names of the zip archive at `path` (str or os.PathLike), read from its directory only.
+
+    Raises:
+        ZipDirectoryError: not a readable zip archive (OSError for a file that cannot be opened).
+    """
+    import mmap  # here: only converters' detect needs it
+
+    with open(path, "rb") as f:
+        if not os.fstat(f.fileno()).st_size:
+            raise ZipDirectoryError("empty file: not a zip archive")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return [entry.filename for entry in read_directory(buf)]
