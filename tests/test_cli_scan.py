@@ -11,20 +11,13 @@ import pytest
 from click.testing import CliRunner
 
 from modelkit.cli import EXIT_ERROR, EXIT_OK, EXIT_UNSAFE, main
-
-
-class _Reduce:
-    def __init__(self, func, *args):
-        self.func, self.args = func, args
-
-    def __reduce__(self):
-        return self.func, self.args
+from modelkit.testing.payloads import Reduce
 
 
 @pytest.fixture
 def files(tmp_path):
     (tmp_path / "clean.pkl").write_bytes(pickle.dumps({"w": [1.0]}, protocol=2))
-    (tmp_path / "evil.pkl").write_bytes(pickle.dumps(_Reduce(os.system, "true"), protocol=2))
+    (tmp_path / "evil.pkl").write_bytes(pickle.dumps(Reduce(os.system, "true"), protocol=2))
     (tmp_path / "module.pt").write_bytes(b"\x80\x02ctorch.nn.modules.linear\nLinear\n)\x81}b.")
     return tmp_path
 
@@ -88,7 +81,7 @@ def test_sarif_structure(files, tmp_path):
 def test_recursive(files):
     sub = files / "sub"
     sub.mkdir()
-    (sub / "deep.pkl").write_bytes(pickle.dumps(_Reduce(os.system, "true"), protocol=2))
+    (sub / "deep.pkl").write_bytes(pickle.dumps(Reduce(os.system, "true"), protocol=2))
     flat = json.loads(_run(files, "--json").stdout)
     deep = json.loads(_run(files, "--recursive", "--json").stdout)
     assert deep["scanned"] == flat["scanned"] + 1

@@ -5,15 +5,12 @@ import struct
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import modelkit
 from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor
 from modelkit.errors import (
     ConfigError,
     FormatError,
-    ModelkitError,
     OutputExistsError,
     UnknownFormatError,
     UnsupportedConversionError,
@@ -167,17 +164,6 @@ def test_malformed_safetensors_is_a_format_error(tmp_path, blob):
     path.write_bytes(blob)
     with pytest.raises(FormatError):
         modelkit.load(path, format="safetensors").materialize()
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.binary(max_size=300), prefix=st.sampled_from([b"", struct.pack("<Q", 40), b"PK\x03\x04", b"GGUF"]))
-def test_fuzzed_input_raises_only_modelkit_errors(tmp_path, data, prefix):
-    path = tmp_path / "fuzz.safetensors"
-    path.write_bytes(prefix + data)
-    try:
-        modelkit.load(path).materialize()
-    except ModelkitError:
-        pass
 
 
 def test_detect_does_not_trust_the_suffix(tmp_path, small_model):

@@ -8,15 +8,13 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import modelkit
 from modelkit.checkpoint import ARCH_KEY, Checkpoint, QuantizedTensor
-from modelkit.errors import ConfigError, FormatError, ModelkitError, UnsupportedConversionError
-from modelkit.formats import ReadOptions, WriteOptions, detect_format, load_format
+from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError
+from modelkit.formats import WriteOptions, detect_format, load_format
 from modelkit.models import build, load_model_module
 from modelkit.storage.atomic import atomic_path
 
@@ -424,48 +422,3 @@ def test_detect_reads_headers_only(tmp_path, claimed, expected):
         f.write(head + _varint(length + claimed) + b"\x0a\x00")   # the graph opens with an empty node
         f.truncate(size)
     assert onnx_format.detect(path) is expected
-
-
-@pytest.fixture(scope="module")
-def sample_bytes(tmp_path_factory):
-    """A small modelkit-written file (tinylm: transposed and shared initializers) to mutate."""
-    path = tmp_path_factory.mktemp("fuzz") / "sample.onnx"
-    config = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "num_key_value_heads": 1, "max_position_embeddings": 16, "vocab_size": 32}
-    modelkit.save(Checkpoint.from_module(build("tinylm", config, seed=0)), path)
-    return path.read_bytes()
-
-
-def _read_everything(path) -> None:
-    onnx_format.detect(path)
-    try:
-        onnx_format.read(path, ReadOptions()).materialize()
-    except ModelkitError:
-        pass
-
-
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cut=st.integers(min_value=0, max_value=10**7))
-def test_fuzz_truncated_files_raise_only_modelkit_errors(tmp_path, sample_bytes, cut):
-    path = tmp_path / "cut.onnx"
-    path.write_bytes(sample_bytes[: cut % len(sample_bytes)])
-    _read_everything(path)
-
-
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(flips=st.lists(st.tuples(st.integers(min_value=0, max_value=10**7), st.integers(0, 7)), min_size=1, max_size=8))
-def test_fuzz_bit_flips_raise_only_modelkit_errors(tmp_path, sample_bytes, flips):
-    data = bytearray(sample_bytes)
-    for position, bit in flips:
-        data[position % len(data)] ^= 1 << bit
-    path = tmp_path / "flipped.onnx"
-    path.write_bytes(bytes(data))
-    _read_everything(path)
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.binary(max_size=200), prefix=st.sampled_from([b"", b"\x08\x0a", b"\x08\x0a\x3a", b"\x08\x0a\x3a\x10\x2a"]))
-def test_fuzz_random_bytes_raise_only_modelkit_errors(tmp_path, data, prefix):
-    path = tmp_path / "random.onnx"
-    path.write_bytes(prefix + data)
-    _read_everything(path)

@@ -18,11 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from modelkit.models import build, load_model_module
-from modelkit.scan import Limits, Severity, scan
+from modelkit.scan import Severity, scan
+from modelkit.testing.payloads import Reduce, safetensors_bytes, zip_bytes
 
 SMALL = {"mlp": {}, "cnn": {"channels": [4, 8], "hidden": 16},
          "tinylm": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -164,22 +163,6 @@ def test_joblib_dump_is_examined_through_its_inline_arrays(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Malicious containers.
 
-class _Reduce:
-    def __init__(self, func, *args):
-        self.func, self.args = func, args
-
-    def __reduce__(self):
-        return self.func, self.args
-
-
-def _zip(members: dict[str, bytes], **kwargs) -> bytes:
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", **kwargs) as z:
-        for name, data in members.items():
-            z.writestr(name, data)
-    return out.getvalue()
-
-
 def _scan_bytes(tmp_path: Path, data: bytes, name: str):
     path = tmp_path / name
     path.write_bytes(data)
@@ -191,13 +174,13 @@ def _rules(report, severity=Severity.DANGEROUS) -> set[str]:
 
 
 def test_zip_path_traversal(tmp_path):
-    data = _zip({"archive/data.pkl": pickle.dumps({}, protocol=2), "../../etc/cron.d/x": b"* * * * * id\n",
+    data = zip_bytes({"archive/data.pkl": pickle.dumps({}, protocol=2), "../../etc/cron.d/x": b"* * * * * id\n",
                  "/abs/path": b"x"})
     assert "zip.path_traversal" in _rules(_scan_bytes(tmp_path, data, "t.zip"))
 
 
 def test_zip_bomb_is_not_expanded(tmp_path):
-    data = _zip({"archive/data.pkl": pickle.dumps({}, protocol=2), "bomb.bin": b"\0" * (200 << 20)},
+    data = zip_bytes({"archive/data.pkl": pickle.dumps({}, protocol=2), "bomb.bin": b"\0" * (200 << 20)},
                 compression=zipfile.ZIP_DEFLATED)
     started = time.perf_counter()
     report = _scan_bytes(tmp_path, data, "bomb.pt")
@@ -205,8 +188,8 @@ def test_zip_bomb_is_not_expanded(tmp_path):
 
 
 def test_nested_archive_is_scanned(tmp_path):
-    inner = _zip({"archive/data.pkl": pickle.dumps(_Reduce(os.system, "true"), protocol=2)})
-    report = _scan_bytes(tmp_path, _zip({"inner.pt": inner}), "outer.zip")
+    inner = zip_bytes({"archive/data.pkl": pickle.dumps(Reduce(os.system, "true"), protocol=2)})
+    report = _scan_bytes(tmp_path, zip_bytes({"inner.pt": inner}), "outer.zip")
     assert {"pickle.global.denied"} <= _rules(report)
     assert "zip.nested_archive" in _rules(report, Severity.SUSPICIOUS)
 
@@ -214,7 +197,7 @@ def test_nested_archive_is_scanned(tmp_path):
 def test_tar_traversal_and_pickle_member(tmp_path):
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w") as tar:
-        for name, data in (("../escape.txt", b"x"), ("pickle", pickle.dumps(_Reduce(os.system, "true"), protocol=2))):
+        for name, data in (("../escape.txt", b"x"), ("pickle", pickle.dumps(Reduce(os.system, "true"), protocol=2))):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -254,11 +237,6 @@ def test_onnx_external_data_escape(tmp_path):
     assert "onnx.domain.custom" in _rules(scan(tmp_path / "custom.onnx"), Severity.SUSPICIOUS)
 
 
-def _safetensors(header: dict, data: bytes) -> bytes:
-    raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + data
-
-
 @pytest.mark.parametrize(("header", "data", "rule"), [
     ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "safetensors.header.tensor"),
     ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8, "safetensors.header.tensor"),
@@ -266,16 +244,16 @@ def _safetensors(header: dict, data: bytes) -> bytes:
       "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "safetensors.header.overlap"),
     ({"w": {"dtype": "EVIL", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "safetensors.header.tensor"),
 ], ids=["offsets-past-end", "dtype-x-shape", "overlap", "unknown-dtype"])
-def test_malformed_safetensors(tmp_path, header, data, rule):
-    assert rule in _rules(_scan_bytes(tmp_path, _safetensors(header, data), "m.safetensors"))
+def test_malformedsafetensors_bytes(tmp_path, header, data, rule):
+    assert rule in _rules(_scan_bytes(tmp_path, safetensors_bytes(header, data), "m.safetensors"))
 
 
 def test_safetensors_length_larger_than_file_and_appended_pickle(tmp_path):
     lying = struct.pack("<Q", 1 << 40) + b'{"a":1}'
     report = _scan_bytes(tmp_path, lying + b" " * 16, "huge.safetensors")
     assert report.errors or "safetensors.header.length" in _rules(report)
-    good = _safetensors({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
-    report = _scan_bytes(tmp_path, good + pickle.dumps(_Reduce(os.system, "true"), protocol=2), "poly.safetensors")
+    good = safetensors_bytes({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
+    report = _scan_bytes(tmp_path, good + pickle.dumps(Reduce(os.system, "true"), protocol=2), "poly.safetensors")
     assert {"polyglot.appended", "pickle.global.denied"} <= _rules(report)
 
 
@@ -311,9 +289,9 @@ def test_tokenizer_config_chat_template_injection(tmp_path):
     assert "gguf.chat_template.injection" in _rules(scan(tmp_path / "tokenizer_config.json"))
 
 
-def test_polyglot_pickle_that_is_also_a_zip(tmp_path):
-    zipped = _zip({"archive/data.pkl": pickle.dumps({}, protocol=2)})
-    report = _scan_bytes(tmp_path, pickle.dumps(_Reduce(os.system, "true"), protocol=2) + zipped, "poly.pt")
+def test_polyglot_pickle_that_is_also_azip_bytes(tmp_path):
+    zipped = zip_bytes({"archive/data.pkl": pickle.dumps({}, protocol=2)})
+    report = _scan_bytes(tmp_path, pickle.dumps(Reduce(os.system, "true"), protocol=2) + zipped, "poly.pt")
     assert {"polyglot.zip", "pickle.global.denied"} <= _rules(report)
 
 
@@ -340,39 +318,3 @@ def test_tensor_data_is_never_read(tmp_path, monkeypatch):
                         or original(buf, d, info, limit))
     _no_danger(scan(tmp_path / "big.pt"))
     assert not any("/data/" in name for name in read), read
-
-
-# ---------------------------------------------------------------------------------------------
-# Fuzzing: mutated pickles, zips and headers never raise past the API and never hang.
-
-_SEEDS = [pickle.dumps({"w": [1.0, 2.0], "n": None}, protocol=p) for p in (0, 2, 5)] + [
-    _zip({"archive/data.pkl": pickle.dumps({"a": 1}, protocol=2), "archive/byteorder": b"little"}),
-    _safetensors({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8),
-    b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + struct.pack("<Q", 4) + b"name" + struct.pack("<I", 8)
-    + struct.pack("<Q", 1) + b"x" + struct.pack("<Q", 1) + b"w" + struct.pack("<IQIQ", 1, 4, 0, 0) + b"\0" * 60,
-    b"\x93NUMPY\x01\x00v\x00{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }" + b" " * 50 + b"\n" + b"\0" * 16,
-]
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.sampled_from(_SEEDS), data=st.data())
-def test_fuzzed_inputs_never_raise_or_hang(tmp_path, seed, data):
-    mutated = bytearray(seed)
-    for _ in range(data.draw(st.integers(1, 6))):
-        action = data.draw(st.sampled_from(["flip", "insert", "delete", "truncate"]))
-        at = data.draw(st.integers(0, max(len(mutated) - 1, 0)))
-        if action == "flip" and mutated:
-            mutated[at] = data.draw(st.integers(0, 255))
-        elif action == "insert":
-            mutated[at:at] = data.draw(st.binary(min_size=1, max_size=16))
-        elif action == "delete" and mutated:
-            del mutated[at:at + data.draw(st.integers(1, 8))]
-        elif action == "truncate":
-            del mutated[at:]
-    path = tmp_path / "fuzz.bin"
-    path.write_bytes(bytes(mutated))
-    started = time.perf_counter()
-    report = scan(path, limits=Limits(seconds=5))
-    assert time.perf_counter() - started < 5
-    assert report.errors or report.files
-    assert not any("internal scanner error" in e.message for e in report.errors), report.errors

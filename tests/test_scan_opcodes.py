@@ -20,6 +20,7 @@ import pytest
 import modelkit
 from modelkit.errors import UnsafeFileError
 from modelkit.scan import Limits, Severity, gate, scan
+from modelkit.testing.payloads import Reduce, zip_bytes
 
 P = pickle   # opcode constants: P.GLOBAL, P.REDUCE, ...
 
@@ -41,20 +42,10 @@ def _dangerous(report, rule: str | None = None) -> None:
         assert rule in {f.rule for f in report.findings if f.severity == Severity.DANGEROUS}, report.findings
 
 
-class _Reduce:
-    """Dumps as `func(*args)`; dumping never calls func."""
-
-    def __init__(self, func, *args):
-        self.func, self.args = func, args
-
-    def __reduce__(self):
-        return self.func, self.args
-
-
 def test_reduce_os_system(tmp_path):
     """The classic: __reduce__ returning os.system (fickling, "Never a dill moment", 2021)."""
     for protocol in range(6):
-        report = _scan(tmp_path, pickle.dumps(_Reduce(os.system, "true"), protocol=protocol))
+        report = _scan(tmp_path, pickle.dumps(Reduce(os.system, "true"), protocol=protocol))
         _dangerous(report, "pickle.global.denied")
         assert any(f.name == "system" for f in report.findings)
 
@@ -174,7 +165,7 @@ def test_setstate_through_build(tmp_path):
 def test_malformed_stream_after_payload(tmp_path):
     """The unpickler runs REDUCE before it trips on a bad opcode; scanners that gave up said clean
     (picklescan GHSA-9gvj-pp9x-gcfr, PR #46)."""
-    good = pickle.dumps(_Reduce(os.system, "true"), protocol=2)[:-1]   # drop STOP
+    good = pickle.dumps(Reduce(os.system, "true"), protocol=2)[:-1]   # drop STOP
     report = _scan(tmp_path, good + b"\xff\xfe")
     _dangerous(report, "pickle.malformed")
     assert "pickle.global.denied" in {f.rule for f in report.findings}
@@ -183,14 +174,14 @@ def test_malformed_stream_after_payload(tmp_path):
 def test_data_after_stop(tmp_path):
     """A second pickle after STOP: pickle.load ignores it, a loader that reads on runs it."""
     first = pickle.dumps({"weights": [1.0, 2.0]}, protocol=2)
-    for second in (pickle.dumps(_Reduce(os.system, "true"), protocol=0), b"cos\nsystem\n(S'true'\ntR"):
+    for second in (pickle.dumps(Reduce(os.system, "true"), protocol=0), b"cos\nsystem\n(S'true'\ntR"):
         _dangerous(_scan(tmp_path, first + second), "pickle.global.denied")
 
 
 def test_multiple_pickles_payload_in_a_later_one(tmp_path):
     """Legacy torch.save writes several pickles back to back; the payload may sit in any (picklescan PR #29)."""
     parts = [pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2), pickle.dumps(1001, protocol=2),
-             pickle.dumps({"protocol_version": 1001}, protocol=2), pickle.dumps(_Reduce(os.system, "true"), protocol=2),
+             pickle.dumps({"protocol_version": 1001}, protocol=2), pickle.dumps(Reduce(os.system, "true"), protocol=2),
              pickle.dumps([], protocol=2)]
     _dangerous(_scan(tmp_path, b"".join(parts), name="legacy.bin"), "pickle.global.denied")
 
@@ -199,24 +190,16 @@ def test_pickle_inside_numpy_object_array(tmp_path):
     """An object-dtype .npy is a pickle after the header (numpy.load(allow_pickle=True) runs it)."""
     np = pytest.importorskip("numpy")
     buffer = io.BytesIO()
-    np.save(buffer, np.array([_Reduce(os.system, "true")], dtype=object), allow_pickle=True)
+    np.save(buffer, np.array([Reduce(os.system, "true")], dtype=object), allow_pickle=True)
     report = _scan(tmp_path, buffer.getvalue(), name="array.npy")
     _dangerous(report, "pickle.global.denied")
 
 
-def _torch_like_zip(members: dict[str, bytes]) -> bytes:
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as z:
-        for name, data in members.items():
-            z.writestr(name, data)
-    return out.getvalue()
-
-
 def test_pickle_member_not_named_data_pkl(tmp_path):
     """Scanners that only opened *.pkl / data.pkl missed pickles under other names (picklescan GHSA-769v-p64c-89pr)."""
-    evil = pickle.dumps(_Reduce(os.system, "true"), protocol=2)
-    data = _torch_like_zip({"model/data.pkl": pickle.dumps({}, protocol=2), "model/version": b"3\n",
-                            "model/payload.bin": evil, "model/extra": pickle.dumps(_Reduce(os.system, "id"), protocol=0)})
+    evil = pickle.dumps(Reduce(os.system, "true"), protocol=2)
+    data = zip_bytes({"model/data.pkl": pickle.dumps({}, protocol=2), "model/version": b"3\n",
+                            "model/payload.bin": evil, "model/extra": pickle.dumps(Reduce(os.system, "id"), protocol=0)})
     report = _scan(tmp_path, data, name="model.pt")
     _dangerous(report, "pickle.global.denied")
     paths = {f.path.split(":", 1)[1] for f in report.findings if f.rule == "pickle.global.denied"}
@@ -225,7 +208,7 @@ def test_pickle_member_not_named_data_pkl(tmp_path):
 
 def test_zip_encryption_flag_bit(tmp_path):
     """The encryption flag makes zipfile refuse a member that torch reads anyway (picklescan GHSA-w8jq-xcqf-f792)."""
-    data = bytearray(_torch_like_zip({"archive/data.pkl": pickle.dumps(_Reduce(os.system, "true"), protocol=2)}))
+    data = bytearray(zip_bytes({"archive/data.pkl": pickle.dumps(Reduce(os.system, "true"), protocol=2)}))
     for signature, flag_at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
         at = data.find(signature)
         data[at + flag_at] |= 0x01
@@ -238,7 +221,7 @@ def test_zip_duplicate_member_names(tmp_path):
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as z, pytest.warns(UserWarning):
         z.writestr("archive/data.pkl", pickle.dumps({}, protocol=2))
-        z.writestr("archive/data.pkl", pickle.dumps(_Reduce(os.system, "true"), protocol=2))
+        z.writestr("archive/data.pkl", pickle.dumps(Reduce(os.system, "true"), protocol=2))
     report = _scan(tmp_path, out.getvalue(), name="model.pt")
     _dangerous(report, "zip.duplicate_member")
     assert "pickle.global.denied" in {f.rule for f in report.findings}
@@ -338,7 +321,7 @@ def test_whole_module_pickle_needs_trust(tmp_path):
 
 def test_gate_refuses_dangerous_even_with_trust(tmp_path):
     path = tmp_path / "evil.pkl"
-    path.write_bytes(pickle.dumps(_Reduce(os.system, "true")))
+    path.write_bytes(pickle.dumps(Reduce(os.system, "true")))
     with pytest.raises(UnsafeFileError) as info:
         gate(path, trust=True)
     assert info.value.report.worst == Severity.DANGEROUS and "pickle.global.denied" in str(info.value)

@@ -10,7 +10,6 @@ import os
 import struct
 
 from modelkit.parse import gguf, hdf5
-from modelkit.parse.onnx import looks_like_model
 from modelkit.parse.pickle import looks_like_pickle
 
 TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
@@ -46,8 +45,10 @@ def sniff(buf, start: int, end: int) -> str | None:
     for magic, name in COMPRESSED:
         if head.startswith(magic):
             return name
-    if head[:1] == b"\x08" and looks_like_model(buf, start, end):
-        return "onnx"
+    if head[:1] == b"\x08":
+        from modelkit.parse.onnx import looks_like_model  # here: only files starting like a protobuf need it
+        if looks_like_model(buf, start, end):
+            return "onnx"
     return None
 
 # (prefix, description), most specific first.

@@ -1,0 +1,264 @@
+"""Fuzzing of everything that reads untrusted bytes: parsers, the scanner, the converters' readers.
+
+One module, three levels, the same mutations (truncations, bit flips, huge declared lengths and counts,
+inserted and deleted bytes, random bytes behind a format's magic):
+- every modelkit.parse function raises only ParseError (booleans answer, never raise);
+- the scanner never raises and never hangs; a file it cannot read is an error in its report;
+- every format's `detect` never raises and `read` raises only ModelkitError, one line, naming the file.
+Plus the held corpus of hostile files (modelkit.testing.payloads), built here and only ever scanned
+or parsed, never loaded by anything that would run them.
+"""
+from __future__ import annotations
+
+import pickle
+import struct
+import time
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import modelkit
+from modelkit.checkpoint import Checkpoint
+from modelkit.errors import FormatError, ModelkitError, ParseError
+from modelkit.formats import FORMATS, load_format
+from modelkit.models import build
+from modelkit.parse import gguf, hdf5, onnx, paths, safetensors, sniff, zipdir
+from modelkit.parse import pickle as pickle_parse
+from modelkit.parse.protobuf import fields, int64s, text
+from modelkit.scan import Limits, Severity, scan
+from modelkit.testing import payloads
+
+_SETTINGS = settings(max_examples=60, deadline=None,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+_HUGE = [2**64 - 1, 2**63, 2**60, 2**40, 10**12, 2**32 - 1, 2**31, 77, 9, 0]
+
+
+@st.composite
+def mutated(draw, seeds: list[bytes]) -> bytes:
+    """A seed after a few mutations: truncation, bit flips, huge u32/u64 values, inserted/deleted bytes."""
+    data = bytearray(draw(st.sampled_from(seeds)))
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["truncate", "flip", "u64", "u32", "insert", "delete"]))
+        at = draw(st.integers(0, max(len(data) - 1, 0)))
+        if kind == "truncate":
+            del data[at:]
+        elif kind == "flip" and data:
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif kind in ("u64", "u32") and len(data) >= 8:
+            packed = struct.pack("<Q" if kind == "u64" else "<I", draw(st.sampled_from(_HUGE)) % (2**64 if kind == "u64" else 2**32))
+            at = min(at, len(data) - len(packed))
+            data[at:at + len(packed)] = packed
+        elif kind == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=16))
+        elif kind == "delete" and data:
+            del data[at:at + draw(st.integers(1, 8))]
+    return bytes(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeds: small valid inputs for each parser, built from the payload builders.
+
+def _gguf_seed() -> bytes:
+    kv = (payloads.gguf_string("general.architecture") + struct.pack("<I", 8) + payloads.gguf_string("llama")
+          + payloads.gguf_string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2)
+          + payloads.gguf_string("a") + payloads.gguf_string("b")
+          + payloads.gguf_string("general.alignment") + struct.pack("<II", 4, 32))
+    tensors = payloads.gguf_tensor_info("w", [4], 0, 0) + payloads.gguf_tensor_info("q", [32], 2, 32)
+    head = payloads.gguf_bytes(n_kv=3, n_tensors=2, kv=kv, tensors=tensors)
+    return head + bytes(-len(head) % 32) + bytes(32 + 18)
+
+
+_PICKLES = [pickle.dumps({"w": [1.0, 2.0], "n": None, "s": "x" * 5000}, protocol=p) for p in (0, 1, 2, 5)]
+_ZIP = payloads.torch_zip(pickle.dumps({"a": 1}, protocol=2), extra={"archive/data/0": b"\0" * 16})
+_SAFETENSORS = payloads.safetensors_bytes({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                                           "__metadata__": {"k": "v"}}, b"\0" * 8)
+_ONNX = payloads.onnx_external_model("w.bin")
+_NPY = b"\x93NUMPY\x01\x00v\x00{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }" + b" " * 50 + b"\n" + bytes(16)
+_CORPUS = payloads.hostile_corpus()
+_HDF5 = hdf5.SIGNATURE + bytes([0, 0, 0, 0, 0, 8, 8, 0]) + bytes(80)     # superblock v0, 8-byte offsets
+SEEDS = [*_PICKLES, _ZIP, _SAFETENSORS, _ONNX, _gguf_seed(), _NPY, _HDF5,
+         payloads.torchscript_zip("def f(x):\n  return x\n")]
+
+
+def _walk_fields(data: bytes) -> None:
+    for _, wire, value in fields(data, 0, len(data)):
+        if wire == 2:
+            text(data, value, strict=False)
+            int64s(data, wire, value)
+
+
+def _zip_members(data: bytes) -> None:
+    for entry in zipdir.read_directory(data):
+        try:
+            zipdir.member_data(data, entry)
+        except ParseError:
+            pass
+
+
+def _safetensors_header(data: bytes) -> None:
+    header = safetensors.read_header(data)
+    for info in header.entries.values():
+        safetensors.tensor_problem(info, len(data) - header.data_start)
+
+
+def _pickle_stream(data: bytes) -> None:
+    pos = 0
+    while pos < len(data):
+        pos = pickle_parse.walk(data, pos, len(data), pickle_parse.Bounds(seconds=5)).end
+
+
+# parser -> (call on bytes, seeds); each may raise ParseError only
+PARSERS = {
+    "protobuf.fields": (_walk_fields, [_ONNX, *SEEDS]),
+    "gguf.read_header": (lambda b: gguf.read_header(b, versions=(1, 2, 3)), [_gguf_seed(), _CORPUS["tensor.gguf"]]),
+    "safetensors.read_header": (_safetensors_header, [_SAFETENSORS, _CORPUS["duplicate.safetensors"]]),
+    "safetensors.read_index": (safetensors.read_index, [b'{"weight_map": {"a": "m-1.safetensors"}}']),
+    "zipdir": (_zip_members, [_ZIP, payloads.torchscript_zip("x = 1\n"), payloads.keras_zip(b"{}")]),
+    "pickle.walk": (_pickle_stream, _PICKLES + [payloads.system_pickle(protocol=p) for p in (0, 2, 4)]),
+}
+# predicates: answer True or False for anything
+PREDICATES = {
+    "sniff.sniff": lambda b: sniff.sniff(b, 0, len(b)) in (None, *{"zip", "pickle", "npy", "gguf", "hdf5",
+                                                                   "safetensors", "tar", "onnx", "gzip", "bzip2",
+                                                                   "xz", "lzma", "zlib"}),
+    "sniff.describe": lambda b: isinstance(sniff.describe(b), str),
+    "onnx.looks_like_model": lambda b: onnx.looks_like_model(b, 0, len(b)) in (True, False),
+    "onnx.is_model": lambda b: onnx.is_model(b) in (True, False),
+    "gguf.plausible": lambda b: gguf.plausible(b) in (True, False),
+    "safetensors.plausible": lambda b: safetensors.plausible(b, len(b)) in (True, False),
+    "hdf5.plausible_superblock": lambda b: hdf5.plausible_superblock(b) in (True, False),
+    "zipdir.has_directory": lambda b: zipdir.has_directory(b) in (True, False),
+    "pickle.looks_like_pickle": lambda b: pickle_parse.looks_like_pickle(b) in (True, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+@_SETTINGS
+@given(data=st.data())
+def test_parsers_raise_only_parse_errors(name, data):
+    parse, seeds = PARSERS[name]
+    blob = data.draw(mutated(seeds) | st.binary(max_size=300))
+    started = time.monotonic()
+    try:
+        parse(blob)
+    except ParseError as e:
+        assert str(e) and "\n" not in str(e)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("name", sorted(PREDICATES))
+@_SETTINGS
+@given(data=st.data())
+def test_predicates_never_raise(name, data):
+    blob = data.draw(mutated(SEEDS) | st.binary(max_size=300))
+    assert PREDICATES[name](blob)
+
+
+@_SETTINGS
+@given(name=st.text(max_size=40))
+def test_path_rules_never_raise(tmp_path, name):
+    assert paths.member_problem(name) is None or isinstance(paths.member_problem(name), str)
+    problem = paths.location_problem(name, str(tmp_path))
+    assert problem is None or isinstance(problem, str)
+    try:
+        paths.resolve_location(str(tmp_path), name, what="initializer 'w'")
+    except ParseError as e:
+        assert "initializer 'w'" in str(e)
+
+
+@pytest.mark.parametrize("name", sorted(_CORPUS))
+def test_corpus_through_every_parser(name):
+    blob = _CORPUS[name]
+    for parse, _ in PARSERS.values():
+        try:
+            parse(blob)
+        except ParseError:
+            pass
+    assert all(predicate(blob) for predicate in PREDICATES.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The scanner: never raises, never hangs, never calls a hostile file clean.
+
+@pytest.mark.parametrize("name", sorted(_CORPUS))
+def test_scanner_flags_the_corpus(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(_CORPUS[name])
+    started = time.monotonic()
+    report = scan(path, limits=Limits(seconds=10))
+    assert time.monotonic() - started < 10
+    assert not any("internal scanner error" in e.message for e in report.errors), report.errors
+    # every corpus file is hostile or malformed: never a clean report
+    assert report.errors or report.worst >= Severity.SUSPICIOUS, (name, report.findings)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blob=mutated(SEEDS + list(_CORPUS.values())))
+def test_scanner_never_raises_or_hangs(tmp_path, blob):
+    path = tmp_path / "fuzz.bin"
+    path.write_bytes(blob)
+    started = time.perf_counter()
+    report = scan(path, limits=Limits(seconds=5))
+    assert time.perf_counter() - started < 5
+    assert report.errors or report.files
+    assert not any("internal scanner error" in e.message for e in report.errors), report.errors
+
+
+# ---------------------------------------------------------------------------------------------
+# The converters: detect never raises; read raises only one-line ModelkitErrors naming the file.
+
+def _plain_h5(path):
+    with h5py.File(path, "w") as f:
+        f.create_group("vars").attrs["name"] = "sequential"
+        f["layers/dense/vars/0"] = np.arange(6, dtype=np.float32).reshape(2, 3)
+        f["layers/dense_1/vars/0"] = np.arange(6, dtype=">f8").reshape(3, 2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory) -> dict[str, bytes]:
+    """One small valid file per format (and the variants whose readers differ), to mutate."""
+    folder = tmp_path_factory.mktemp("fuzz-samples")
+    mlp = Checkpoint.from_module(build("mlp", {"hidden": [3]}, seed=0), metadata={"note": "x"})
+    tiny = build("tinylm", {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                            "num_key_value_heads": 1, "max_position_embeddings": 16, "vocab_size": 32}, seed=0)
+    out = {}
+    for fmt in sorted(FORMATS):
+        out[fmt] = modelkit.save(mlp, folder / f"m{FORMATS[fmt].suffixes[0]}", format=fmt).read_bytes()
+    out["gguf-llama"] = modelkit.save(Checkpoint.from_module(tiny), folder / "l.gguf").read_bytes()
+    out["onnx-tinylm"] = modelkit.save(Checkpoint.from_module(tiny), folder / "l.onnx").read_bytes()
+    legacy = folder / "legacy.pt"
+    torch.save(build("mlp", {"hidden": [3]}, seed=0).state_dict(), legacy, _use_new_zipfile_serialization=False)
+    out["pth-legacy"] = legacy.read_bytes()
+    out["hdf5-plain"] = _plain_h5(folder / "plain.h5").read_bytes()
+    return out
+
+
+_VARIANTS = sorted([*FORMATS, "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain"])
+_PREFIXES = {"safetensors": struct.pack("<Q", 40), "gguf": b"GGUF\x03\x00\x00\x00", "onnx": b"\x08\x0a\x3a",
+             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE}
+
+
+@pytest.mark.parametrize("variant", _VARIANTS)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_readers_raise_only_modelkit_errors(tmp_path, samples, variant, data):
+    fmt = variant.split("-")[0]
+    seed = samples[variant]
+    blob = data.draw(mutated([seed]) | st.binary(max_size=200).map(lambda b: _PREFIXES[fmt] + b))
+    path = tmp_path / f"fuzz{FORMATS[fmt].suffixes[0]}"
+    path.write_bytes(blob)
+    module = load_format(fmt)
+    module.detect(path)                                                # never raises
+    started = time.monotonic()
+    try:
+        modelkit.load(path, format=fmt).materialize()
+    except ModelkitError as e:
+        assert "\n" not in str(e)
+        if isinstance(e, FormatError):
+            assert str(path) in str(e)                                 # every message names the file
+    assert time.monotonic() - started < 20
