@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from modelkit.errors import FormatError, ModelkitError, ParseError
-from modelkit.parse import gguf, hdf5, onnx, paths, safetensors, sniff, zipdir
+from modelkit.parse import gguf, hdf5, npy, onnx, paths, safetensors, sniff, zipdir
 from modelkit.parse import pickle as pk
 from modelkit.parse.protobuf import fields, int64s, string_pairs, text, varint
 from modelkit.testing import payloads
@@ -230,6 +230,35 @@ def test_safetensors_index():
         safetensors.read_index(b'{"weight_map": {"w": 3}}')
     with pytest.raises(ParseError, match=r"^not a safetensors index \(needs a JSON object with weight_map: 'weight_map'\)$"):
         safetensors.read_index(b"{}")
+
+
+# ---------------------------------------------------------------------------------------------
+# npy
+
+
+def test_npy_header():
+    text = b"{'descr': '<f8', 'fortran_order': False, 'shape': (2, 3), }"
+    data = npy.MAGIC + b"\x01\x00" + struct.pack("<H", len(text)) + text + bytes(48)
+    header = npy.read_header(data)
+    assert (header.descr, header.shape, header.numel, header.itemsize, header.has_object) == ("<f8", (2, 3), 6, 8, False)
+    assert header.data_start == 10 + len(text)
+    assert npy.has_object([("a", "<f4"), ("b", "|O")]) and npy.itemsize("<U5") == 20 and npy.itemsize([("a", "<f4")]) is None
+
+
+@pytest.mark.parametrize(("data", "message", "offset"), [
+    (npy.MAGIC + b"\x01", "truncated .npy header", 0),
+    (npy.MAGIC + b"\x02\x00\x05\x00", "truncated .npy header", 0),
+    (npy.MAGIC + b"\x09\x00" + bytes(8), "unknown .npy version 9", 6),
+    (npy.MAGIC + b"\x01\x00" + struct.pack("<H", 0xFFFF) + b"{", "header length 65535 does not fit the file", 8),
+    (npy.MAGIC + b"\x02\x00" + struct.pack("<I", 2**31) + b"{", f"header length {2**31} does not fit the file", 8),
+    (npy.MAGIC + b"\x01\x00" + struct.pack("<H", 2) + b"{}", "header is not a valid dict literal ('descr')", 10),
+    (npy.MAGIC + b"\x01\x00" + struct.pack("<H", 32) + b"{'descr': '<f4', 'shape': (-1,)}",
+     "header is not a valid dict literal (bad dimension -1)", 10),
+])
+def test_npy_header_bounds(data, message, offset):
+    with pytest.raises(ParseError) as info:
+        npy.read_header(data)
+    assert info.value.reason == message and info.value.offset == offset
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Callable
 
 from modelkit.errors import ParseError
-from modelkit.parse import zipdir
+from modelkit.parse import npy, zipdir
 from modelkit.parse.paths import member_problem
 from modelkit.parse.pickle import looks_like_pickle
 from modelkit.parse.sniff import COMPRESSED, sniff
@@ -28,10 +28,6 @@ from modelkit.scan.pickle import (
     walk,
     walk_stream,
 )
-
-TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
-if TYPE_CHECKING:
-    from typing import Any
 
 MAX_NESTING = 3                      # archives inside archives
 MAX_MEMBERS = 200_000
@@ -138,70 +134,27 @@ def _scan_pickle(buf, start: int, end: int, ctx: Context, label: str, *, note: b
 # ---------------------------------------------------------------------------------------------
 # npy: a header, then raw data, or a pickle when the dtype holds Python objects.
 
-def _itemsize(descr: Any) -> int | None:
-    if not isinstance(descr, str):
-        return None
-    match = re.fullmatch(r"[<>|=]?([a-zA-Z?])(\d*)(\[\w+\])?", descr)
-    if not match:
-        return None
-    kind, digits = match.group(1), match.group(2)
-    if kind in "?b" and not digits:
-        return 1
-    n = int(digits or 0)
-    return 4 * n if kind == "U" else n or None
-
-
-def _has_object(descr: Any) -> bool:
-    if isinstance(descr, str):
-        return descr.lstrip("<>|=").startswith("O")
-    if isinstance(descr, (list, tuple)):
-        return any(_has_object(part) for part in descr)
-    return False
-
-
 def _scan_npy(buf, start: int, end: int, ctx: Context, label: str) -> None:
     sink = ctx.sink(label, start)
-    if end - start < 10:
-        sink.add(Severity.DANGEROUS, "npy.header.malformed", "truncated .npy header", offset=start)
-        return
-    major = buf[start + 6]
-    if major == 1:
-        hlen, hstart = struct.unpack_from("<H", buf, start + 8)[0], start + 10
-    elif major in (2, 3):
-        hlen, hstart = struct.unpack_from("<I", buf, start + 8)[0], start + 12
-    else:
-        sink.add(Severity.DANGEROUS, "npy.header.malformed", f"unknown .npy version {major}", offset=start)
-        return
-    if hlen > 1 << 20 or hstart + hlen > end:
-        sink.add(Severity.DANGEROUS, "npy.header.malformed", f"header length {hlen} does not fit the file", offset=start)
-        return
-    import ast
     try:
-        header = ast.literal_eval(bytes(buf[hstart:hstart + hlen]).decode("latin-1"))
-        descr, shape = header["descr"], tuple(header["shape"])
-        numel = 1
-        for dim in shape:
-            if not isinstance(dim, int) or dim < 0:
-                raise ValueError(f"bad dimension {dim!r}")
-            numel *= dim
-    except (ValueError, SyntaxError, TypeError, KeyError, MemoryError, RecursionError) as e:
-        sink.add(Severity.DANGEROUS, "npy.header.malformed", f"header is not a valid dict literal ({e})", offset=start)
+        header = npy.read_header(buf, start, end)
+    except ParseError as e:
+        sink.add(Severity.DANGEROUS, "npy.header.malformed", e.reason, offset=start)
         return
-    data = hstart + hlen
-    if _has_object(descr):
+    data, shape = header.data_start, header.shape
+    if header.has_object:
         sink.add(Severity.SUSPICIOUS, "npy.object_dtype",
                  "object dtype: the data is a pickle, loaded only with allow_pickle=True", offset=data)
         _scan_pickle(buf, data, end, ctx, label)
         ctx.examined.append(f"{label}: .npy header (object dtype, shape {shape})")
         return
-    ctx.examined.append(f"{label}: .npy header ({descr}, shape {shape})")
-    size = _itemsize(descr)
-    if size is None:
+    ctx.examined.append(f"{label}: .npy header ({header.descr}, shape {shape})")
+    if header.itemsize is None:
         return
-    expected = data + numel * size
+    expected = data + header.numel * header.itemsize
     if expected > end:
         sink.add(Severity.DANGEROUS, "npy.header.size_mismatch",
-                 f"header claims {numel * size} data bytes, the file has {end - data}", offset=start)
+                 f"header claims {header.numel * header.itemsize} data bytes, the file has {end - data}", offset=start)
     elif expected < end:
         trailing(buf, expected, end, ctx, label)
 
