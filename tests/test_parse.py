@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from modelkit.errors import FormatError, ModelkitError, ParseError
-from modelkit.parse import gguf, hdf5, npy, onnx, paths, safetensors, sniff, zipdir
+from modelkit.parse import gguf, hdf5, keras, npy, onnx, paths, safetensors, sniff, zipdir
 from modelkit.parse import pickle as pk
 from modelkit.parse.protobuf import fields, int64s, string_pairs, text, varint
 from modelkit.testing import payloads
@@ -259,6 +259,23 @@ def test_npy_header_bounds(data, message, offset):
     with pytest.raises(ParseError) as info:
         npy.read_header(data)
     assert info.value.reason == message and info.value.offset == offset
+
+
+# ---------------------------------------------------------------------------------------------
+# keras
+
+
+def test_keras_json_and_configs_in_hdf5_bytes(monkeypatch):
+    config = b'{"class_name": "Sequential", "config": {"layers": []}}'
+    assert keras.load_json(config) == {"class_name": "Sequential", "config": {"layers": []}}
+    with pytest.raises(ParseError, match=r"^not valid JSON \(Expecting value: line 1 column 1 \(char 0\)\)$"):
+        keras.load_json(b"nope")
+    blob = b"\x89HDF junk" + b'{"class_name": broken' + b"\x00pad" + config + b"\x00" + b'{"module": "keras"}\x00'
+    assert [(at, doc.get("class_name", doc.get("module"))) for at, doc in keras.configs_in(blob)] == [
+        (blob.index(config), "Sequential"), (blob.rindex(b'{"module"'), "keras")]
+    monkeypatch.setattr(keras, "MAX_JSON", 4)
+    with pytest.raises(ParseError, match="^JSON larger than 4 bytes was not read$"):
+        keras.load_json(config)
 
 
 # ---------------------------------------------------------------------------------------------

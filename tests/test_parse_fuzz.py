@@ -26,7 +26,7 @@ from modelkit.checkpoint import Checkpoint
 from modelkit.errors import FormatError, ModelkitError, ParseError
 from modelkit.formats import FORMATS, load_format
 from modelkit.models import build
-from modelkit.parse import gguf, hdf5, npy, onnx, paths, safetensors, sniff, zipdir
+from modelkit.parse import gguf, hdf5, keras, npy, onnx, paths, safetensors, sniff, zipdir
 from modelkit.parse import pickle as pickle_parse
 from modelkit.parse.protobuf import fields, int64s, text
 from modelkit.scan import Limits, Severity, scan
@@ -118,6 +118,8 @@ PARSERS = {
     "safetensors.read_header": (_safetensors_header, [_SAFETENSORS, _CORPUS["duplicate.safetensors"]]),
     "safetensors.read_index": (safetensors.read_index, [b'{"weight_map": {"a": "m-1.safetensors"}}']),
     "zipdir": (_zip_members, [_ZIP, payloads.torchscript_zip("x = 1\n"), payloads.keras_zip(b"{}")]),
+    "keras.load_json": (keras.load_json, [payloads.keras_lambda_config(), b'{"chat_template": "x"}']),
+    "keras.configs_in": (lambda b: list(keras.configs_in(b)), [b"\x00" + payloads.keras_lambda_config() + b"\x00"]),
     "npy.read_header": (npy.read_header, [_NPY, _CORPUS["npy-header.npy"]]),
     "pickle.walk": (_pickle_stream, _PICKLES + [payloads.system_pickle(protocol=p) for p in (0, 2, 4)]),
 }

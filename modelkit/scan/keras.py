@@ -3,28 +3,25 @@
 Keras stores a model's architecture as JSON: the `model_config` attribute of a legacy .h5 file,
 `config.json` in a .keras zip. A `Lambda` layer carries Python bytecode that runs on load (Keras 3
 refuses it unless safe_mode=False; Keras 2 runs it), and `module`/`class_name` pairs name classes
-and functions to import. The scanner imports only the standard library, so it does not use h5py:
-HDF5 stores a string attribute's bytes contiguously, so the JSON is found by searching the file
-for where a Keras config starts (`{"class_name"` / `{"module"`), bounded by the NUL that ends the
-attribute, and parsed with json; the raw bytes are also searched for a Lambda class name, so a
-config that cannot be parsed still cannot hide one.
+and functions to import. The configs are found and decoded by modelkit.parse.keras (no h5py); the
+raw bytes are also searched here for a Lambda class name, so a config that cannot be parsed still
+cannot hide one.
 """
 from __future__ import annotations
 
-import json
-from typing import TYPE_CHECKING, Any
-
+from modelkit.errors import ParseError
+from modelkit.parse import keras as keras_json
 from modelkit.scan import headers
 from modelkit.scan.model import Severity
 from modelkit.scan.policy import classify
 
+TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
+    from typing import Any
+
     from modelkit.scan.containers import Context
 
-MAX_JSON = 64 << 20
 MAX_NODES = 1_000_000
-MAX_CANDIDATES = 10_000
-_STARTS = (b'{"class_name"', b'{"module"')
 _LAMBDA_MARKERS = (b'"class_name": "Lambda"', b'"class_name":"Lambda"', b'"class_name": "__lambda__"',
                    b'"class_name":"__lambda__"')
 _SAFE_MODULES = ("keras", "tf_keras", "tensorflow.keras", "tensorflow.python.keras")
@@ -84,14 +81,14 @@ def analyse_config(config: Any, ctx: Context, label: str) -> int:
 def scan_json(buf, start: int, end: int, ctx: Context, label: str, *, keras_archive: bool = False) -> None:
     """A JSON file: Keras configs, and chat templates in tokenizer configs."""
     sink = ctx.sink(label)
-    if end - start > MAX_JSON:
-        sink.add(Severity.SUSPICIOUS, "scan.limit.json", f"JSON larger than {MAX_JSON} bytes was not examined")
+    if end - start > keras_json.MAX_JSON:
+        sink.add(Severity.SUSPICIOUS, "scan.limit.json", f"JSON larger than {keras_json.MAX_JSON} bytes was not examined")
         return
     try:
-        doc = json.loads(bytes(buf[start:end]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        doc = keras_json.load_json(buf, start, end)
+    except ParseError as e:
         severity = Severity.DANGEROUS if keras_archive else Severity.SUSPICIOUS
-        sink.add(severity, "json.malformed", f"not valid JSON ({e})")
+        sink.add(severity, "json.malformed", e.reason)
         return
     what = []
     if isinstance(doc, dict) and ("class_name" in doc or keras_archive):
@@ -110,24 +107,10 @@ def scan_json(buf, start: int, end: int, ctx: Context, label: str, *, keras_arch
 def scan_hdf5(buf, start: int, end: int, ctx: Context, label: str) -> None:
     """An HDF5 file: look for a Keras model config; HDF5 itself holds no pickles."""
     sink = ctx.sink(label)
-    configs = objects = candidates = 0
-    pos = start
-    while candidates < MAX_CANDIDATES:
-        hits = [h for h in (buf.find(s, pos, end) for s in _STARTS) if h >= 0]
-        if not hits:
-            break
-        at = min(hits)
-        candidates += 1
-        stop = buf.find(b"\x00", at, min(end, at + MAX_JSON))
-        stop = stop if stop >= 0 else min(end, at + MAX_JSON)
-        try:
-            doc, used = json.JSONDecoder().raw_decode(bytes(buf[at:stop]).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            pos = at + 1
-            continue
+    configs = objects = 0
+    for _, doc in keras_json.configs_in(buf, start, end):
         configs += 1
         objects += analyse_config(doc, ctx, label)
-        pos = at + max(used, 1)
     for marker in _LAMBDA_MARKERS:   # a backstop for configs the JSON search could not parse
         at = buf.find(marker, start, end)
         if at >= 0:
