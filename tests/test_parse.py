@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from modelkit.errors import FormatError, ModelkitError, ParseError
-from modelkit.parse import gguf, hdf5, keras, npy, onnx, paths, safetensors, sniff, zipdir
+from modelkit.parse import gguf, hdf5, keras, npy, onnx, paths, pickle_opcodes, safetensors, sniff, zipdir
 from modelkit.parse import pickle as pk
 from modelkit.parse.protobuf import fields, int64s, string_pairs, text, varint
 from modelkit.testing import payloads
@@ -400,5 +400,5 @@ def test_pickle_limits():
 
 def test_pickle_opcode_table_matches_pickletools():
     # parse.pickle keeps a literal copy so that `modelkit scan` need not import pickletools; it must not drift.
-    assert pk._OPS == {ord(op.code): (op.name, op.arg.name if op.arg is not None else None) for op in pickletools.opcodes}
+    assert pickle_opcodes._OPS == {ord(op.code): (op.name, op.arg.name if op.arg is not None else None) for op in pickletools.opcodes}
     assert pk.looks_like_pickle(b"\x80\x05") and not pk.looks_like_pickle(b"\x80\x06") and not pk.looks_like_pickle(b"(")

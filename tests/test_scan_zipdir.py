@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import io
-import pickletools
 import zipfile
 
 import pytest
 
 from modelkit.parse import zipdir
-from modelkit.parse.pickle import _OPS
 
 
 def _archive(*, compression=zipfile.ZIP_STORED, comment=b"", force_zip64=False, names=("a/data.pkl", "a/data/0")):
@@ -67,8 +65,3 @@ def test_max_entries_stops_early():
 def test_not_an_archive(data):
     with pytest.raises(zipdir.ZipDirectoryError):
         zipdir.read_directory(data)
-
-
-def test_pickle_opcode_table_matches_pickletools():
-    # The scanner keeps a literal copy so that it need not import pickletools; it must not drift.
-    assert _OPS == {ord(op.code): (op.name, op.arg.name if op.arg is not None else None) for op in pickletools.opcodes}
