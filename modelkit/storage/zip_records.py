@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelkit.errors import FormatError
+from modelkit.errors import FormatError, ParseError
 from modelkit.parse import zipdir
 
 _DESCRIPTOR = b"PK\x07\x08"
@@ -44,15 +44,16 @@ def records(path: Path) -> dict[int, Record]:
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
             entries = zipdir.read_directory(buf)
-        except ValueError as e:
+        except ParseError as e:
             raise FormatError(path, f"the zip directory cannot be read ({e})") from e
         found: dict[int, Record] = {}
         for entry in entries:
-            at = entry.header_offset
-            if entry.compress_type != zipdir.STORED or at + 30 > len(buf) or buf[at:at + 4] != b"PK\x03\x04":
+            if entry.compress_type != zipdir.STORED:
                 continue                     # not a record whose bytes lie in the file as they are
-            name_len, extra_len = struct.unpack_from("<HH", buf, at + 26)
-            data = at + 30 + name_len + extra_len
+            try:
+                data = zipdir.member_data(buf, entry)    # its local header agrees with the directory
+            except ParseError:
+                continue
             end = data + entry.compress_size
             descriptor = end + 4 if entry.flag_bits & 0x8 and buf[end:end + 4] == _DESCRIPTOR else None
             found[data] = Record(entry.filename, data, entry.file_size, descriptor, entry.directory_offset + 16)
