@@ -33,7 +33,7 @@ import mmap
 import re
 import sys
 import time
-import zipfile
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -71,8 +71,6 @@ _DATA_MODULES = frozenset({
     "_codecs", "builtins", "collections", "torch", "torch._tensor", "torch._utils", "torch.cuda",
     "torch.cuda.sparse", "torch.nn.parameter", "torch.serialization", "torch.sparse", "torch.storage",
 })
-_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, IndexError,
-               NotImplementedError, RuntimeError)
 
 
 def detect(path: Path) -> bool:
@@ -238,15 +236,7 @@ def _pickle_facts(path: Path, is_zip: bool) -> _PickleFacts:
     facts = _PickleFacts()
     try:
         if is_zip:
-            with zipfile.ZipFile(path) as zf:
-                prefix = _archive_prefix(zf.namelist())
-                if prefix is None:
-                    raise FormatError(path, "a zip archive without data.pkl, or a TorchScript archive "
-                                            "(read those with --from torchscript)")
-                info = zf.getinfo(f"{prefix}/data.pkl")
-                if info.file_size > _PICKLE_LIMIT:
-                    raise FormatError(path, f"data.pkl is {info.file_size} bytes; refusing more than {_PICKLE_LIMIT}")
-                data = zf.read(info)
+            data = _data_pkl(path)
             _walk_pickle(data, 0, len(data), facts)
             return facts
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -259,10 +249,39 @@ def _pickle_facts(path: Path, is_zip: bool) -> _PickleFacts:
         raise FormatError(path, f"the pickle is malformed ({e})") from e
     except FormatError:
         raise
-    except _ZIP_ERRORS as e:
+    except (OSError, ValueError) as e:
         raise FormatError(path, f"the pickle is malformed ({e})") from e
     _check_legacy_sizes(path, facts)
     return facts
+
+
+def _data_pkl(path: Path) -> bytes:
+    """The bytes of `<archive>/data.pkl`, found through the zip directory as the scanner finds it."""
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            entries = zipdir.read_directory(buf)
+        except ParseError as e:
+            raise FormatError(path, f"the zip archive is malformed ({e})") from e
+        prefix = _archive_prefix([e.filename for e in entries])
+        if prefix is None:
+            raise FormatError(path, "a zip archive without data.pkl, or a TorchScript archive "
+                                    "(read those with --from torchscript)")
+        entry = [e for e in entries if e.filename == f"{prefix}/data.pkl"][-1]   # zipfile's pick among duplicates
+        if entry.file_size > _PICKLE_LIMIT:
+            raise FormatError(path, f"data.pkl is {entry.file_size} bytes; refusing more than {_PICKLE_LIMIT}")
+        try:
+            start = zipdir.member_data(buf, entry)
+        except ParseError as e:
+            raise FormatError(path, f"the zip archive is malformed ({e})") from e
+        raw = bytes(buf[start:start + entry.compress_size])
+    if entry.compress_type == zipdir.STORED:
+        return raw
+    if entry.compress_type == zipdir.DEFLATED:
+        try:
+            return zlib.decompressobj(-15).decompress(raw, _PICKLE_LIMIT)
+        except zlib.error as e:
+            raise FormatError(path, f"data.pkl has corrupt deflate data ({e})") from e
+    raise FormatError(path, f"data.pkl uses zip compression method {entry.compress_type}, which torch does not write")
 
 
 def _check_legacy_sizes(path: Path, facts: _PickleFacts) -> None:
