@@ -28,7 +28,6 @@ import json
 import logging
 import pickle
 import warnings
-import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,8 +52,6 @@ _PICKLE_LIMIT = 256 << 20                      # data.pkl of real models is a fe
 _EXTRA_LIMIT = 16 << 20
 _MAX_DEPTH = 100                               # module nesting; deeper means a malformed tree
 _MAX_VISITS = 1_000_000                        # module paths walked (shared submodules count once per path)
-_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, IndexError,
-               NotImplementedError, RuntimeError)
 # torch.jit.script/trace/save/load each warn "`torch.jit.X` is deprecated" in torch 2.13; the user
 # asked for this format and docs/formats/torchscript.md records the deprecation, so modelkit does
 # not repeat it on every call. Other warnings (Python 3.14 "may break") pass through.
@@ -190,16 +187,15 @@ class _WeightsUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its me
 
 
 class _Archive:
-    """The zip handle shared by a file's tensors; members are read on demand."""
+    """The archive's directory (modelkit.parse.zipdir, as the scanner reads it); members are read on demand."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.zip = zipfile.ZipFile(path)
-            names = self.zip.namelist()
-        except _ZIP_ERRORS as e:
+            self.zip = zipdir.Archive(path)
+        except (OSError, ParseError) as e:
             raise FormatError(path, f"not a readable zip archive ({e})") from e
-        prefix = _archive_prefix(names)
+        prefix = _archive_prefix(list(self.zip.entries))
         if prefix is None:
             raise FormatError(path, "not a TorchScript archive (needs data.pkl, constants.pkl and code/ in one folder)")
         self.prefix = prefix
@@ -207,39 +203,28 @@ class _Archive:
     def read(self, member: str, limit: int | None = None) -> bytes:
         name = f"{self.prefix}/{member}"
         try:
-            info = self.zip.getinfo(name)
-            if limit is not None and info.file_size > limit:
-                raise FormatError(self.path, f"{member} is {info.file_size} bytes; refusing more than {limit}")
-            return self.zip.read(info)                # checks the CRC
-        except _ZIP_ERRORS as e:
+            return self.zip.read(name, limit)                # checks the size and the CRC
+        except KeyError as e:
+            raise FormatError(self.path, f"cannot read {member} (no such member)") from e
+        except (OSError, ParseError) as e:
             raise FormatError(self.path, f"cannot read {member} ({e})") from e
 
     def has(self, member: str) -> bool:
-        try:
-            self.zip.getinfo(f"{self.prefix}/{member}")
-        except KeyError:
-            return False
-        return True
+        return f"{self.prefix}/{member}" in self.zip.entries
 
     def record_size(self, key: str) -> int | None:
-        try:
-            info = self.zip.getinfo(f"{self.prefix}/data/{key}")
-        except KeyError:
+        entry = self.zip.entries.get(f"{self.prefix}/data/{key}")
+        if entry is None:
             return None
-        if info.compress_type != zipfile.ZIP_STORED:
+        if entry.compress_type != zipdir.STORED:
             raise FormatError(self.path, f"tensor data data/{key} is compressed; torch.jit.save never does that")
-        return info.file_size
+        return entry.file_size
 
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     """The archive's weights and modelkit's metadata, without running its code (no trust needed)."""
     _gate(path, running_code=False, trust=options.trust)
-    archive = _Archive(path)
-    try:
-        return _read(archive)
-    except BaseException:
-        archive.zip.close()                         # on success the tensors keep it open for their reads
-        raise
+    return _read(_Archive(path))
 
 
 def _read(archive: _Archive) -> Checkpoint:

@@ -339,6 +339,26 @@ def test_zip_member_data_bounds():
         zipdir.member_data(renamed, entry, end=33)
 
 
+def test_zip_archive_reads_members_checked(tmp_path):
+    import zipfile
+    path = tmp_path / "a.zip"
+    path.write_bytes(payloads.zip_bytes({"s": b"stored", "d": b"deflated" * 100}))
+    path.with_name("d.zip").write_bytes(payloads.zip_bytes({"d": b"deflated" * 100}, compression=zipfile.ZIP_DEFLATED))
+    assert zipdir.Archive(path).read("s") == b"stored"
+    assert zipdir.Archive(path.with_name("d.zip")).read("d") == b"deflated" * 100
+    with pytest.raises(zipdir.ZipDirectoryError, match="^s is 6 bytes; refusing more than 5$"):
+        zipdir.Archive(path).read("s", limit=5)
+    with pytest.raises(KeyError):
+        zipdir.Archive(path).read("missing")
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b"stored", b"STORED", 1))         # the bytes change, the CRC does not
+    with pytest.raises(zipdir.ZipDirectoryError, match="^s does not match its size or CRC-32 in the directory$"):
+        zipdir.Archive(path).read("s")
+    path.with_name("b.zip").write_bytes(payloads.zip_bytes({"b": b"x" * 50}, compression=zipfile.ZIP_BZIP2))
+    with pytest.raises(zipdir.ZipDirectoryError, match="^b uses compression method 12; only stored and deflated"):
+        zipdir.Archive(path.with_name("b.zip")).read("b")
+
+
 def test_zip_directory_errors():
     with pytest.raises(zipdir.ZipDirectoryError, match="^no end-of-central-directory record: not a zip archive, or truncated$"):
         zipdir.read_directory(b"not a zip" * 10)

@@ -36,10 +36,10 @@ class ZipEntry:
     """One central directory entry, with zipfile.ZipInfo's attribute names for what the scanner uses."""
 
     __slots__ = ("filename", "flag_bits", "compress_type", "compress_size", "file_size", "header_offset",
-                 "external_attr", "raw_name", "directory_offset")
+                 "external_attr", "raw_name", "directory_offset", "CRC")
 
     def __init__(self, raw_name: bytes, flag_bits: int, compress_type: int, compress_size: int, file_size: int,
-                 header_offset: int, external_attr: int, directory_offset: int = -1) -> None:
+                 header_offset: int, external_attr: int, directory_offset: int = -1, crc: int = 0) -> None:
         self.raw_name = raw_name                       # the name's bytes, as the local header must repeat them
         self.filename = raw_name.decode("utf-8" if flag_bits & 0x800 else "cp437")
         self.flag_bits = flag_bits
@@ -49,6 +49,7 @@ class ZipEntry:
         self.header_offset = header_offset
         self.external_attr = external_attr
         self.directory_offset = directory_offset       # where this entry's central directory header is
+        self.CRC = crc                                 # CRC-32 of the uncompressed data (zipfile's name)
 
     def __repr__(self) -> str:
         return f"ZipEntry({self.filename!r}, method={self.compress_type}, size={self.file_size})"
@@ -108,8 +109,8 @@ def read_directory(buf, end: int | None = None, *, max_entries: int = 1 << 20) -
             break
         if pos + _CENTRAL_SIZE > stop or buf[pos:pos + 4] != _CENTRAL:
             raise ZipDirectoryError("no central directory entry where the directory says", offset=pos)
-        (flags, method, csize, usize, name_len, extra_len, comment_len, attr,
-         offset) = struct.unpack_from("<8xHH8xIIHHH4xII", buf, pos)
+        (flags, method, crc, csize, usize, name_len, extra_len, comment_len, attr,
+         offset) = struct.unpack_from("<8xHH4xIIIHHH4xII", buf, pos)
         names_end = pos + _CENTRAL_SIZE + name_len
         if names_end + extra_len + comment_len > stop:
             raise ZipDirectoryError("a central directory entry runs past the directory", offset=pos)
@@ -117,7 +118,7 @@ def read_directory(buf, end: int | None = None, *, max_entries: int = 1 << 20) -
         usize, csize, offset = _zip64_sizes(extra, usize, csize, offset)
         try:
             entries.append(ZipEntry(bytes(buf[pos + _CENTRAL_SIZE:names_end]), flags, method, csize, usize,
-                                    offset + shift, attr, pos))
+                                    offset + shift, attr, pos, crc))
         except UnicodeDecodeError as e:
             raise ZipDirectoryError(f"a member name flagged UTF-8 is not ({e.reason})", offset=pos) from None
         pos = names_end + extra_len + comment_len
@@ -184,3 +185,57 @@ def member_names(path) -> list[str]:
             raise ZipDirectoryError("empty file: not a zip archive")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return [entry.filename for entry in read_directory(buf)]
+
+
+class Archive:
+    """A zip archive's members by name, read through its central directory (of duplicate names, the last,
+    as zipfile picks). Members are read on demand, decompressed with a bound and checked against their
+    CRC-32; only stored and deflated members are read (what torch and Keras write).
+
+    Args:
+        path: The archive (str or os.PathLike).
+
+    Raises:
+        ZipDirectoryError: the directory cannot be read (OSError: the file cannot be opened).
+    """
+
+    def __init__(self, path) -> None:
+        import mmap  # here: the scanner maps files itself and never builds an Archive
+
+        self.path = path
+        with open(path, "rb") as f:
+            if not os.fstat(f.fileno()).st_size:
+                raise ZipDirectoryError("empty file: not a zip archive")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                self.entries = {entry.filename: entry for entry in read_directory(buf)}
+
+    def read(self, name: str, limit: int | None = None) -> bytes:
+        """The member's bytes.
+
+        Raises:
+            KeyError: no such member.
+            ZipDirectoryError: larger than `limit`, a local header that disagrees, an unsupported
+                compression method, corrupt data, or a CRC-32 or size that does not match.
+        """
+        import mmap
+        import zlib
+
+        entry = self.entries[name]
+        if limit is not None and entry.file_size > limit:
+            raise ZipDirectoryError(f"{name} is {entry.file_size} bytes; refusing more than {limit}")
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            start = member_data(buf, entry)
+            raw = bytes(buf[start:start + entry.compress_size])
+        if entry.compress_type == STORED:
+            data = raw
+        elif entry.compress_type == DEFLATED:
+            try:
+                data = zlib.decompressobj(-15).decompress(raw, entry.file_size + 1)
+            except zlib.error as e:
+                raise ZipDirectoryError(f"{name} has corrupt deflate data ({e})") from None
+        else:
+            raise ZipDirectoryError(f"{name} uses compression method {entry.compress_type}; only stored and deflated "
+                                    "members are read")
+        if len(data) != entry.file_size or zlib.crc32(data) != entry.CRC:
+            raise ZipDirectoryError(f"{name} does not match its size or CRC-32 in the directory")
+        return data
