@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import struct
 
-from modelkit.parse import gguf, hdf5
-from modelkit.parse.pickle import looks_like_pickle
+from modelkit.parse.pickle_opcodes import looks_like_pickle
 
 TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
@@ -34,9 +33,9 @@ def sniff(buf, start: int, end: int) -> str | None:
         return "pickle"
     if head.startswith(b"\x93NUMPY"):
         return "npy"
-    if head.startswith(gguf.MAGIC):
+    if head.startswith(b"GGUF"):                       # parse.gguf.MAGIC (not imported: start-up time)
         return "gguf"
-    if hdf5.is_signature(head):
+    if head.startswith(b"\x89HDF\r\n\x1a\n"):          # parse.hdf5.SIGNATURE
         return "hdf5"
     if len(head) >= 9 and head[8:9] == b"{" and struct.unpack_from("<Q", head)[0] > 0:
         return "safetensors"

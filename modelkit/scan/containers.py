@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Callable
 
 from modelkit.errors import ParseError
-from modelkit.parse import npy, zipdir
+from modelkit.parse import zipdir
 from modelkit.parse.paths import member_problem
 from modelkit.parse.pickle import looks_like_pickle
 from modelkit.parse.sniff import COMPRESSED, sniff
@@ -135,6 +135,8 @@ def _scan_pickle(buf, start: int, end: int, ctx: Context, label: str, *, note: b
 # npy: a header, then raw data, or a pickle when the dtype holds Python objects.
 
 def _scan_npy(buf, start: int, end: int, ctx: Context, label: str) -> None:
+    from modelkit.parse import npy  # here: only .npy content needs it (start-up time)
+
     sink = ctx.sink(label, start)
     try:
         header = npy.read_header(buf, start, end)
