@@ -56,7 +56,7 @@ from modelkit.storage.mapped import FileSpan
 logger = logging.getLogger(__name__)
 
 # torch.save's legacy stream starts with the pickled magic number (torch/serialization.py MAGIC_NUMBER).
-_LEGACY_HEAD = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + b"."
+_LEGACY_HEAD = b"\x80\x02\x8a\x0a" + pickle_walk.LEGACY_MAGIC.to_bytes(10, "little") + b"."   # LONG1 magic, STOP
 _MODELKIT_KEY = "__modelkit__"          # entry of state_dict._metadata holding our metadata
 _LAYOUT = "modelkit.pth/1"
 SOURCE_KEY = "modelkit.pth.source"      # metadata: which entry or object the state_dict came from
