@@ -138,7 +138,7 @@ def test_gguf_header_reads_values_tensors_and_extents():
     head = _gguf(kv=kv, n_kv=3, tensors=tensors, n_tensors=2)
     data = head + bytes(-len(head) % 64) + bytes(64 + 18)
     header = gguf.read_header(data)
-    assert header.version == 3 and header.alignment == 64
+    assert header.version == 3 and header.alignment == 64 and header.kv_count == 3
     assert header.values == {"general.name": "tiny", "general.alignment": 64}      # arrays are checked, not kept
     assert [(t.name, t.dims, t.ggml_type, t.offset, t.nbytes) for t in header.tensors] == [
         ("w", (4, 2), 0, 0, 32), ("q", (32,), 2, 64, 18)]

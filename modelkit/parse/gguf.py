@@ -47,14 +47,15 @@ class TensorInfo:
 
 
 class Header:
-    """A checked GGUF header. `values` holds scalar and string metadata (arrays are checked, not kept);
-    `data_start` is where tensor data begins and `data_end` where the last tensor ends, in the buffer."""
+    """A checked GGUF header. `values` holds scalar and string metadata (arrays are checked, not kept;
+    `kv_count` counts every entry); `data_start` is where tensor data begins and `data_end` where the last
+    tensor ends, in the buffer."""
 
-    __slots__ = ("version", "values", "tensors", "alignment", "data_start", "data_end")
+    __slots__ = ("version", "kv_count", "values", "tensors", "alignment", "data_start", "data_end")
 
-    def __init__(self, version: int, values: dict, tensors: list[TensorInfo], alignment: int, data_start: int,
-                 data_end: int) -> None:
-        self.version, self.values, self.tensors = version, values, tensors
+    def __init__(self, version: int, kv_count: int, values: dict, tensors: list[TensorInfo], alignment: int,
+                 data_start: int, data_end: int) -> None:
+        self.version, self.kv_count, self.values, self.tensors = version, kv_count, values, tensors
         self.alignment, self.data_start, self.data_end = alignment, data_start, data_end
 
 
@@ -160,7 +161,7 @@ def read_header(buf, start: int = 0, end: int | None = None, *, versions: tuple[
     tensors = [_tensor_info(r) for _ in range(n_tensors)]
     data_start = start + -(-(r.pos - start) // alignment) * alignment
     data_end = _check_extents(r, tensors, data_start, alignment)
-    return Header(version, values, tensors, alignment, data_start, data_end)
+    return Header(version, n_kv, values, tensors, alignment, data_start, data_end)
 
 
 def _tensor_info(r: _Reader) -> TensorInfo:

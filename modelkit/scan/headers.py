@@ -93,7 +93,7 @@ def scan_gguf(buf, start: int, end: int, ctx: Context, label: str) -> None:
                  if key.startswith("tokenizer.chat_template") and isinstance(value, str)}
     for key, template in templates.items():
         _check_template(template, key, ctx, label)
-    ctx.examined.append(f"{label}: GGUF v{header.version} header, {len(header.values)} scalar keys, "
+    ctx.examined.append(f"{label}: GGUF v{header.version} header, {header.kv_count} keys, "
                         f"{len(header.tensors)} tensors" + (f", {len(templates)} chat template(s)" if templates else ""))
     if header.data_end + header.alignment <= end and header.tensors:
         ctx.trailing(buf, header.data_end, end, label, base=start)
