@@ -630,12 +630,6 @@ def _all_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
 
 # ---------------------------------------------------------------- writing
 
-# Axes each reference model leaves free beyond the batch axis (axis 0 of every input).
-_EXTRA_AXES: dict[str, Callable[[Any], dict[int, Any]]] = {
-    "tinylm": lambda model: {1: torch.export.Dim("sequence", max=model.config.max_position_embeddings)},
-}
-
-
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), *,
           external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> None:
     """Export the checkpoint's module to `path` and check it with onnx.checker (full_check).
@@ -710,7 +704,10 @@ def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET) -> Any:
     import torch.onnx
 
     arch = getattr(type(module), "arch", None)
-    extra = _EXTRA_AXES[arch](module) if arch in _EXTRA_AXES else {}
+    # Axes the model declares free beyond the batch axis (axis 0 of every input): tinylm's sequence.
+    declared = load_model_module(arch).onnx_axes(module.config) if arch in MODELS else {}
+    extra = {axis: torch.export.Dim(a.name, max=a.max) if a.max is not None else torch.export.Dim(a.name)
+             for axis, a in declared.items()}
     batch = torch.export.Dim("batch")
     dynamic = tuple({0: batch, **{a: d for a, d in extra.items() if a < x.dim()}}
                     if isinstance(x, torch.Tensor) and x.dim() else None for x in inputs)

@@ -25,15 +25,6 @@ PathLike = str | os.PathLike[str]
 PRUNE_KEY = "modelkit.prune"
 DISTILL_KEY = "modelkit.distill"
 
-# A student about a tenth to a quarter of the default teacher, for `--student NAME` alone.
-DEFAULT_STUDENTS: dict[str, dict[str, Any]] = {
-    "mlp": {"hidden": [8, 8]},
-    "cnn": {"channels": [8, 16], "hidden": 32},
-    "tinylm": {"hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2},
-}
-
-
 def _arch_name(model: nn.Module) -> str:
     name = getattr(type(model), "arch", None)
     if name is None:
@@ -147,7 +138,9 @@ def parse_student(spec: str, teacher_arch: str) -> tuple[str, dict[str, Any]]:
         raise ConfigError(f"student {name!r} must be the teacher's kind of model ({teacher_arch!r}): "
                           "they learn the same task from the same data")
     if not rest:
-        return name, dict(DEFAULT_STUDENTS[name])
+        from modelkit.models import load_model_module
+
+        return name, dict(load_model_module(name).STUDENT)
     if rest.lstrip().startswith("{"):
         try:
             values = json.loads(rest)
