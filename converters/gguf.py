@@ -320,8 +320,16 @@ def _restore_aliases(path: Path, tensors: dict[str, Any], metadata: dict[str, st
         tensors[alias] = tensors[target]
 
 
+def _llama_models() -> list[str]:
+    """Registered models that declare llama.cpp's llama conventions (GGUF = "llama"): tinylm, ..."""
+    from modelkit.models import MODELS, load_model_module
+
+    return [name for name in MODELS if load_model_module(name).GGUF == _LLAMA_ARCH]
+
+
 def _tinylm_spec(fields: dict[str, Any], tensors: dict[str, Any]) -> ArchSpec | None:
-    """The tinylm ArchSpec of a llama file from another tool, when tinylm can run it exactly; else None."""
+    """The ArchSpec of a llama file from another tool, naming the first registered llama model (tinylm)
+    that can run it exactly; else None."""
     from modelkit.models import config_from_dict, config_to_dict
 
     n_embd, n_head = fields.get(_KEYS.EMBEDDING_LENGTH), fields.get(_KEYS.HEAD_COUNT)
@@ -342,13 +350,14 @@ def _tinylm_spec(fields: dict[str, Any], tensors: dict[str, Any]) -> ArchSpec | 
         # stored as float32: 1e-5 reads back as 9.99999974e-06; 7 digits give the written value back
         "rms_norm_eps": float(f"{eps:.7g}") if isinstance(eps, float) else None,
     }
-    try:
-        config = config_from_dict("tinylm", values)
-    except (ConfigError, TypeError, ValueError):
-        return None
-    if set(tensors) != set(_llama_names(config.num_hidden_layers)):
-        return None
-    return ArchSpec("tinylm", config_to_dict(config))
+    for name in _llama_models():
+        try:
+            config = config_from_dict(name, values)
+        except (ConfigError, TypeError, ValueError):
+            continue
+        if set(tensors) == set(_llama_names(config.num_hidden_layers)):
+            return ArchSpec(name, config_to_dict(config))
+    return None
 
 
 def _dequantize(q: QuantizedTensor) -> torch.Tensor:
@@ -529,12 +538,14 @@ def _file_type(slots: list[_Slot]) -> LlamaFileType:
 
 
 def _llama_config(ckpt: Checkpoint) -> Any:
-    """tinylm's config when the checkpoint is a tinylm with exactly its Hugging Face names; else None."""
-    if ckpt.arch is None or ckpt.arch.name != "tinylm":
-        return None
-    from modelkit.models import config_from_dict
+    """The config of a model that declares GGUF = "llama" (tinylm), when the checkpoint has exactly its
+    Hugging Face names; else None."""
+    from modelkit.models import MODELS, config_from_dict, load_model_module
 
-    config = config_from_dict("tinylm", ckpt.arch.config)
+    if ckpt.arch is None or ckpt.arch.name not in MODELS or load_model_module(ckpt.arch.name).GGUF != _LLAMA_ARCH:
+        return None
+
+    config = config_from_dict(ckpt.arch.name, ckpt.arch.config)
     return config if set(ckpt.tensors) == set(_llama_names(config.num_hidden_layers)) else None
 
 
