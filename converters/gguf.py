@@ -57,7 +57,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, DEQUANTIZERS, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.metadata import json_object
+from modelkit.metadata import META_PREFIX, TENSORS_KEY, json_object
 from modelkit.storage.dtypes import dtype_name
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
@@ -96,8 +96,8 @@ class _KEYS:
     ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
     # modelkit's own
     ARCH = ARCH_KEY                      # "modelkit.arch": the ArchSpec as JSON
-    META_PREFIX = "modelkit.meta."       # + each Checkpoint metadata key; the value verbatim
-    TENSORS = "modelkit.tensors"         # JSON: stored name -> {"name", "dtype", "shape"} where they differ
+    META_PREFIX = META_PREFIX            # "modelkit.meta." + each Checkpoint metadata key; the value verbatim
+    TENSORS = TENSORS_KEY                # "modelkit.tensors": stored name -> {"name", "dtype", "shape"} where they differ
 
 
 _GENERIC_ARCH = "modelkit"

@@ -48,6 +48,7 @@ import torch
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ModelkitError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.metadata import KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
 from modelkit.models.plugin import KerasLayer, KerasWeight
 from modelkit.storage.dtypes import dtype_name
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
@@ -57,8 +58,8 @@ logger = logging.getLogger(__name__)
 SIGNATURE = b"\x89HDF\r\n\x1a\n"       # the superblock signature, at offset 0 in files h5py and Keras write
 GROUP = "modelkit"
 VERSION = 1
-LAYOUT_ATTR = "modelkit.keras_layout"
-NOTE_ATTR = "modelkit.keras_note"
+LAYOUT_ATTR = KERAS_LAYOUT_ATTR
+NOTE_ATTR = KERAS_NOTE_ATTR
 _LIBVER = ("v108", "latest")           # HDF5 1.8 format: attributes over 64 KiB (long metadata) fit
 _SMALL = 1 << 20                       # any dataset may declare this much, whatever the file size
 _MAX_EXPANSION = 1000                  # compressed data may expand this much (as Keras allows)

@@ -63,7 +63,7 @@ from modelkit import __version__
 from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, instantiate
 from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.metadata import json_object
+from modelkit.metadata import NAMES_KEY, VERSION_KEY, json_object
 from modelkit.models import MODELS, load_model_module
 from modelkit.storage import qdq, quantized_layout
 from modelkit.storage.dtypes import tensor_bytes
@@ -73,8 +73,6 @@ logger = logging.getLogger(__name__)
 OPSET = 20                          # torch.onnx's default; onnxruntime >= 1.17 runs it
 QDQ_OPSET = 21                      # quantized weights: DequantizeLinear's block_size and INT4/UINT4 arrived in 21
 QDQ_ACCURACY_LEVEL = "session.qdq_matmulnbits_accuracy_level"   # onnxruntime session config key
-NAMES_KEY = "modelkit.names"        # state_dict name -> {"initializer": name, "transpose": perm}
-VERSION_KEY = "modelkit.version"
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24   # weights above this go to external data (protobuf caps a file at 2 GiB)
 _INLINE_LIMIT = 1024                # with external data, tensors smaller than this stay in the file (onnx's default)
 _ALIGNMENT = 65536                  # external tensors over 1 MiB start at 64 KiB offsets, so runtimes can mmap them

@@ -19,11 +19,10 @@ from torch import nn
 
 from modelkit.checkpoint import Checkpoint
 from modelkit.errors import ConfigError, UnsupportedConversionError
+from modelkit.metadata import DISTILL_KEY, METRICS_KEY, PRUNE_KEY
 from modelkit.pipeline import distributed
 
 PathLike = str | os.PathLike[str]
-PRUNE_KEY = "modelkit.prune"
-DISTILL_KEY = "modelkit.distill"
 
 def _arch_name(model: nn.Module) -> str:
     name = getattr(type(model), "arch", None)
@@ -110,7 +109,7 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
     metric = before["split"] + " " + _headline(name)
     final = tuned or after
     metadata = {PRUNE_KEY: json.dumps({**prune.config_dict(config), "finetune_epochs": finetune_epochs}),
-                "modelkit.metrics": json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})}
+                METRICS_KEY: json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})}
     if not distributed.from_environment().is_main:
         return None                     # under torchrun only rank 0 writes and reports
     save(Checkpoint.from_module(pruned, metadata=metadata), dst, force=force)
