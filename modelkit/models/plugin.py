@@ -19,7 +19,20 @@ The names every model module defines (`PLUGIN_NAMES`; None where a model has no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+# A plugin's TASK and TRAINING are built from these (they import torch, so they load on first use:
+# `import modelkit.models` stays light). `from modelkit.models.plugin import ClassificationTask` works.
+_TASK_TYPES = ("ClassificationTask", "LanguageModelTask", "TrainDefaults")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TASK_TYPES:
+        from modelkit.models import _tasks
+
+        return getattr(_tasks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 PLUGIN_NAMES = ("CONFIG", "MODEL", "TASK", "TRAINING", "example_inputs", "keras_layers", "onnx_axes",
                 "prune_groups", "DISTILL", "STUDENT", "QUALITY", "GGUF")
