@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import ConfigError, FormatError, ModelkitError, UnsupportedConversionError
+from modelkit.errors import ConfigError, FormatError, ModelkitError, UnknownModelError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
 from modelkit.models.plugin import KerasLayer, KerasWeight
@@ -410,7 +410,7 @@ def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
                     f"the {GROUP} group keeps it losslessly")
         with torch.device("meta"):                  # shapes only: nothing is allocated
             model = build_from_spec(arch)
-    except ConfigError as e:
+    except (ConfigError, UnknownModelError) as e:
         return f"its ArchSpec does not build ({e})"
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     counts: dict[str, int] = {}
