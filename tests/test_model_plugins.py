@@ -158,6 +158,16 @@ def test_registering_a_name_twice_raises(blobs):
         register_model("mlp", "mk_blobs_plugin")
 
 
+def test_a_module_object_registers_and_a_mismatched_name_is_refused(blobs):
+    module = load_model_module("blobs")
+    with pytest.raises(ConfigError, match="MODEL.arch"):
+        register_model("other", module)
+    assert "other" not in MODELS
+    unregister_model("blobs")
+    register_model("blobs", module)
+    assert load_model_module("blobs") is module
+
+
 def test_files_name_only_registered_models(blobs):
     spec = ArchSpec("blobs", {"hidden": 8}).to_json()
     assert ArchSpec.from_json(spec).name == "blobs"

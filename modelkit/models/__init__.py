@@ -75,9 +75,15 @@ class _Registry(Mapping[str, ModelInfo]):
                 return
             from importlib.metadata import entry_points
 
-            found = entry_points(group=ENTRY_POINT_GROUP)
-            for ep in sorted(found, key=lambda e: e.name):
-                self._add(ModelInfo(ep.name, ep.value, f"from the {ep.dist.name if ep.dist else '?'} package"))
+            found = [ModelInfo(ep.name, ep.value, f"from the {ep.dist.name if ep.dist else '?'} package")
+                     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)]
+            before = dict(self._infos)
+            try:
+                for info in found:
+                    self._add(info)
+            except ConfigError:
+                self._infos = before            # all of them or none: the next lookup raises the same error
+                raise
             self._entry_points_read = True
 
     def _add(self, info: ModelInfo) -> None:
@@ -120,10 +126,11 @@ def register_model(name: str, module: str | ModuleType, *, summary: str = "") ->
     """
     MODELS._entry_points()
     path = module if isinstance(module, str) else module.__name__
+    checked = _checked(name, module) if isinstance(module, ModuleType) else None
     with MODELS._lock:
         MODELS._add(ModelInfo(name, path, summary))
-        if isinstance(module, ModuleType):
-            MODELS._modules[name] = _checked(name, module)
+        if checked is not None:
+            MODELS._modules[name] = checked
 
 
 def unregister_model(name: str) -> None:
