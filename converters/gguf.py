@@ -13,9 +13,10 @@ What modelkit stores:
 - The Checkpoint's str->str metadata under `modelkit.meta.<key>`, the ArchSpec as JSON under
   `modelkit.arch`, and `modelkit.tensors` (JSON: stored name -> the original name, dtype and shape,
   only where the GGUF tensor alone does not say them), so reading gives back the Checkpoint exactly.
-- tinylm follows llama.cpp's `llama` conventions: `llama.*` hyperparameters, `token_embd` /
-  `blk.N.attn_q` / ... tensor names, the Q/K row permutation of convert_hf_to_gguf.py, norms in
-  F32 and a 256-token byte vocabulary, so llama.cpp runs the file. Other models (or none) use the
+- A model whose module declares a llama `GGUF` layout (tinylm) follows llama.cpp's `llama`
+  conventions: `llama.*` hyperparameters, `token_embd` / `blk.N.attn_q` / ... tensor names, the
+  Q/K row permutation of convert_hf_to_gguf.py, norms in F32 and the tokenizer the layout names
+  (a 256-token byte vocabulary), so llama.cpp runs the file. Other models (or none) use the
   architecture "modelkit" and their own tensor names.
 - Dtypes: F32, F16, BF16, F64 and I8-I64 as themselves; uint8, bool, uint16-64 and float8 as the
   signed integer type of the same width, the original dtype recorded. Nothing is lost.
@@ -106,7 +107,6 @@ _MAGIC = b"GGUF"
 _MAX_DIMS = 4                    # GGML_MAX_DIMS: llama.cpp refuses tensors with more
 _MAX_NAME_BYTES = 63             # GGML_MAX_NAME is 64 including the terminating NUL
 _MAX_ARRAY_ITEMS = 1 << 23       # all metadata arrays together; a 256k vocabulary and its merges use ~1M
-_BOS, _EOS = 0x02, 0x03          # ASCII STX / ETX: byte tokens that Python source never contains
 
 F32, F16, BF16, F64 = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                        GGMLQuantizationType.BF16, GGMLQuantizationType.F64)
@@ -320,11 +320,19 @@ def _restore_aliases(path: Path, tensors: dict[str, Any], metadata: dict[str, st
         tensors[alias] = tensors[target]
 
 
-def _llama_models() -> list[str]:
-    """Registered models that declare llama.cpp's llama conventions (GGUF = "llama"): tinylm, ..."""
+def _layout(name: str) -> Any:
+    """The GGUFLayout registered model `name` declares (modelkit.models.plugin), or None."""
     from modelkit.models import MODELS, load_model_module
 
-    return [name for name in MODELS if load_model_module(name).GGUF == _LLAMA_ARCH]
+    layout = load_model_module(name).GGUF if name in MODELS else None
+    return layout if layout is not None and layout.architecture == _LLAMA_ARCH else None
+
+
+def _llama_models() -> list[str]:
+    """Registered models that follow llama.cpp's llama conventions: tinylm, ..."""
+    from modelkit.models import MODELS
+
+    return [name for name in MODELS if _layout(name) is not None]
 
 
 def _tinylm_spec(fields: dict[str, Any], tensors: dict[str, Any]) -> ArchSpec | None:
@@ -472,7 +480,7 @@ def _plan(ckpt: Checkpoint) -> tuple[str, dict[str, tuple[Any, GGUFValueType, GG
         _KEYS.QUANTIZATION_VERSION: (GGML_QUANT_VERSION, GGUFValueType.UINT32, None),
     }
     if llama:
-        kv.update(_llama_kv(llama))
+        kv.update(_llama_kv(llama, _layout(ckpt.arch.name)))
     if ckpt.arch is not None:
         kv[_KEYS.ARCH] = (ckpt.arch.to_json(), GGUFValueType.STRING, None)
     kv[_KEYS.TENSORS] = (json.dumps(records, sort_keys=True, separators=(",", ":")), GGUFValueType.STRING, None)
@@ -540,9 +548,9 @@ def _file_type(slots: list[_Slot]) -> LlamaFileType:
 def _llama_config(ckpt: Checkpoint) -> Any:
     """The config of a model that declares GGUF = "llama" (tinylm), when the checkpoint has exactly its
     Hugging Face names; else None."""
-    from modelkit.models import MODELS, config_from_dict, load_model_module
+    from modelkit.models import config_from_dict
 
-    if ckpt.arch is None or ckpt.arch.name not in MODELS or load_model_module(ckpt.arch.name).GGUF != _LLAMA_ARCH:
+    if ckpt.arch is None or _layout(ckpt.arch.name) is None:
         return None
 
     config = config_from_dict(ckpt.arch.name, ckpt.arch.config)
@@ -556,8 +564,11 @@ def _llama_names(n_layers: int) -> dict[str, str]:
     return names
 
 
-def _llama_kv(config: Any) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
-    """llama.cpp's hyperparameters and a byte-level tokenizer for a tinylm config."""
+def _llama_kv(config: Any, layout: Any) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
+    """llama.cpp's hyperparameters for a Hugging Face Llama config, and the tokenizer `layout` names."""
+    if layout.tokenizer != "bytes":
+        raise UnsupportedConversionError(type(config).__name__, "gguf", f"no GGUF writer for the {layout.tokenizer!r} "
+                                         "tokenizer (known: 'bytes')")
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     tokens, types = _byte_vocab()
     return {
@@ -575,8 +586,8 @@ def _llama_kv(config: Any) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType 
         _KEYS.TOKENS: (tokens[:config.vocab_size], GGUFValueType.ARRAY, GGUFValueType.STRING),
         _KEYS.SCORES: ([0.0] * min(256, config.vocab_size), GGUFValueType.ARRAY, f32),
         _KEYS.TOKEN_TYPE: (types[:config.vocab_size], GGUFValueType.ARRAY, GGUFValueType.INT32),
-        _KEYS.BOS_ID: (_BOS, u32, None),
-        _KEYS.EOS_ID: (_EOS, u32, None),
+        _KEYS.BOS_ID: (layout.bos_id, u32, None),
+        _KEYS.EOS_ID: (layout.eos_id, u32, None),
         _KEYS.ADD_BOS: (False, GGUFValueType.BOOL, None),
         _KEYS.ADD_EOS: (False, GGUFValueType.BOOL, None),
         _KEYS.ADD_SPACE_PREFIX: (False, GGUFValueType.BOOL, None),

@@ -11,7 +11,7 @@ import pytest
 
 from modelkit.formats import FORMATS, load_format
 from modelkit.models import MODELS, load_model_module
-from modelkit.models.plugin import PLUGIN_NAMES, DistillDefaults, KerasLayout, PruneGroup, QualityBar
+from modelkit.models.plugin import PLUGIN_NAMES, DistillDefaults, GGUFLayout, KerasLayout, PruneGroup, QualityBar
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def test_every_model_module_has_the_plugin_names(name):
     groups = module.prune_groups(config)
     assert groups is None or all(isinstance(g, PruneGroup) for g in groups)
     assert isinstance(module.DISTILL, DistillDefaults) and isinstance(module.QUALITY, QualityBar)
-    assert isinstance(module.STUDENT, dict) and module.GGUF in (None, "llama")
+    assert isinstance(module.STUDENT, dict) and isinstance(module.GGUF, (GGUFLayout, type(None)))
     module.CONFIG(**module.STUDENT)                          # the default student builds
 
 

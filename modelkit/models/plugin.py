@@ -13,8 +13,8 @@ The names every model module defines (`PLUGIN_NAMES`; None where a model has no 
 - ``DISTILL``: a `DistillDefaults` (temperature and alpha measured for this model)
 - ``STUDENT``: config values of the default distillation student (``--student NAME`` alone)
 - ``QUALITY``: a `QualityBar` the trained model must reach (`modelkit demo` checks it)
-- ``GGUF``: the llama.cpp architecture whose conventions the model follows ("llama"), or None for
-  modelkit's generic GGUF layout
+- ``GGUF``: a `GGUFLayout` when the model follows a llama.cpp architecture's conventions (so
+  llama.cpp runs the file), or None for modelkit's generic GGUF layout
 """
 from __future__ import annotations
 
@@ -120,6 +120,25 @@ class PruneGroup:
     config_key: str
     index: int | None = None
     buckets: int = 1
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How the GGUF converter stores a model so that llama.cpp runs it.
+
+    Args:
+        architecture: llama.cpp's architecture whose conventions apply. "llama": Hugging Face Llama
+            tensor names and config fields (hidden_size, num_key_value_heads, rope_theta, ...) become
+            llama.cpp's names and `llama.*` hyperparameters, Q/K rows permuted for its RoPE.
+        tokenizer: "bytes": token id == byte value, written as a 256-token byte vocabulary.
+        bos_id: The token llama.cpp puts before a prompt's first (it adds none by default).
+        eos_id: The token that ends generation.
+    """
+
+    architecture: Literal["llama"]
+    tokenizer: Literal["bytes"]
+    bos_id: int
+    eos_id: int
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch import nn
 
 from modelkit.errors import ConfigError
 from modelkit.models._tasks import LanguageModelTask, TrainDefaults
-from modelkit.models.plugin import Axis, DistillDefaults, KerasLayout, PruneGroup, PruneSlice, QualityBar
+from modelkit.models.plugin import Axis, DistillDefaults, GGUFLayout, KerasLayout, PruneGroup, PruneSlice, QualityBar
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,4 +281,6 @@ DISTILL = DistillDefaults(temperature=1.0, alpha=0.5)
 STUDENT = {"hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2}
 QUALITY = QualityBar("val", "ratio_to_unigram", 0.55, "lower")
-GGUF = "llama"                  # llama.cpp's llama conventions: Hugging Face Llama names and config
+# llama.cpp's llama conventions (our names and config are Hugging Face Llama's); bytes as tokens, with
+# ASCII STX / ETX as begin / end: byte tokens that Python source never contains.
+GGUF = GGUFLayout("llama", "bytes", bos_id=0x02, eos_id=0x03)
