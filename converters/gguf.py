@@ -13,9 +13,10 @@ What modelkit stores:
 - The Checkpoint's str->str metadata under `modelkit.meta.<key>`, the ArchSpec as JSON under
   `modelkit.arch`, and `modelkit.tensors` (JSON: stored name -> the original name, dtype and shape,
   only where the GGUF tensor alone does not say them), so reading gives back the Checkpoint exactly.
-- tinylm follows llama.cpp's `llama` conventions: `llama.*` hyperparameters, `token_embd` /
-  `blk.N.attn_q` / ... tensor names, the Q/K row permutation of convert_hf_to_gguf.py, norms in
-  F32 and a 256-token byte vocabulary, so llama.cpp runs the file. Other models (or none) use the
+- A model whose module declares a llama `GGUF` layout (tinylm) follows llama.cpp's `llama`
+  conventions: `llama.*` hyperparameters, `token_embd` / `blk.N.attn_q` / ... tensor names, the
+  Q/K row permutation of convert_hf_to_gguf.py, norms in F32 and the tokenizer the layout names
+  (a 256-token byte vocabulary), so llama.cpp runs the file. Other models (or none) use the
   architecture "modelkit" and their own tensor names.
 - Dtypes: F32, F16, BF16, F64 and I8-I64 as themselves; uint8, bool, uint16-64 and float8 as the
   signed integer type of the same width, the original dtype recorded. Nothing is lost.
@@ -56,7 +57,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, DEQUANTIZERS, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.metadata import json_object
+from modelkit.metadata import META_PREFIX, TENSORS_KEY, json_object
 from modelkit.parse import gguf as gguf_header
 from modelkit.storage.dtypes import dtype_name
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
@@ -96,15 +97,14 @@ class _KEYS:
     ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
     # modelkit's own
     ARCH = ARCH_KEY                      # "modelkit.arch": the ArchSpec as JSON
-    META_PREFIX = "modelkit.meta."       # + each Checkpoint metadata key; the value verbatim
-    TENSORS = "modelkit.tensors"         # JSON: stored name -> {"name", "dtype", "shape"} where they differ
+    META_PREFIX = META_PREFIX            # "modelkit.meta." + each Checkpoint metadata key; the value verbatim
+    TENSORS = TENSORS_KEY                # "modelkit.tensors": stored name -> {"name", "dtype", "shape"} where they differ
 
 
 _GENERIC_ARCH = "modelkit"
 _LLAMA_ARCH = "llama"
 _MAX_DIMS = gguf_header.MAX_DIMS  # GGML_MAX_DIMS: llama.cpp refuses tensors with more
 _MAX_NAME_BYTES = 63             # GGML_MAX_NAME is 64 including the terminating NUL
-_BOS, _EOS = 0x02, 0x03          # ASCII STX / ETX: byte tokens that Python source never contains
 
 F32, F16, BF16, F64 = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                        GGMLQuantizationType.BF16, GGMLQuantizationType.F64)
@@ -318,8 +318,24 @@ def _restore_aliases(path: Path, tensors: dict[str, Any], metadata: dict[str, st
         tensors[alias] = tensors[target]
 
 
+def _layout(name: str) -> Any:
+    """The GGUFLayout registered model `name` declares (modelkit.models.plugin), or None."""
+    from modelkit.models import MODELS, load_model_module
+
+    layout = load_model_module(name).GGUF if name in MODELS else None
+    return layout if layout is not None and layout.architecture == _LLAMA_ARCH else None
+
+
+def _llama_models() -> list[str]:
+    """Registered models that follow llama.cpp's llama conventions: tinylm, ..."""
+    from modelkit.models import MODELS
+
+    return [name for name in MODELS if _layout(name) is not None]
+
+
 def _tinylm_spec(fields: dict[str, Any], tensors: dict[str, Any]) -> ArchSpec | None:
-    """The tinylm ArchSpec of a llama file from another tool, when tinylm can run it exactly; else None."""
+    """The ArchSpec of a llama file from another tool, naming the first registered llama model (tinylm)
+    that can run it exactly; else None."""
     from modelkit.models import config_from_dict, config_to_dict
 
     n_embd, n_head = fields.get(_KEYS.EMBEDDING_LENGTH), fields.get(_KEYS.HEAD_COUNT)
@@ -340,13 +356,14 @@ def _tinylm_spec(fields: dict[str, Any], tensors: dict[str, Any]) -> ArchSpec | 
         # stored as float32: 1e-5 reads back as 9.99999974e-06; 7 digits give the written value back
         "rms_norm_eps": float(f"{eps:.7g}") if isinstance(eps, float) else None,
     }
-    try:
-        config = config_from_dict("tinylm", values)
-    except (ConfigError, TypeError, ValueError):
-        return None
-    if set(tensors) != set(_llama_names(config.num_hidden_layers)):
-        return None
-    return ArchSpec("tinylm", config_to_dict(config))
+    for name in _llama_models():
+        try:
+            config = config_from_dict(name, values)
+        except (ConfigError, TypeError, ValueError):
+            continue
+        if set(tensors) == set(_llama_names(config.num_hidden_layers)):
+            return ArchSpec(name, config_to_dict(config))
+    return None
 
 
 def _dequantize(q: QuantizedTensor) -> torch.Tensor:
@@ -461,7 +478,7 @@ def _plan(ckpt: Checkpoint) -> tuple[str, dict[str, tuple[Any, GGUFValueType, GG
         _KEYS.QUANTIZATION_VERSION: (GGML_QUANT_VERSION, GGUFValueType.UINT32, None),
     }
     if llama:
-        kv.update(_llama_kv(llama))
+        kv.update(_llama_kv(llama, _layout(ckpt.arch.name)))
     if ckpt.arch is not None:
         kv[_KEYS.ARCH] = (ckpt.arch.to_json(), GGUFValueType.STRING, None)
     kv[_KEYS.TENSORS] = (json.dumps(records, sort_keys=True, separators=(",", ":")), GGUFValueType.STRING, None)
@@ -527,12 +544,14 @@ def _file_type(slots: list[_Slot]) -> LlamaFileType:
 
 
 def _llama_config(ckpt: Checkpoint) -> Any:
-    """tinylm's config when the checkpoint is a tinylm with exactly its Hugging Face names; else None."""
-    if ckpt.arch is None or ckpt.arch.name != "tinylm":
-        return None
+    """The config of a model that declares GGUF = "llama" (tinylm), when the checkpoint has exactly its
+    Hugging Face names; else None."""
     from modelkit.models import config_from_dict
 
-    config = config_from_dict("tinylm", ckpt.arch.config)
+    if ckpt.arch is None or _layout(ckpt.arch.name) is None:
+        return None
+
+    config = config_from_dict(ckpt.arch.name, ckpt.arch.config)
     return config if set(ckpt.tensors) == set(_llama_names(config.num_hidden_layers)) else None
 
 
@@ -543,8 +562,11 @@ def _llama_names(n_layers: int) -> dict[str, str]:
     return names
 
 
-def _llama_kv(config: Any) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
-    """llama.cpp's hyperparameters and a byte-level tokenizer for a tinylm config."""
+def _llama_kv(config: Any, layout: Any) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
+    """llama.cpp's hyperparameters for a Hugging Face Llama config, and the tokenizer `layout` names."""
+    if layout.tokenizer != "bytes":
+        raise UnsupportedConversionError(type(config).__name__, "gguf", f"no GGUF writer for the {layout.tokenizer!r} "
+                                         "tokenizer (known: 'bytes')")
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     tokens, types = _byte_vocab()
     return {
@@ -562,8 +584,8 @@ def _llama_kv(config: Any) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType 
         _KEYS.TOKENS: (tokens[:config.vocab_size], GGUFValueType.ARRAY, GGUFValueType.STRING),
         _KEYS.SCORES: ([0.0] * min(256, config.vocab_size), GGUFValueType.ARRAY, f32),
         _KEYS.TOKEN_TYPE: (types[:config.vocab_size], GGUFValueType.ARRAY, GGUFValueType.INT32),
-        _KEYS.BOS_ID: (_BOS, u32, None),
-        _KEYS.EOS_ID: (_EOS, u32, None),
+        _KEYS.BOS_ID: (layout.bos_id, u32, None),
+        _KEYS.EOS_ID: (layout.eos_id, u32, None),
         _KEYS.ADD_BOS: (False, GGUFValueType.BOOL, None),
         _KEYS.ADD_EOS: (False, GGUFValueType.BOOL, None),
         _KEYS.ADD_SPACE_PREFIX: (False, GGUFValueType.BOOL, None),

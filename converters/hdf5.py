@@ -16,7 +16,7 @@ Layout of a file modelkit writes:
                                ('%' -> %25, '/' -> %2F, NUL -> %00, a lone '.' -> %2E); attr dtype: the
                                torch dtype. Dtypes HDF5 lacks are stored as the unsigned integer of the
                                same width (bfloat16 as uint16, float8 as uint8, complex32 as uint32).
-    /vars, /layers/<layer>/vars/<i>   Keras 3 `.weights.h5`: for mlp and cnn only, transformed copies
+    /vars, /layers/<layer>/vars/<i>   Keras 3 `.weights.h5`: for models that declare keras_layers (mlp, cnn), copies
                                (Dense kernel (in, out); Conv2D kernel (kh, kw, in, out))
     /<layer>/<layer>/kernel:0 ...     Keras 2 legacy `.h5`: hard links to the Keras 3 datasets (no extra
                                bytes; float32 copies of bfloat16 weights, which that reader lacks)
@@ -44,11 +44,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-from torch import nn
 
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import ConfigError, FormatError, ModelkitError, UnsupportedConversionError
+from modelkit.errors import ConfigError, FormatError, ModelkitError, UnknownModelError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.metadata import KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
+from modelkit.models.plugin import KerasLayer, KerasWeight
 from modelkit.parse import hdf5 as hdf5_header
 from modelkit.storage.dtypes import dtype_name
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
@@ -58,8 +59,8 @@ logger = logging.getLogger(__name__)
 SIGNATURE = hdf5_header.SIGNATURE      # the superblock signature, at offset 0 in files h5py and Keras write
 GROUP = "modelkit"
 VERSION = 1
-LAYOUT_ATTR = "modelkit.keras_layout"
-NOTE_ATTR = "modelkit.keras_note"
+LAYOUT_ATTR = KERAS_LAYOUT_ATTR
+NOTE_ATTR = KERAS_NOTE_ATTR
 _LIBVER = ("v108", "latest")           # HDF5 1.8 format: attributes over 64 KiB (long metadata) fit
 _SMALL = 1 << 20                       # any dataset may declare this much, whatever the file size
 _MAX_EXPANSION = 1000                  # compressed data may expand this much (as Keras allows)
@@ -362,90 +363,59 @@ def _conv_kernel(w: torch.Tensor) -> torch.Tensor:
     return w.permute(2, 3, 1, 0)                    # (out, in, kh, kw) -> (kh, kw, in, out)
 
 
-def _dense_after_flatten(channels: int, side: int) -> Transform:
+def _dense_after_flatten(channels: int, height: int, width: int) -> Transform:
     """torch flattens (C, H, W); Keras (channels_last) flattens (H, W, C): reorder the kernel's rows."""
     def transform(w: torch.Tensor) -> torch.Tensor:
         out = w.shape[0]
-        return w.reshape(out, channels, side, side).permute(2, 3, 1, 0).reshape(side * side * channels, out)
+        return w.reshape(out, channels, height, width).permute(2, 3, 1, 0).reshape(height * width * channels, out)
     return transform
 
 
-@dataclass(frozen=True)
-class _KerasLayer:
-    kind: str                                      # Keras class, snake case: "dense", "conv2d", "flatten"
-    weights: tuple[tuple[str, str, Transform], ...] = ()   # (state_dict name, Keras weight name, transform)
+# How each named transform of modelkit.models.plugin.KerasWeight is done.
+def _transform(weight: KerasWeight) -> Transform:
+    if weight.transform == "dense_after_flatten":
+        if weight.flatten is None:
+            raise ConfigError(f"{weight.tensor}: dense_after_flatten needs the flattened (C, H, W)")
+        return _dense_after_flatten(*weight.flatten)
+    return _TRANSFORMS[weight.transform]
 
 
-def _dense(prefix: str, kernel: Transform = _dense_kernel) -> _KerasLayer:
-    return _KerasLayer("dense", ((f"{prefix}.weight", "kernel", kernel), (f"{prefix}.bias", "bias", _same)))
-
-
-def _mlp_keras(model: nn.Module) -> tuple[list[_KerasLayer], str]:
-    linears = [(f"net.{i}", m) for i, m in enumerate(model.net) if isinstance(m, nn.Linear)]
-    described = [f"Dense({m.out_features}, activation='relu')" for _, m in linears[:-1]]
-    described.append(f"Dense({linears[-1][1].out_features})")
-    return ([_dense(prefix) for prefix, _ in linears],
-            f"Sequential([Input(({linears[0][1].in_features},)), {', '.join(described)}])")
-
-
-def _cnn_keras(model: nn.Module) -> tuple[list[_KerasLayer], str]:
-    c1, c2 = model.conv1.out_channels, model.conv2.out_channels
-    side = math.isqrt(model.fc1.in_features // c2)          # 8x8 images, one 2x2 pool: 4x4
-    if side * side * c2 != model.fc1.in_features:
-        raise ConfigError(f"cnn: fc1 takes {model.fc1.in_features} features, not c2 x side x side")
-    conv = [_KerasLayer("conv2d", ((f"{p}.weight", "kernel", _conv_kernel), (f"{p}.bias", "bias", _same)))
-            for p in ("conv1", "conv2")]
-    layers = [*conv, _KerasLayer("max_pooling2d"), _KerasLayer("flatten"),
-              _dense("fc1", _dense_after_flatten(c2, side)), _dense("fc2")]
-    return layers, (f"Sequential([Input(({2 * side}, {2 * side}, 1)), "
-                    f"Conv2D({c1}, 3, padding='same', activation='relu'), "
-                    f"Conv2D({c2}, 3, padding='same', activation='relu'), MaxPooling2D(2), Flatten(), "
-                    f"Dense({model.fc1.out_features}, activation='relu'), Dense({model.fc2.out_features})]) "
-                    "channels_last: images go in as (B, H, W, 1)")
-
-
-# Registered model -> the equivalent Keras Sequential, layer by layer. Models not listed (tinylm:
-# RMSNorm, rotary attention, SwiGLU) have no standard Keras equivalent.
-_KERAS_MODELS: dict[str, Callable[[nn.Module], tuple[list[_KerasLayer], str]]] = {
-    "mlp": _mlp_keras,
-    "cnn": _cnn_keras,
-}
+_TRANSFORMS: dict[str, Transform] = {"same": _same, "dense_kernel": _dense_kernel, "conv_kernel": _conv_kernel}
 _KERAS_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class _KerasPlan:
-    paths: list[tuple[str, _KerasLayer]]                       # ("dense_1", layer), in model order
+    paths: list[tuple[str, KerasLayer]]                        # ("dense_1", layer), in model order
     targets: dict[str, tuple[str, int, str, Transform]]        # state_dict name -> (path, index, weight, transform)
     description: str
 
 
 def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
-    """The Keras layout for this checkpoint, or why there is none."""
+    """The Keras layout for this checkpoint (its model's keras_layers), or why there is none."""
+    from modelkit.models import build_from_spec, config_from_dict, load_model_module
+
     arch = ckpt.arch
     if arch is None:
         return "the checkpoint names no architecture, so its Keras model is unknown (pass --arch mlp or --arch cnn)"
-    build = _KERAS_MODELS.get(arch.name)
-    if build is None:
-        return (f"{arch.name} has no standard Keras equivalent (Keras layouts exist for "
-                f"{', '.join(_KERAS_MODELS)}); the {GROUP} group keeps it losslessly")
-    from modelkit.models import build_from_spec
-
     try:
+        layout = load_model_module(arch.name).keras_layers(config_from_dict(arch.name, arch.config))
+        if layout is None:
+            return (f"{arch.name} has no standard Keras equivalent (its model declares no keras_layers); "
+                    f"the {GROUP} group keeps it losslessly")
         with torch.device("meta"):                  # shapes only: nothing is allocated
             model = build_from_spec(arch)
-        layers, description = build(model)
-    except ConfigError as e:
+    except (ConfigError, UnknownModelError) as e:
         return f"its ArchSpec does not build ({e})"
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     counts: dict[str, int] = {}
     paths, targets = [], {}
-    for layer in layers:                            # Keras names container entries dense, dense_1, ...
+    for layer in layout.layers:                     # Keras names container entries dense, dense_1, ...
         n = counts[layer.kind] = counts.get(layer.kind, -1) + 1
         path = layer.kind if n == 0 else f"{layer.kind}_{n}"
         paths.append((path, layer))
-        for index, (name, weight, transform) in enumerate(layer.weights):
-            targets[name] = (path, index, weight, transform)
+        for index, weight in enumerate(layer.weights):
+            targets[weight.tensor] = (path, index, weight.keras, _transform(weight))
     for name, entry in ckpt.tensors.items():
         if name not in targets:
             return f"tensor {name!r} has no Keras mapping in the {arch.name} layout"
@@ -456,7 +426,7 @@ def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
     missing = sorted(set(targets) - set(ckpt.tensors))
     if missing:
         return f"tensor {missing[0]!r} of the {arch.name} layout is missing"
-    return _KerasPlan(paths, targets, description)
+    return _KerasPlan(paths, targets, layout.description)
 
 
 def _write_keras_groups(f: h5py.File, plan: _KerasPlan) -> None:
@@ -468,7 +438,7 @@ def _write_keras_groups(f: h5py.File, plan: _KerasPlan) -> None:
     f.attrs["layer_names"] = np.array([path.encode() for path, _ in weighted])
     f.attrs["keras_version"] = b"2.0.0"             # any but "1": Keras 2 rewrites weights it thinks Keras 1 wrote
     for path, layer in weighted:
-        f.create_group(path).attrs["weight_names"] = np.array([f"{path}/{w}:0".encode() for _, w, _ in layer.weights])
+        f.create_group(path).attrs["weight_names"] = np.array([f"{path}/{w.keras}:0".encode() for w in layer.weights])
 
 
 def _write_keras_weight(f: h5py.File, plan: _KerasPlan, name: str, tensor: torch.Tensor) -> None:

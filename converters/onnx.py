@@ -62,7 +62,7 @@ from modelkit import __version__
 from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, instantiate
 from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.metadata import json_object
+from modelkit.metadata import NAMES_KEY, VERSION_KEY, json_object
 from modelkit.models import MODELS, load_model_module
 from modelkit.parse.onnx import GRAPH, MODEL, TENSOR, TYPED_TENSOR_FIELDS, is_model
 from modelkit.parse.paths import resolve_location
@@ -75,8 +75,6 @@ logger = logging.getLogger(__name__)
 OPSET = 20                          # torch.onnx's default; onnxruntime >= 1.17 runs it
 QDQ_OPSET = 21                      # quantized weights: DequantizeLinear's block_size and INT4/UINT4 arrived in 21
 QDQ_ACCURACY_LEVEL = "session.qdq_matmulnbits_accuracy_level"   # onnxruntime session config key
-NAMES_KEY = "modelkit.names"        # state_dict name -> {"initializer": name, "transpose": perm}
-VERSION_KEY = "modelkit.version"
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24   # weights above this go to external data (protobuf caps a file at 2 GiB)
 _INLINE_LIMIT = 1024                # with external data, tensors smaller than this stay in the file (onnx's default)
 _ALIGNMENT = 65536                  # external tensors over 1 MiB start at 64 KiB offsets, so runtimes can mmap them
@@ -504,12 +502,6 @@ def _all_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
 
 # ---------------------------------------------------------------- writing
 
-# Axes each reference model leaves free beyond the batch axis (axis 0 of every input).
-_EXTRA_AXES: dict[str, Callable[[Any], dict[int, Any]]] = {
-    "tinylm": lambda model: {1: torch.export.Dim("sequence", max=model.config.max_position_embeddings)},
-}
-
-
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), *,
           external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> None:
     """Export the checkpoint's module to `path` and check it with onnx.checker (full_check).
@@ -584,7 +576,10 @@ def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET) -> Any:
     import torch.onnx
 
     arch = getattr(type(module), "arch", None)
-    extra = _EXTRA_AXES[arch](module) if arch in _EXTRA_AXES else {}
+    # Axes the model declares free beyond the batch axis (axis 0 of every input): tinylm's sequence.
+    declared = load_model_module(arch).onnx_axes(module.config) if arch in MODELS else {}
+    extra = {axis: torch.export.Dim(a.name, max=a.max) if a.max is not None else torch.export.Dim(a.name)
+             for axis, a in declared.items()}
     batch = torch.export.Dim("batch")
     dynamic = tuple({0: batch, **{a: d for a, d in extra.items() if a < x.dim()}}
                     if isinstance(x, torch.Tensor) and x.dim() else None for x in inputs)

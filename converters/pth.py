@@ -45,6 +45,7 @@ import torch
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.metadata import PTH_LAYOUT, PTH_METADATA_ENTRY, PTH_SOURCE_KEY
 from modelkit.parse import pickle as pickle_walk
 from modelkit.parse import zipdir
 from modelkit.parse.sniff import torch_zip_roots
@@ -57,9 +58,9 @@ logger = logging.getLogger(__name__)
 
 # torch.save's legacy stream starts with the pickled magic number (torch/serialization.py MAGIC_NUMBER).
 _LEGACY_HEAD = b"\x80\x02\x8a\x0a" + pickle_walk.LEGACY_MAGIC.to_bytes(10, "little") + b"."   # LONG1 magic, STOP
-_MODELKIT_KEY = "__modelkit__"          # entry of state_dict._metadata holding our metadata
-_LAYOUT = "modelkit.pth/1"
-SOURCE_KEY = "modelkit.pth.source"      # metadata: which entry or object the state_dict came from
+_MODELKIT_KEY = PTH_METADATA_ENTRY      # entry of state_dict._metadata holding our metadata
+_LAYOUT = PTH_LAYOUT
+SOURCE_KEY = PTH_SOURCE_KEY             # metadata: which entry or object the state_dict came from
 _PICKLE_LIMIT = 256 << 20               # bytes of pickle we walk; real ones are a few MB at most
 _FILL_MIN = 64 << 20                    # from this many copyable bytes on, storages are copied file to file
 _WELL_KNOWN = ("state_dict", "model_state_dict", "model", "module", "net", "network", "model_state", "weights")

@@ -39,14 +39,15 @@ import torch
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint, LazyTensor
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.metadata import TORCHSCRIPT_EXPORT_KEY, TORCHSCRIPT_EXTRA
 from modelkit.parse import zipdir
 from modelkit.parse.sniff import torch_zip_roots
 from modelkit.storage.dtypes import LEGACY_STORAGE_DTYPES
 
 logger = logging.getLogger(__name__)
 
-EXTRA_NAME = "modelkit.json"
-EXPORT_KEY = "modelkit.torchscript.export"     # metadata on reading: "script" or "trace"
+EXTRA_NAME = TORCHSCRIPT_EXTRA
+EXPORT_KEY = TORCHSCRIPT_EXPORT_KEY
 _LAYOUT = "modelkit.torchscript/1"
 _PICKLE_LIMIT = 256 << 20                      # data.pkl of real models is a few MB at most
 _EXTRA_LIMIT = 16 << 20

@@ -1,6 +1,7 @@
-"""JSON entries in a file's string metadata (safetensors __metadata__, ONNX metadata_props, GGUF
-keys, the pt state_dict's _metadata): parsed with one checked path, so every reader gives the same
-one-line FormatError for a broken or oversized entry."""
+"""Every metadata key modelkit writes into files, in one place, and the JSON entries under them
+(safetensors __metadata__, ONNX metadata_props, GGUF keys, the pt state_dict's _metadata) parsed
+with one checked path, so every reader gives the same one-line FormatError for a broken or
+oversized entry. The key values are on disk in files already written: never change one."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,23 @@ from modelkit.errors import FormatError
 ARCH_KEY = "modelkit.arch"          # the ArchSpec: {"name": registered model, "config": {...}}
 METRICS_KEY = "modelkit.metrics"    # evaluation figures by split
 ALIASES_KEY = "modelkit.aliases"    # tied names -> the name whose tensor they share
+QUANTIZED_KEY = "modelkit.quantized"    # N -> {scheme, layout, shape, dtype, params, parts: {part: stored}}
+QUANT_KEY = "modelkit.quantization"     # the scheme's config (config_to_dict) that quantized the file
+PRUNE_KEY = "modelkit.prune"        # the PruneConfig and fine-tuning epochs that pruned the file
+DISTILL_KEY = "modelkit.distill"    # the distillation recipe (teacher, temperature, alpha, ...)
+TRAIN_KEY = "modelkit.train"        # the training recipe
+# Format-specific entries (the values are on disk: never change them)
+NAMES_KEY = "modelkit.names"        # ONNX: state_dict name -> {"initializer": name, "transpose": perm}
+VERSION_KEY = "modelkit.version"    # ONNX: the modelkit version that wrote the file (a plain string)
+TENSORS_KEY = "modelkit.tensors"    # GGUF: stored name -> {"name", "dtype", "shape"} where they differ
+META_PREFIX = "modelkit.meta."      # GGUF: + each Checkpoint metadata key; the value verbatim
+KERAS_LAYOUT_ATTR = "modelkit.keras_layout"   # HDF5 root attribute: "keras" | "none" (a plain string)
+KERAS_NOTE_ATTR = "modelkit.keras_note"       # HDF5 root attribute: the Keras model it fits, or why none
+TORCHSCRIPT_EXTRA = "modelkit.json"           # TorchScript: the extra file holding metadata and ArchSpec
+TORCHSCRIPT_EXPORT_KEY = "modelkit.torchscript.export"   # TorchScript, on reading: "script" or "trace"
+PTH_SOURCE_KEY = "modelkit.pth.source"        # pt/pth, on reading: which entry or object the state_dict came from
+PTH_METADATA_ENTRY = "__modelkit__"           # pt/pth: the state_dict._metadata entry holding our metadata
+PTH_LAYOUT = "modelkit.pth/1"                 # pt/pth: that entry's layout version
 
 
 def json_object(path: Path | str, key: str, raw: str, *, what: str, limit: int | None = None) -> dict[str, Any]:

@@ -43,26 +43,16 @@ class DistillConfig:
             raise ConfigError(f"alpha must be in [0, 1], got {self.alpha}")
 
 
-# Per reference model, measured 2026-11-21 against the same student trained alone (bench/compress.py):
-# cnn: T=4, alpha=0.9 won on seeds 0, 1, 2 (0.970 / 0.978 / 0.974 vs 0.967); T=2, alpha=0.5 did not.
-# tinylm (seed 0, bits/byte, alone 2.580): T=1, alpha=0.5 -> 2.519; T=1, alpha=1 -> 2.534; T=2,
-# alpha=0.5 -> 2.619; T=4, alpha=0.9 -> 3.046. Next-byte distributions are already soft: a high
-# temperature flattens what the small student should copy, and the hard labels still help.
-DEFAULTS: dict[str, dict[str, float]] = {
-    "mlp": {"temperature": 4.0, "alpha": 0.9},
-    "cnn": {"temperature": 4.0, "alpha": 0.9},
-    "tinylm": {"temperature": 1.0, "alpha": 0.5},
-}
-
-
 def default_config(arch: str, *, temperature: float | None = None, alpha: float | None = None) -> DistillConfig:
-    """The measured defaults for reference model `arch` (DistillConfig's own for others), with overrides.
+    """The defaults registered model `arch` declares (its DISTILL; DistillConfig's own for others), with overrides.
 
     Example:
         >>> default_config("tinylm")
         DistillConfig(temperature=1.0, alpha=0.5)
     """
-    values = dict(DEFAULTS.get(arch, {}))
+    from modelkit.models import MODELS, load_model_module
+
+    values = dataclasses.asdict(load_model_module(arch).DISTILL) if arch in MODELS else {}
     values.update({k: v for k, v in (("temperature", temperature), ("alpha", alpha)) if v is not None})
     return DistillConfig(**values)
 

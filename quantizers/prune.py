@@ -19,7 +19,6 @@ import copy
 import dataclasses
 import fnmatch
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from modelkit.errors import ConfigError, UnsupportedConversionError
+from modelkit.models.plugin import PruneGroup, PruneSlice
 
 METHODS = ("magnitude", "2:4", "structured")
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def keep_masks(model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
     return handles
 
 
-# --- structured: one function per reference model, each returning (new config, new state) -----
+# --- structured: the model declares its groups (modelkit.models.plugin.PruneGroup); slicing is here ---
 
 def _keep(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
     """Indices of the units to keep (at least one), in their original order."""
@@ -147,74 +147,62 @@ def _keep(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
     return scores.topk(count).indices.sort().values
 
 
-def _structured_mlp(state: dict[str, torch.Tensor], config: Any, sparsity: float) -> tuple[dict, dict]:
-    hidden = list(config.hidden)
-    for i in range(len(hidden)):
-        this, nxt = f"net.{2 * i}", f"net.{2 * i + 2}"
-        keep = _keep(state[f"{this}.weight"].norm(dim=1), sparsity)              # neuron = weight row
-        state[f"{this}.weight"], state[f"{this}.bias"] = state[f"{this}.weight"][keep], state[f"{this}.bias"][keep]
-        state[f"{nxt}.weight"] = state[f"{nxt}.weight"][:, keep]
-        hidden[i] = keep.numel()
-    return {"hidden": hidden}, state
+def _units(tensor: torch.Tensor, part: PruneSlice) -> torch.Tensor:
+    """The tensor as (units, everything else): unit u is `part.width` consecutive entries along `part.dim`."""
+    moved = tensor.movedim(part.dim, 0)
+    return moved.reshape(moved.shape[0] // part.width, -1)
 
 
-def _structured_cnn(state: dict[str, torch.Tensor], config: Any, sparsity: float) -> tuple[dict, dict]:
-    keep1 = _keep(state["conv1.weight"].flatten(1).norm(dim=1), sparsity)      # output channels of conv1
-    state["conv1.weight"], state["conv1.bias"] = state["conv1.weight"][keep1], state["conv1.bias"][keep1]
-    state["conv2.weight"] = state["conv2.weight"][:, keep1]
-    keep2 = _keep(state["conv2.weight"].flatten(1).norm(dim=1), sparsity)
-    state["conv2.weight"], state["conv2.bias"] = state["conv2.weight"][keep2], state["conv2.bias"][keep2]
-    # fc1 sees the pooled (c2, 4, 4) map flattened channel-major: channel c owns columns 16c..16c+15.
-    columns = (keep2[:, None] * 16 + torch.arange(16)[None, :]).flatten()
-    state["fc1.weight"] = state["fc1.weight"][:, columns]
-    keep3 = _keep(state["fc1.weight"].norm(dim=1), sparsity)
-    state["fc1.weight"], state["fc1.bias"] = state["fc1.weight"][keep3], state["fc1.bias"][keep3]
-    state["fc2.weight"] = state["fc2.weight"][:, keep3]
-    return {"channels": [keep1.numel(), keep2.numel()], "hidden": keep3.numel()}, state
+def _group_keep(state: dict[str, torch.Tensor], group: PruneGroup, sparsity: float) -> torch.Tensor:
+    scores = None
+    for part in group.slices:
+        if part.score:
+            norms = _units(state[part.tensor], part).norm(dim=1)
+            scores = norms if scores is None else scores * norms
+    if scores is None:
+        raise ConfigError(f"pruning group {group.config_key!r} scores no tensor (set score=True on one slice)")
+    if group.buckets == 1:
+        return _keep(scores, sparsity)
+    per = scores.numel() // group.buckets
+    keep = max(1, round(per * (1.0 - sparsity)))
+    kept = scores.view(group.buckets, per).topk(keep, dim=1).indices.sort(dim=1).values    # (buckets, keep)
+    return (kept + torch.arange(group.buckets)[:, None] * per).flatten()
 
 
-def _structured_tinylm(state: dict[str, torch.Tensor], config: Any, sparsity: float) -> tuple[dict, dict]:
-    hd, n_kv = config.head_dim, config.num_key_value_heads
-    group = config.num_attention_heads // n_kv
-    keep_per_group = max(1, round(group * (1.0 - sparsity)))
-    units = max(1, round(config.intermediate_size * (1.0 - sparsity)))
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}"
-        # Attention heads: each key/value group keeps its best query heads, so GQA stays uniform.
-        q = state[f"{p}.self_attn.q_proj.weight"].view(n_kv, group, hd, -1)         # (kv, group, hd, C)
-        o = state[f"{p}.self_attn.o_proj.weight"].view(-1, n_kv, group, hd)         # (C, kv, group, hd)
-        scores = q.flatten(2).norm(dim=2) * o.permute(1, 2, 0, 3).flatten(2).norm(dim=2)   # (kv, group)
-        keep = scores.topk(keep_per_group, dim=1).indices.sort(dim=1).values       # (kv, keep)
-        q = torch.stack([q[g, keep[g]] for g in range(n_kv)])                       # (kv, keep, hd, C)
-        o = torch.stack([o[:, g, keep[g]] for g in range(n_kv)], dim=1)             # (C, kv, keep, hd)
-        state[f"{p}.self_attn.q_proj.weight"] = q.reshape(-1, q.shape[-1]).contiguous()
-        state[f"{p}.self_attn.o_proj.weight"] = o.reshape(o.shape[0], -1).contiguous()
-        # MLP hidden units: a unit is a gate row, an up row and a down column together.
-        gate, up, down = (state[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
-        unit_scores = gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)
-        kept = unit_scores.topk(units).indices.sort().values
-        state[f"{p}.mlp.gate_proj.weight"], state[f"{p}.mlp.up_proj.weight"] = gate[kept], up[kept]
-        state[f"{p}.mlp.down_proj.weight"] = down[:, kept].contiguous()
-    return {"num_attention_heads": n_kv * keep_per_group, "head_dim": hd, "intermediate_size": units}, state
+def _take(tensor: torch.Tensor, part: PruneSlice, units: torch.Tensor) -> torch.Tensor:
+    index = (units[:, None] * part.width + torch.arange(part.width)[None, :]).flatten()  # unit -> its entries
+    return tensor.index_select(part.dim, index).contiguous()
 
 
-STRUCTURED: dict[str, Callable[[dict, Any, float], tuple[dict, dict]]] = {
-    "mlp": _structured_mlp, "cnn": _structured_cnn, "tinylm": _structured_tinylm,
-}
+def _apply_groups(state: dict[str, torch.Tensor], groups: list[PruneGroup], config: dict[str, Any],
+                  sparsity: float) -> None:
+    """Shrink `state` and `config` in place, group after group."""
+    for group in groups:
+        units = _group_keep(state, group, sparsity)
+        for part in group.slices:
+            state[part.tensor] = _take(state[part.tensor], part, units)
+        if group.index is None:
+            config[group.config_key] = units.numel()
+        else:
+            values = list(config[group.config_key])
+            values[group.index] = units.numel()
+            config[group.config_key] = values
 
 
 def _structured(model: nn.Module, config: PruneConfig) -> nn.Module:
-    from modelkit.models import build, config_to_dict
+    from modelkit.models import MODELS, build, config_to_dict, load_model_module
 
     arch = getattr(type(model), "arch", None)
-    if arch not in STRUCTURED:
+    groups = load_model_module(arch).prune_groups(model.config) if arch in MODELS else None
+    if groups is None:
         raise UnsupportedConversionError(type(model).__name__, "structured pruning",
-                                         f"structured pruning knows the reference models ({', '.join(STRUCTURED)})")
+                                         "structured pruning needs a registered model that declares its "
+                                         f"prune_groups (registered: {', '.join(MODELS)})")
     if config.skip:
         raise ConfigError("structured pruning removes units model-wide; --skip applies to magnitude and 2:4 only")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    changes, state = STRUCTURED[arch](state, model.config, config.sparsity)
-    new_config = {**config_to_dict(model.config), **changes}
+    new_config = config_to_dict(model.config)
+    _apply_groups(state, groups, new_config, config.sparsity)
     pruned = build(arch, new_config)
     pruned.load_state_dict(state)
     return pruned.train(model.training)

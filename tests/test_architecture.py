@@ -11,6 +11,7 @@ import pytest
 
 from modelkit.formats import FORMATS, load_format
 from modelkit.models import MODELS, load_model_module
+from modelkit.models.plugin import PLUGIN_NAMES, DistillDefaults, GGUFLayout, KerasLayout, PruneGroup, QualityBar
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,9 +68,26 @@ def test_every_format_module_has_detect_read_write(name):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_model_module_has_the_plugin_names(name):
     module = load_model_module(name)
-    for attribute in ("CONFIG", "MODEL", "TASK", "TRAINING", "example_inputs"):
+    for attribute in PLUGIN_NAMES:
         assert hasattr(module, attribute), f"{name} lacks {attribute}"
     assert module.MODEL.arch == name
+    config = module.CONFIG()
+    for function in ("example_inputs", "keras_layers", "onnx_axes", "prune_groups"):
+        assert callable(getattr(module, function)), f"{name}.{function} is not a function"
+    assert isinstance(module.onnx_axes(config), dict)
+    assert isinstance(module.keras_layers(config), (KerasLayout, type(None)))
+    groups = module.prune_groups(config)
+    assert groups is None or all(isinstance(g, PruneGroup) for g in groups)
+    assert isinstance(module.DISTILL, DistillDefaults) and isinstance(module.QUALITY, QualityBar)
+    assert isinstance(module.STUDENT, dict) and isinstance(module.GGUF, (GGUFLayout, type(None)))
+    module.CONFIG(**module.STUDENT)                          # the default student builds
+
+
+def test_model_modules_import_nothing_above_the_models_layer():
+    for path in (ROOT / "modelkit" / "models").glob("*.py"):
+        bad = {n for n in _imports(path) if n.startswith(("modelkit.converters", "modelkit.quantizers",
+                                                           "modelkit.pipeline", "modelkit.checkpoint"))}
+        assert not bad, f"{path.name} imports {bad}"
 
 
 def _imports(path: Path) -> set[str]:

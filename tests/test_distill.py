@@ -12,7 +12,8 @@ from click.testing import CliRunner
 import modelkit
 from modelkit.cli import EXIT_OK, main
 from modelkit.errors import ConfigError
-from modelkit.pipeline.compress import DISTILL_KEY, distill_file, parse_student
+from modelkit.metadata import DISTILL_KEY
+from modelkit.pipeline.compress import distill_file, parse_student
 from modelkit.quantizers.distill import DistillationLoss, DistillConfig, distillation_loss
 
 

@@ -106,3 +106,25 @@ def test_generate_is_deterministic_and_respects_length():
 def test_every_registered_model_builds_with_defaults():
     for name in MODELS:
         assert build(name).config == load_model_module(name).CONFIG()
+
+
+def test_declared_tensor_facts_name_real_tensors_and_dims(model_name):
+    """keras_layers and prune_groups name state_dict tensors of the model, along dims it has, in whole units."""
+    module = load_model_module(model_name)
+    config = module.CONFIG()
+    shapes = {k: tuple(v.shape) for k, v in module.MODEL(config).state_dict().items()}
+    layout = module.keras_layers(config)
+    if layout is not None:
+        mapped = [w.tensor for layer in layout.layers for w in layer.weights]
+        assert sorted(mapped) == sorted(shapes)                 # every tensor once, nothing else
+    for group in module.prune_groups(config) or []:
+        assert any(part.score for part in group.slices)
+        units = {shapes[part.tensor][part.dim] // part.width for part in group.slices}
+        assert len(units) == 1 and all(shapes[p.tensor][p.dim] % p.width == 0 for p in group.slices)
+        assert next(iter(units)) % group.buckets == 0
+
+
+def test_declared_keras_layout_of_mlp_follows_its_widths():
+    layout = load_model_module("mlp").keras_layers(config_from_dict("mlp", {"hidden": [8, 4]}))
+    assert [layer.weights[0].tensor for layer in layout.layers] == ["net.0.weight", "net.2.weight", "net.4.weight"]
+    assert "Dense(8, activation='relu'), Dense(4, activation='relu'), Dense(2)" in layout.description

@@ -12,8 +12,9 @@ from modelkit.checkpoint import Checkpoint
 from modelkit.cli import EXIT_OK, main
 from modelkit.errors import ConfigError
 from modelkit.formats import FORMATS
+from modelkit.metadata import PRUNE_KEY
 from modelkit.models import arch_spec, build, build_from_spec, load_model_module
-from modelkit.pipeline.compress import PRUNE_KEY, finetune, prune_file
+from modelkit.pipeline.compress import finetune, prune_file
 from modelkit.quantizers.prune import PruneConfig, apply, keep_masks, sparsity_report
 
 TINY_LM = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -1,20 +1,32 @@
-"""The reference models ("the zoo"): small, seeded, trained by modelkit itself.
+"""The reference models ("the zoo") and the registry every model plugs into.
 
-Every model module has the same names, so one training loop and every converter can work
-with any of them:
+A model is ONE module that declares everything the commands need of it; converters, quantizers
+and the pipeline look the facts up here and never name a model themselves. The names each module
+defines (`modelkit.models.plugin.PLUGIN_NAMES`, checked when the module is first loaded):
 
 - ``CONFIG``: a frozen dataclass of primitive fields (the ArchSpec's ``config``)
-- ``MODEL``: the nn.Module class; ``MODEL(config)`` builds it, ``MODEL.arch`` is its table name
+- ``MODEL``: the nn.Module class; ``MODEL(config)`` builds it, ``MODEL.arch`` is its registered name
 - ``TASK``: data splits, loss and metrics (``modelkit.models._tasks``)
 - ``TRAINING``: the default recipe (epochs, batch size, learning rate, ...)
 - ``example_inputs(batch_size)``: a batch shaped like real inputs, for export and checks
+- ``keras_layers(config)``, ``onnx_axes(config)``, ``prune_groups(config)``, ``DISTILL``, ``STUDENT``,
+  ``QUALITY``, ``GGUF``: the per-model facts of the HDF5/Keras and ONNX converters, structured
+  pruning, distillation, `modelkit demo` and the GGUF converter, as plain data
+  (``modelkit.models.plugin`` has the types and says what each means)
+
+Models come from three places, all lazily (nothing is imported until a model is used):
+the zoo below; packages that declare an entry point in the group ``modelkit.models``
+(``name = "package.module"``, read with importlib.metadata on the first registry lookup, so
+`import modelkit` and `modelkit scan` never pay for it); and `register_model` (tests, embedding).
+A name is registered once: a second registration raises. Files only ever name registered models.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import json
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -22,11 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 from modelkit.errors import ConfigError, FormatError, UnknownModelError, did_you_mean
 from modelkit.metadata import ARCH_KEY
+from modelkit.models.plugin import PLUGIN_NAMES
 
 if TYPE_CHECKING:
     from torch import nn
 
 _PRIMITIVES = (str, int, float, bool, type(None))
+ENTRY_POINT_GROUP = "modelkit.models"
 
 
 @dataclass(frozen=True)
@@ -36,11 +50,110 @@ class ModelInfo:
     summary: str
 
 
-MODELS: dict[str, ModelInfo] = {m.name: m for m in (
+_ZOO = (
     ModelInfo("cnn", "modelkit.models.cnn", "small conv net on the 8x8 handwritten digits (UCI optical digits)"),
     ModelInfo("mlp", "modelkit.models.mlp", "Linear-ReLU-Linear-ReLU-Linear on two interleaved 2-D spirals"),
     ModelInfo("tinylm", "modelkit.models.tinylm", "byte-level Llama decoder trained on the Python standard library"),
-)}
+)
+
+
+class _Registry(Mapping[str, ModelInfo]):
+    """Registered name -> ModelInfo: the zoo, then entry points (read on the first lookup), then
+    `register_model` calls. Reads like a dict; only `register_model`/`unregister_model` change it."""
+
+    def __init__(self, zoo: tuple[ModelInfo, ...]) -> None:
+        self._infos = {m.name: m for m in zoo}
+        self._modules: dict[str, ModuleType] = {}      # loaded and checked
+        self._entry_points_read = False
+        self._lock = threading.Lock()
+
+    def _entry_points(self) -> None:
+        if self._entry_points_read:
+            return
+        with self._lock:
+            if self._entry_points_read:
+                return
+            from importlib.metadata import entry_points
+
+            found = [ModelInfo(ep.name, ep.value, f"from the {ep.dist.name if ep.dist else '?'} package")
+                     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)]
+            before = dict(self._infos)
+            try:
+                for info in found:
+                    self._add(info)
+            except ConfigError:
+                self._infos = before            # all of them or none: the next lookup raises the same error
+                raise
+            self._entry_points_read = True
+
+    def _add(self, info: ModelInfo) -> None:
+        if not info.name or not isinstance(info.name, str):
+            raise ConfigError(f"a model name must be a non-empty string, got {info.name!r}")
+        if info.name in self._infos:
+            raise ConfigError(f"model {info.name!r} is registered twice ({self._infos[info.name].module} "
+                              f"and {info.module}); pick another name")
+        self._infos[info.name] = info
+
+    def __getitem__(self, name: str) -> ModelInfo:
+        self._entry_points()
+        return self._infos[name]
+
+    def __iter__(self) -> Iterator[str]:
+        self._entry_points()
+        return iter(dict(self._infos))
+
+    def __len__(self) -> int:
+        self._entry_points()
+        return len(self._infos)
+
+    def __contains__(self, name: object) -> bool:
+        self._entry_points()
+        return name in self._infos
+
+
+MODELS = _Registry(_ZOO)
+
+
+def register_model(name: str, module: str | ModuleType, *, summary: str = "") -> None:
+    """Add a model: `module` (a dotted path, imported on first use, or a module object) declares its
+    plugin names (see this package's docstring).
+
+    Raises:
+        ConfigError: `name` is registered already (entry points included), or is empty.
+
+    Example:
+        >>> register_model("mymodel", "mypackage.mymodel", summary="what it is")   # doctest: +SKIP
+    """
+    MODELS._entry_points()
+    path = module if isinstance(module, str) else module.__name__
+    checked = _checked(name, module) if isinstance(module, ModuleType) else None
+    with MODELS._lock:
+        MODELS._add(ModelInfo(name, path, summary))
+        if checked is not None:
+            MODELS._modules[name] = checked
+
+
+def unregister_model(name: str) -> None:
+    """Remove a model `register_model` added (tests restore the registry with it in `finally`)."""
+    MODELS._entry_points()
+    with MODELS._lock:
+        if name not in MODELS._infos:
+            raise UnknownModelError(name, known=MODELS._infos)
+        if any(m.name == name for m in _ZOO):
+            raise ConfigError(f"{name!r} is one of modelkit's own models and stays registered")
+        del MODELS._infos[name]
+        MODELS._modules.pop(name, None)
+
+
+def _checked(name: str, module: ModuleType) -> ModuleType:
+    missing = [n for n in PLUGIN_NAMES if not hasattr(module, n)]
+    if missing:
+        raise ConfigError(f"model {name!r} ({module.__name__}) does not define {', '.join(missing)}; "
+                          "a model module defines all of modelkit.models.plugin.PLUGIN_NAMES (None where it has none)")
+    if getattr(module.MODEL, "arch", None) != name:
+        raise ConfigError(f"model {name!r}: {module.__name__}.MODEL.arch is {getattr(module.MODEL, 'arch', None)!r}, "
+                          f"not {name!r}")
+    return module
 
 
 def _is_primitive_tree(value: Any) -> bool:
@@ -97,10 +210,18 @@ class ArchSpec:
 
 def load_model_module(name: str) -> ModuleType:
     """Import and return the module of the registered model `name`."""
+    module = MODELS._modules.get(name)
+    if module is not None:
+        return module
     info = MODELS.get(name)
     if info is None:
         raise UnknownModelError(name, known=MODELS)
-    return importlib.import_module(info.module)
+    try:
+        imported = importlib.import_module(info.module)
+    except ImportError as e:
+        raise ConfigError(f"model {name!r}: cannot import its module {info.module} ({e})") from e
+    module = MODELS._modules[name] = _checked(name, imported)
+    return module
 
 
 def config_from_dict(name: str, values: Mapping[str, Any] | None = None) -> Any:

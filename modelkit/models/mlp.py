@@ -10,6 +10,16 @@ from torch import nn
 from modelkit.errors import ConfigError
 from modelkit.models._data import spiral_split
 from modelkit.models._tasks import ClassificationTask, TrainDefaults
+from modelkit.models.plugin import (
+    Axis,
+    DistillDefaults,
+    KerasLayer,
+    KerasLayout,
+    KerasWeight,
+    PruneGroup,
+    PruneSlice,
+    QualityBar,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,3 +71,31 @@ TRAINING = TrainDefaults(epochs=40, batch_size=64, lr=1e-2, weight_decay=1e-4)
 def example_inputs(batch_size: int = 4, *, seed: int = 0) -> torch.Tensor:
     """Points like the training data: (B, 2) float32."""
     return torch.randn(batch_size, 2, generator=torch.Generator().manual_seed(seed))
+
+
+def keras_layers(config: MLPConfig) -> KerasLayout:
+    """Sequential([Input((in,)), Dense(h, activation='relu'), ..., Dense(classes)]): net.0, net.2, ..."""
+    widths = (*config.hidden, config.num_classes)
+    layers = tuple(KerasLayer("dense", (KerasWeight(f"net.{2 * i}.weight", "kernel", "dense_kernel"),
+                                        KerasWeight(f"net.{2 * i}.bias", "bias")))
+                   for i in range(len(widths)))
+    described = [f"Dense({w}, activation='relu')" for w in config.hidden] + [f"Dense({config.num_classes})"]
+    return KerasLayout(layers, f"Sequential([Input(({config.in_features},)), {', '.join(described)}])")
+
+
+def onnx_axes(config: MLPConfig) -> dict[int, Axis]:
+    return {}
+
+
+def prune_groups(config: MLPConfig) -> list[PruneGroup]:
+    """Each hidden layer's neurons: its weight rows (ranked by norm) and bias, the next layer's columns."""
+    return [PruneGroup((PruneSlice(f"net.{2 * i}.weight", 0, score=True), PruneSlice(f"net.{2 * i}.bias", 0),
+                        PruneSlice(f"net.{2 * i + 2}.weight", 1)), "hidden", index=i)
+            for i in range(len(config.hidden))]
+
+
+# Measured 2026-11-21 with cnn's (bench/compress.py): the classifiers share them.
+DISTILL = DistillDefaults(temperature=4.0, alpha=0.9)
+STUDENT = {"hidden": [8, 8]}
+QUALITY = QualityBar("test", "accuracy", 0.95, "higher")
+GGUF = None

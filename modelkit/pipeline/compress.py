@@ -19,20 +19,10 @@ from torch import nn
 
 from modelkit.checkpoint import Checkpoint
 from modelkit.errors import ConfigError, UnsupportedConversionError
+from modelkit.metadata import DISTILL_KEY, METRICS_KEY, PRUNE_KEY
 from modelkit.pipeline import distributed
 
 PathLike = str | os.PathLike[str]
-PRUNE_KEY = "modelkit.prune"
-DISTILL_KEY = "modelkit.distill"
-
-# A student about a tenth to a quarter of the default teacher, for `--student NAME` alone.
-DEFAULT_STUDENTS: dict[str, dict[str, Any]] = {
-    "mlp": {"hidden": [8, 8]},
-    "cnn": {"channels": [8, 16], "hidden": 32},
-    "tinylm": {"hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2},
-}
-
 
 def _arch_name(model: nn.Module) -> str:
     name = getattr(type(model), "arch", None)
@@ -119,7 +109,7 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
     metric = before["split"] + " " + _headline(name)
     final = tuned or after
     metadata = {PRUNE_KEY: json.dumps({**prune.config_dict(config), "finetune_epochs": finetune_epochs}),
-                "modelkit.metrics": json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})}
+                METRICS_KEY: json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})}
     if not distributed.from_environment().is_main:
         return None                     # under torchrun only rank 0 writes and reports
     save(Checkpoint.from_module(pruned, metadata=metadata), dst, force=force)
@@ -147,7 +137,9 @@ def parse_student(spec: str, teacher_arch: str) -> tuple[str, dict[str, Any]]:
         raise ConfigError(f"student {name!r} must be the teacher's kind of model ({teacher_arch!r}): "
                           "they learn the same task from the same data")
     if not rest:
-        return name, dict(DEFAULT_STUDENTS[name])
+        from modelkit.models import load_model_module
+
+        return name, dict(load_model_module(name).STUDENT)
     if rest.lstrip().startswith("{"):
         try:
             values = json.loads(rest)

@@ -30,13 +30,12 @@ import numpy as np
 
 from modelkit.checkpoint import ARCH_KEY, ArchSpec
 from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError, VerificationError, did_you_mean
+from modelkit.metadata import NAMES_KEY, QUANT_KEY
 from modelkit.schemes import ONNX_SCHEMES
 from modelkit.storage.atomic import atomic_path
 
 PathLike = str | os.PathLike[str]
 logger = logging.getLogger(__name__)
-QUANT_KEY = "modelkit.quantization"
-NAMES_KEY = "modelkit.names"
 # Largest relative output difference (max |float - quantized| / max |float|) on the sample inputs.
 # Measured on the trained zoo on 2026-11-21 (cnn / tinylm): int8-dynamic 0.012 / 0.071,
 # int8-static 0.019 / 0.174, int4 0.060 / 0.237; pinned with 2.5-3x headroom.

@@ -24,6 +24,7 @@ from torch import nn
 from modelkit import schemes
 from modelkit.checkpoint import METRICS_KEY, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError
+from modelkit.metadata import QUANT_KEY
 from modelkit.pipeline import distributed, measure
 from modelkit.pipeline.load import instantiate_quantized
 from modelkit.pipeline.measure import arch_name, latencies
@@ -31,7 +32,6 @@ from modelkit.pipeline.reports import QuantizeReport
 from modelkit.storage.atomic import atomic_path
 
 PathLike = str | os.PathLike[str]
-QUANT_KEY = "modelkit.quantization"     # metadata: the scheme's config as JSON (config_to_dict)
 # Largest |torch quantized model - runtime| / max |torch output| accepted when a quantized model
 # is written to a graph format: ONNX (the QDQ graph run with float32 products, converters/onnx.py)
 # or TorchScript (the same torch ops: 0).

@@ -24,13 +24,13 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from modelkit.checkpoint import METRICS_KEY, Checkpoint
 from modelkit.errors import ConfigError, FormatError, OutputExistsError
+from modelkit.metadata import TRAIN_KEY
 from modelkit.models import build, load_model_module
 from modelkit.pipeline import distributed
 from modelkit.storage.atomic import atomic_path
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
-TRAIN_KEY = "modelkit.train"        # metadata key: the training recipe, as JSON
 
 ProgressFn = Callable[[int, int, Mapping[str, float]], None]   # (step, total steps, {"loss": ...})
 EpochFn = Callable[[Mapping[str, Any]], None]                  # called with each epoch's record

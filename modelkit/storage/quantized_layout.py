@@ -29,13 +29,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from modelkit.errors import FormatError, UnsupportedConversionError
-from modelkit.metadata import json_object
+from modelkit.metadata import QUANTIZED_KEY, json_object
 from modelkit.storage.tensors import LazyTensor, QuantizedTensor
 
 if TYPE_CHECKING:
     from modelkit.checkpoint import Checkpoint  # storage sits below checkpoint: annotations only
 
-QUANTIZED_KEY = "modelkit.quantized"        # N -> {scheme, layout, shape, dtype, params, parts: {part: stored}}
 RECORD_LIMIT = 20_000_000                   # bytes of the JSON entry; far above any real model's
 LOGICAL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _PART_SUFFIXES = {"qdata": "_packed", "scale": "_scale", "zero_point": "_zero_point"}

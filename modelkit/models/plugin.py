@@ -1,0 +1,162 @@
+"""What a model module declares besides how to build and train itself: plain data, in the model's terms.
+
+Converters, quantizers and the pipeline read these through the registry (`modelkit.models`) and do
+the generic work themselves (building Keras layers, slicing tensors, exporting graphs). A model
+module never imports them: it sits below them (tests/test_architecture.py).
+
+The names every model module defines (`PLUGIN_NAMES`; None where a model has no such thing):
+
+- ``CONFIG``, ``MODEL``, ``TASK``, ``TRAINING``, ``example_inputs``: see `modelkit.models`
+- ``keras_layers(config) -> KerasLayout | None``: the equivalent Keras Sequential, layer by layer
+- ``onnx_axes(config) -> dict[int, Axis]``: input axes left free beyond the batch axis (axis 0)
+- ``prune_groups(config) -> list[PruneGroup] | None``: the units structured pruning may remove
+- ``DISTILL``: a `DistillDefaults` (temperature and alpha measured for this model)
+- ``STUDENT``: config values of the default distillation student (``--student NAME`` alone)
+- ``QUALITY``: a `QualityBar` the trained model must reach (`modelkit demo` checks it)
+- ``GGUF``: a `GGUFLayout` when the model follows a llama.cpp architecture's conventions (so
+  llama.cpp runs the file), or None for modelkit's generic GGUF layout
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# A plugin's TASK and TRAINING are built from these (they import torch, so they load on first use:
+# `import modelkit.models` stays light). `from modelkit.models.plugin import ClassificationTask` works.
+_TASK_TYPES = ("ClassificationTask", "LanguageModelTask", "TrainDefaults")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TASK_TYPES:
+        from modelkit.models import _tasks
+
+        return getattr(_tasks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+PLUGIN_NAMES = ("CONFIG", "MODEL", "TASK", "TRAINING", "example_inputs", "keras_layers", "onnx_axes",
+                "prune_groups", "DISTILL", "STUDENT", "QUALITY", "GGUF")
+
+# How a torch weight becomes its Keras counterpart (the hdf5 converter implements each by name).
+KerasTransform = Literal["same", "dense_kernel", "conv_kernel", "dense_after_flatten"]
+
+
+@dataclass(frozen=True)
+class KerasWeight:
+    """One torch tensor stored as one Keras weight.
+
+    Args:
+        tensor: The state_dict name ("net.0.weight").
+        keras: The Keras weight name ("kernel", "bias").
+        transform: "same"; "dense_kernel" (out, in) -> (in, out); "conv_kernel" (out, in, kh, kw) ->
+            (kh, kw, in, out); "dense_after_flatten": a Dense kernel after Flatten, whose rows torch
+            orders (C, H, W) and Keras (H, W, C); `flatten` gives (C, H, W).
+        flatten: (channels, height, width) of the map flattened before this layer, for "dense_after_flatten".
+    """
+
+    tensor: str
+    keras: str
+    transform: KerasTransform = "same"
+    flatten: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class KerasLayer:
+    """One Keras layer: its class in snake case ("dense", "conv2d", "max_pooling2d", "flatten") and weights."""
+
+    kind: str
+    weights: tuple[KerasWeight, ...] = ()
+
+
+@dataclass(frozen=True)
+class KerasLayout:
+    """The Keras Sequential a model equals: its layers in order and how to build it, for the file's note."""
+
+    layers: tuple[KerasLayer, ...]
+    description: str
+
+
+@dataclass(frozen=True)
+class Axis:
+    """A free input axis of an exported graph: its name and, if bounded, its largest size."""
+
+    name: str
+    max: int | None = None
+
+
+@dataclass(frozen=True)
+class PruneSlice:
+    """Where one tensor holds the units of a pruning group.
+
+    Args:
+        tensor: The state_dict name.
+        dim: The dimension the units run along (0: output rows; 1: input columns of the next layer).
+        width: Consecutive entries per unit along `dim` (head_dim rows per attention head; the 16
+            pooled pixels one channel owns after a flatten).
+        score: Whether this slice's L2 norm ranks the units (the product over scored slices).
+    """
+
+    tensor: str
+    dim: int
+    width: int = 1
+    score: bool = False
+
+
+@dataclass(frozen=True)
+class PruneGroup:
+    """Units structured pruning removes together, from every tensor that holds them.
+
+    Groups are applied in order, each on the tensors the previous ones already shrank.
+
+    Args:
+        slices: Every tensor holding the units, with its dimension.
+        config_key: The config field that counts the units kept (the total over buckets).
+        index: Which entry of a list-valued config field (mlp's `hidden[i]`); None for a plain field.
+        buckets: The units fall in this many equal runs that each keep the same count (query heads
+            per key/value head, so grouped-query attention stays uniform).
+    """
+
+    slices: tuple[PruneSlice, ...]
+    config_key: str
+    index: int | None = None
+    buckets: int = 1
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How the GGUF converter stores a model so that llama.cpp runs it.
+
+    Args:
+        architecture: llama.cpp's architecture whose conventions apply. "llama": Hugging Face Llama
+            tensor names and config fields (hidden_size, num_key_value_heads, rope_theta, ...) become
+            llama.cpp's names and `llama.*` hyperparameters, Q/K rows permuted for its RoPE.
+        tokenizer: "bytes": token id == byte value, written as a 256-token byte vocabulary.
+        bos_id: The token llama.cpp puts before a prompt's first (it adds none by default).
+        eos_id: The token that ends generation.
+    """
+
+    architecture: Literal["llama"]
+    tokenizer: Literal["bytes"]
+    bos_id: int
+    eos_id: int
+
+
+@dataclass(frozen=True)
+class DistillDefaults:
+    """Distillation temperature and soft-target weight measured for a model."""
+
+    temperature: float = 4.0
+    alpha: float = 0.9
+
+
+@dataclass(frozen=True)
+class QualityBar:
+    """The figure a trained model must reach: `split`'s `metric` against `bar`, higher or lower being better."""
+
+    split: str
+    metric: str
+    bar: float
+    direction: Literal["higher", "lower"] = "higher"
+
+    def met(self, value: float) -> bool:
+        return value >= self.bar if self.direction == "higher" else value <= self.bar
