@@ -44,6 +44,10 @@ FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
     FormatInfo("torchscript", (".ts", ".pt"),                    "modelkit.converters.torchscript", has_graph=True, runs_pickle=True),
 )}
 
+# How a model file can be run for evaluation: torch rebuilds the module from the weights; onnxruntime
+# runs an ONNX file's own graph in a session.
+RUNTIMES = ("torch", "onnxruntime")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ReadOptions:

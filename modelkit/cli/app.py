@@ -1,20 +1,46 @@
-"""The click side of the `modelkit` command: a lazy group (each command imports on first use) and the one error handler.
+"""The `modelkit` command: the click group (each command imports on first use), exit codes, and the one
+place where errors become output.
 
-Exit codes and the command table live in `modelkit/cli/__init__.py`, which imports no click.
+Exit codes (ClamAV-compatible, like picklescan and fickling):
+  0  success; for `scan`, nothing at or above the failing severity
+  1  `scan` only: unsafe content found
+  2  any error: bad usage, a bad or unsupported file, a failed verification
 """
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 
 import click
 
 from modelkit import __version__
-from modelkit.cli import COMMANDS, EXIT_ERROR, JSON_META_KEY, STDLIB_COMMANDS
 from modelkit.cli.logs import configure_logging
+from modelkit.cli.options import JSON_META_KEY, output_options
 from modelkit.errors import ModelkitError
+
+EXIT_OK = 0
+EXIT_UNSAFE = 1
+EXIT_ERROR = 2
+
+# command name -> "module:attribute"; nothing here is imported until the command is used.
+COMMANDS = {
+    "convert": "modelkit.cli.convert:convert",
+    "demo": "modelkit.cli.demo:demo",
+    "distill": "modelkit.cli.distill:distill",
+    "eval": "modelkit.cli.evaluate:eval_command",
+    "generate": "modelkit.cli.generate:generate",
+    "inspect": "modelkit.cli.inspect:inspect",
+    "models": "modelkit.cli.models:models",
+    "prune": "modelkit.cli.prune:prune",
+    "quantize": "modelkit.cli.quantize:quantize",
+    "scan": "modelkit.cli.scan:scan",
+    "train": "modelkit.cli.train:train",
+}
+
+# Commands run over many files by CI systems, where start-up is most of the time: logging is set up
+# for them only when -v or -q asks for it (warnings still reach stderr through logging's last resort).
+LIGHT_COMMANDS = frozenset({"scan"})
 
 
 def debug_enabled(ctx: click.Context | None = None) -> bool:
@@ -24,15 +50,22 @@ def debug_enabled(ctx: click.Context | None = None) -> bool:
     return bool(obj.get("debug"))
 
 
+def error_document(error_type: str, message: str) -> str:
+    """The modelkit.error/1 JSON document every failure prints under --json."""
+    import json  # here: `modelkit scan` without --json never needs it
+
+    return json.dumps({"schema": "modelkit.error/1", "ok": False, "error": {"type": error_type, "message": message}},
+                      indent=2)
+
+
 class LazyGroup(click.Group):
-    """Imports a command's module only when that command runs or its help is shown."""
+    """Imports a command's module only when that command runs or its help is shown; turns library
+    errors into one line (or one JSON document) and exit code 2."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in STDLIB_COMMANDS:
-            return _forwarding_command(name)
         target = COMMANDS.get(name)
         if target is None:
             return None
@@ -50,6 +83,22 @@ class LazyGroup(click.Group):
                     else f"the system refused a read or write: {e.strerror or e}; no output was left behind")
             ctx.exit(EXIT_ERROR)
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """As click's, except that under --json a usage error is a modelkit.error/1 document (exit 2)."""
+        argv = list(sys.argv[1:] if args is None else args)
+        if not standalone_mode or "--json" not in argv:
+            return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:        # usage errors and bad parameters, before any command ran
+            kind = "UsageError" if isinstance(e, click.UsageError) else type(e).__name__
+            click.echo(error_document(kind, e.format_message()))
+            sys.exit(EXIT_ERROR)
+        except click.Abort:
+            click.echo(error_document("Aborted", "aborted"))
+            sys.exit(EXIT_ERROR)
+        sys.exit(code if isinstance(code, int) else EXIT_OK)
+
 
 def _report(ctx: click.Context, error: Exception, message: str | None = None) -> None:
     """The one place a library error becomes output: a JSON document or one line on stderr."""
@@ -58,65 +107,36 @@ def _report(ctx: click.Context, error: Exception, message: str | None = None) ->
 
         traceback.print_exception(error, file=sys.stderr)
     if ctx.meta.get(JSON_META_KEY):
-        doc = {"schema": "modelkit.error/1", "ok": False,
-               "error": {"type": type(error).__name__, "message": message or str(error)}}
-        click.echo(json.dumps(doc, indent=2))
+        click.echo(error_document(type(error).__name__, message or str(error)))
     else:
         click.echo(f"Error: {message or error}", err=True)
 
 
-def set_json(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
-    """Callback for every command's --json flag: errors then come out as JSON too."""
-    ctx.meta[JSON_META_KEY] = value
-    return value
-
-
-json_option = click.option("--json", "as_json", is_flag=True, is_eager=True, callback=set_json,
-                           help="Print one JSON document on stdout (also on error).")
-
-
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="modelkit")
-@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars or log lines; results only.")
-@click.option("--debug", is_flag=True, help="Show tracebacks for errors (same as MODELKIT_DEBUG=1).")
+@output_options
 @click.pass_context
-def main(ctx: click.Context, verbose: int, quiet: bool, debug: bool) -> None:
+def main(ctx: click.Context, as_json: bool) -> None:
     """Move trained models between formats safely, make them smaller, check untrusted files.
+
+    Options shared by the commands (docs/cli.md): --format, --trust, --key, --arch where a model
+    file is read; --force where one is written; --json, -q, -v, --debug everywhere, before or
+    after the command.
 
     \b
     Examples:
       modelkit train cnn --out runs/cnn
       modelkit eval runs/cnn/model.safetensors
       modelkit inspect runs/cnn/model.safetensors --json
+      modelkit scan downloads/ --recursive
       modelkit generate runs/tinylm/model.safetensors --prompt "def "
     """
-    ctx.obj = {"quiet": quiet, "debug": debug, "verbose": verbose}
-    if ctx.invoked_subcommand in STDLIB_COMMANDS:
-        return      # they set up their own logging (only at -v: importing logging costs start-up time)
-    configure_logging(verbose, quiet)
+    obj = ctx.ensure_object(dict)
+    if ctx.invoked_subcommand in LIGHT_COMMANDS and not (obj.get("verbose") or obj.get("quiet")):
+        return          # importing logging is a tenth of a scan's start-up; -v/-q set it up when given
+    configure_logging(int(obj.get("verbose") or 0), bool(obj.get("quiet")))
 
 
-def _forwarding_command(name: str) -> click.Command:
-    """A command written without click (STDLIB_COMMANDS): its arguments pass through untouched.
-
-    It parses them itself, so `modelkit scan --help` and `modelkit --quiet scan` mean the same through
-    click as through the fast path in `modelkit.cli.run`.
-    """
-    module_name, short_help = STDLIB_COMMANDS[name]
-
-    @click.command(name, short_help=short_help, add_help_option=False,
-                   context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-    @click.pass_context
-    def command(ctx: click.Context, args: tuple[str, ...]) -> None:
-        obj = ctx.find_root().obj or {}
-        options = ["--quiet"] * bool(obj.get("quiet")) + ["--debug"] * bool(obj.get("debug")) + \
-            ["-v"] * int(obj.get("verbose") or 0)
-        try:
-            code = importlib.import_module(module_name).run([*options, *args], prog=f"modelkit {name}")
-        except SystemExit as e:       # argparse's --help and usage errors
-            code = e.code if isinstance(e.code, int) else EXIT_ERROR
-        ctx.exit(code)
-
-    return command
+def run(argv: list[str] | None = None) -> None:
+    """The console script: `modelkit ARGS...`."""
+    main(args=sys.argv[1:] if argv is None else list(argv), prog_name="modelkit")

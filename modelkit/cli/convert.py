@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from modelkit.cli import json_option
+from modelkit.cli.options import force_option, output_options, read_options
 from modelkit.cli.output import Progress, emit_json, human_bytes, note
 from modelkit.formats import FORMATS
 
@@ -21,15 +21,12 @@ def describe_verify(verify: dict | None) -> str:
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.argument("dst", type=click.Path(dir_okay=True))
 @click.option("--to", "to", type=click.Choice(sorted(FORMATS)), help="Output format (default: from DST's suffix).")
-@click.option("--from", "source_format", type=click.Choice(sorted(FORMATS)), help="Input format (default: detected from content).")
 @click.option("--dtype", type=click.Choice(["f32", "f16", "bf16"]), help="Cast floating-point tensors.")
-@click.option("--arch", help="Model for graph outputs when SRC names none: a registered name or pkg.module:factory.")
-@click.option("--key", help="For nested checkpoints: the entry holding the state_dict (e.g. model, state_dict).")
 @click.option("--shard-size", help="safetensors: split into shards of at most this size (e.g. 2GB); DST is a folder.")
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Check the output before it takes its name.")
-@click.option("--trust", is_flag=True, help="Allow inputs that run code when loaded (whole-module pickles, TorchScript).")
-@click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
-@json_option
+@read_options()
+@force_option
+@output_options
 def convert(src: str, dst: str, to: str | None, source_format: str | None, dtype: str | None, arch: str | None,
             key: str | None, shard_size: str | None, verify: bool, trust: bool, force: bool, as_json: bool) -> None:
     """Convert SRC to DST. The input format is detected from content; the output's from --to or DST's suffix.

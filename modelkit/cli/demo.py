@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from modelkit.cli import EXIT_ERROR, json_option
+from modelkit.cli.app import EXIT_ERROR
+from modelkit.cli.options import output_options
 from modelkit.cli.output import Progress, emit_json, format_metrics, human_bytes, note, table
 from modelkit.cli.quantize import render
 
@@ -95,7 +96,7 @@ def _verify_cell(row: dict) -> str:
 @click.command()
 @click.option("--out", default="runs", show_default=True, type=click.Path(file_okay=False), help="Folder for the trained models.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@json_option
+@output_options
 def demo(out: str, seed: int, as_json: bool) -> None:
     """Train mlp, cnn and tinylm, check their bars, convert each to every format, quantize cnn and
     tinylm with every main scheme, run a prune -> int8 -> ONNX chain on cnn, print summaries.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from modelkit.cli import json_option
+from modelkit.cli.options import device_option, force_option, output_options, read_options
 from modelkit.cli.output import Progress, emit_json, human_bytes, table
 
 
@@ -18,12 +18,14 @@ from modelkit.cli.output import Progress, emit_json, human_bytes, table
               help="Weight of the soft targets (default: 0.9 for mlp and cnn, 0.5 for tinylm).")
 @click.option("--epochs", type=click.IntRange(1), help="Training epochs (default: the model's own recipe).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True)
+@device_option
 @click.option("--baseline/--no-baseline", default=True, show_default=True, help="Also train the student alone, same epochs and seed.")
-@click.option("--force", is_flag=True, help="Overwrite earlier runs in --out.")
-@json_option
+@read_options()
+@force_option
+@output_options
 def distill(teacher: str, student: str, out: str, temperature: float | None, alpha: float | None, epochs: int | None, seed: int,
-            device: str, baseline: bool, force: bool, as_json: bool) -> None:
+            device: str, baseline: bool, source_format: str | None, trust: bool, key: str | None, arch: str | None,
+            force: bool, as_json: bool) -> None:
     """Distill TEACHER into a smaller STUDENT and compare it with the student trained alone.
 
     loss = alpha * T^2 * KL(teacher/T || student/T) + (1 - alpha) * cross-entropy, on the teacher's
@@ -38,11 +40,13 @@ def distill(teacher: str, student: str, out: str, temperature: float | None, alp
     from modelkit.pipeline.compress import distill_file
     from modelkit.quantizers.distill import default_config
 
-    arch = load(teacher).arch
-    config = default_config(arch.name if arch else "", temperature=temperature, alpha=alpha)
+    spec = load(teacher, format=source_format, trust=trust, key=key).arch
+    teacher_arch = arch if arch and ":" not in arch else (spec.name if spec else "")
+    config = default_config(teacher_arch, temperature=temperature, alpha=alpha)
     with Progress("distill", enabled=not as_json) as progress:
         report = distill_file(teacher, student, out, config, epochs=epochs,
-                              seed=seed, device=device, baseline=baseline, force=force, progress=progress)
+                              seed=seed, device=device, baseline=baseline, force=force, progress=progress,
+                              source_format=source_format, trust=trust, key=key, arch=arch)
     if report is None:                  # a rank other than 0 under torchrun: rank 0 reports
         return
     if as_json:

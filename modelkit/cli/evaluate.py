@@ -3,21 +3,22 @@ from __future__ import annotations
 
 import click
 
-from modelkit.cli import json_option
+from modelkit.cli.options import device_option, output_options, read_options
 from modelkit.cli.output import emit_json, format_metrics
+from modelkit.formats import RUNTIMES
 
 
 @click.command("eval")
 @click.argument("checkpoint", type=click.Path(dir_okay=True))
 @click.option("--split", type=click.Choice(["train", "val", "test"]),
               help="Data split (default: test for classifiers, val for tinylm).")
-@click.option("--arch", help="Reference model to rebuild when the file names none.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True)
-@click.option("--runtime", type=click.Choice(["torch", "onnxruntime"]), default="torch", show_default=True,
+@device_option
+@click.option("--runtime", type=click.Choice(RUNTIMES), default="torch", show_default=True,
               help="onnxruntime: run an ONNX file in an onnxruntime session instead of torch.")
-@json_option
-def eval_command(checkpoint: str, split: str | None, arch: str | None, device: str, runtime: str,
-                 as_json: bool) -> None:
+@read_options()
+@output_options
+def eval_command(checkpoint: str, split: str | None, device: str, runtime: str, source_format: str | None,
+                 trust: bool, key: str | None, arch: str | None, as_json: bool) -> None:
     """Evaluate CHECKPOINT: accuracy for mlp/cnn; bits per byte, perplexity and the unigram baseline for tinylm.
 
     \b
@@ -28,7 +29,8 @@ def eval_command(checkpoint: str, split: str | None, arch: str | None, device: s
     """
     from modelkit.api import evaluate
 
-    result = evaluate(checkpoint, split=split, arch=arch, device=device, runtime=runtime)
+    result = evaluate(checkpoint, split=split, arch=arch, device=device, runtime=runtime, format=source_format,
+                      trust=trust, key=key)
     if as_json:
         emit_json({"schema": "modelkit.eval/1", "ok": True, "path": checkpoint, **result})
         return

@@ -5,16 +5,17 @@ import json
 
 import click
 
-from modelkit.cli import json_option
+from modelkit.cli.options import output_options, read_options
 from modelkit.cli.output import emit_json, format_metrics, human_bytes, table
 
 
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=True))
-@click.option("--format", "format_name", help="Read as this format instead of detecting it.")
 @click.option("--limit", type=click.IntRange(0), help="Show at most this many tensors (totals count all).")
-@json_option
-def inspect(file: str, format_name: str | None, limit: int | None, as_json: bool) -> None:
+@read_options(arch=False)
+@output_options
+def inspect(file: str, limit: int | None, source_format: str | None, trust: bool, key: str | None,
+            as_json: bool) -> None:
     """Show FILE's format, tensors (name, dtype, shape, bytes), totals, metadata and ArchSpec.
 
     Never reads tensor data, so it is fast on files of any size.
@@ -26,7 +27,7 @@ def inspect(file: str, format_name: str | None, limit: int | None, as_json: bool
     """
     from modelkit.api import inspect as run_inspect
 
-    info = run_inspect(file, format=format_name)
+    info = run_inspect(file, format=source_format, trust=trust, key=key)
     if as_json:
         emit_json({"schema": "modelkit.inspect/1", "ok": True, **info.to_dict()})
         return

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import click
 
-from modelkit.cli import json_option
+from modelkit.cli.options import output_options
 from modelkit.cli.output import emit_json, table
 from modelkit.models import MODELS
 
 
 @click.command()
-@json_option
+@output_options
 def models(as_json: bool) -> None:
     """List the reference models (the zoo).
 

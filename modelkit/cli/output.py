@@ -1,7 +1,6 @@
 """How commands show results: human text or one JSON document on stdout; progress and logs on stderr."""
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -17,6 +16,8 @@ def is_quiet() -> bool:
 
 
 def emit_json(doc: Mapping[str, Any]) -> None:
+    import json  # here, not at the top: `modelkit scan` without --json never needs it
+
     click.echo(json.dumps(doc, indent=2, default=str))
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from modelkit.cli import json_option
+from modelkit.cli.options import device_option, force_option, output_options, read_options
 from modelkit.cli.output import Progress, emit_json, human_bytes, table
 
 
@@ -24,11 +24,13 @@ def _value(value: float | None) -> str:
               help="Recover accuracy with the zoo's training loop; pruned weights stay zero.")
 @click.option("--lr", type=float, help="Fine-tuning learning rate (default: the model's own).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True)
-@click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
-@json_option
+@device_option
+@read_options()
+@force_option
+@output_options
 def prune(src: str, dst: str, method: str, sparsity: float, scope: str, skip: tuple[str, ...], finetune_epochs: int,
-          lr: float | None, seed: int, device: str, force: bool, as_json: bool) -> None:
+          lr: float | None, seed: int, device: str, source_format: str | None, trust: bool, key: str | None,
+          arch: str | None, force: bool, as_json: bool) -> None:
     """Prune the reference model in SRC and save it to DST (any format, from DST's suffix).
 
     Prints parameters and file size before and after, the sparsity of each layer, and the metric
@@ -47,7 +49,8 @@ def prune(src: str, dst: str, method: str, sparsity: float, scope: str, skip: tu
     config = PruneConfig(method=method, sparsity=sparsity, scope=scope, skip=skip)
     with Progress("fine-tune", enabled=not as_json) as progress:
         report = prune_file(src, dst, config, finetune_epochs=finetune_epochs, lr=lr, seed=seed, device=device,
-                            force=force, progress=progress)
+                            force=force, progress=progress, source_format=source_format, trust=trust, key=key,
+                            arch=arch)
     if report is None:                  # a rank other than 0 under torchrun: rank 0 reports
         return
     if as_json:

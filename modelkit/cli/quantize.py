@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from modelkit.cli import json_option
+from modelkit.cli.options import force_option, output_options, read_options
 from modelkit.cli.output import Progress, emit_json, human_bytes, note, table
 from modelkit.formats import FORMATS
 
@@ -77,11 +77,13 @@ def render(reports: list) -> str:
 @click.option("--eval", "evaluate", is_flag=True, help="Measure the metric before and after, and CPU latency.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Draw the metric against size for every scheme (PNG).")
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Read the output back and rebuild the model.")
-@click.option("--force", is_flag=True, help="Overwrite existing outputs.")
-@json_option
+@read_options()
+@force_option
+@output_options
 def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int | None, skip: tuple[str, ...],
              to: str | None, qat: bool, epochs: int, steps: int | None, lr: float | None, evaluate: bool,
-             plot: str | None, verify: bool, force: bool, as_json: bool) -> None:
+             plot: str | None, verify: bool, source_format: str | None, trust: bool, key: str | None,
+             arch: str | None, force: bool, as_json: bool) -> None:
     """Quantize SRC into DST and report the cost: bits per weight, file size and ratio, the
     model's metric before and after (--eval), CPU latency at batch 1 and 64, and the time taken.
 
@@ -106,7 +108,7 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int
     if not names:
         raise ConfigError("--scheme needs at least one scheme name")
     options = {"group_size": group_size, "skip": skip, "qat": qat, "epochs": epochs, "steps": steps, "lr": lr,
-               "verify": verify}
+               "verify": verify, "source_format": source_format, "trust": trust, "key": key, "arch": arch}
     with Progress("qat", enabled=qat and not as_json) as progress, \
             Progress("schemes", enabled=len(names) > 1 and not qat and not as_json) as schemes_done:
         if len(names) == 1:

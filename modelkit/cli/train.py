@@ -6,7 +6,7 @@ import os
 
 import click
 
-from modelkit.cli import json_option
+from modelkit.cli.options import device_option, force_option, output_options
 from modelkit.cli.output import Progress, emit_json, format_metrics, note
 from modelkit.errors import ConfigError
 from modelkit.models import MODELS
@@ -35,11 +35,11 @@ def _parse_settings(values: tuple[str, ...]) -> dict[str, object]:
 @click.option("--weight-decay", type=float, help="AdamW weight decay.")
 @click.option("--steps-per-epoch", type=int, help="Cap the steps of each epoch (quick runs).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same weights.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "mps"]), default="auto", show_default=True)
+@device_option
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Model config value, e.g. --set hidden_size=256 (repeatable).")
 @click.option("--resume", is_flag=True, help="Continue the run saved in --out.")
-@click.option("--force", is_flag=True, help="Overwrite a finished run in --out.")
-@json_option
+@force_option
+@output_options
 def train(model: str, out: str, epochs: int | None, batch_size: int | None, lr: float | None,
           weight_decay: float | None, steps_per_epoch: int | None, seed: int, device: str,
           settings: tuple[str, ...], resume: bool, force: bool, as_json: bool) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from modelkit.errors import ConfigError, UnsupportedConversionError
-from modelkit.formats import detect_format
+from modelkit.formats import RUNTIMES, detect_format
 from modelkit.models import ArchSpec
 
 PathLike = str | os.PathLike[str]
@@ -31,7 +31,6 @@ def arch_name(model: nn.Module) -> str:
     return name
 
 
-RUNTIMES = ("torch", "onnxruntime")
 
 
 def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, arch: str | None = None,
