@@ -74,8 +74,15 @@ def sample_inputs(module: nn.Module, example_inputs: tuple[Any, ...] | None = No
         raise ConfigError(f"{type(module).__name__} is not a reference model: pass example_inputs for export and checks")
     make = load_model_module(name).example_inputs
     dtype = module_dtype(module)       # a module cast to f16/bf16 takes inputs of that dtype
-    return [tuple(x.to(dtype) if x.is_floating_point() else x for x in (make(batch, seed=seed),))
-            for seed, batch in enumerate(batches)]
+    # Token ids: the zoo makes byte ids (0-255); a smaller vocabulary takes them modulo its size.
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+
+    def fit(x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point():
+            return x.to(dtype)
+        return x % vocab if isinstance(vocab, int) and vocab > 0 else x
+
+    return [(fit(make(batch, seed=seed)),) for seed, batch in enumerate(batches)]
 
 
 def verify_outputs(module: nn.Module, run: Callable[..., torch.Tensor], inputs: list[tuple[Any, ...]], *,
