@@ -210,6 +210,7 @@ def quantize_onnx(src: PathLike, dst: PathLike | None, *, scheme: str, group_siz
         quantized.metadata_props.add(key=key, value=value)
     config = {"scheme": scheme, "tool": "onnxruntime", **({"group_size": group} if scheme == "int4" else {})}
     quantized.metadata_props.add(key=QUANT_KEY, value=json.dumps(config, sort_keys=True))
+
     def write(tmp: Path) -> None:
         onnx.save(quantized, str(tmp))
         onnx.checker.check_model(str(tmp))

@@ -185,7 +185,7 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
 
     # module=None: the graph check against a float module does not apply; rebuilt_model does it
     result, size = write_checkpoint(ckpt, dst, fmt, WriteOptions(final_path=dst), force=force, verify=verify,
-                                  module=None, also=rebuilt_model)
+                                    module=None, also=rebuilt_model)
     return {"path": str(dst), "format": fmt, "bytes": size}, result
 
 
