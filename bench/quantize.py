@@ -38,7 +38,8 @@ import torch
 from modelkit import schemes
 from modelkit.api import evaluate, load, load_module
 from modelkit.models import config_from_dict, load_model_module
-from modelkit.pipeline.quantize import latencies, quantize_module, train_qat
+from modelkit.pipeline.measure import latencies
+from modelkit.pipeline.quantize import quantize_module, train_qat
 from modelkit.pipeline.train import TRAIN_KEY, TrainConfig, train
 
 RESULTS: dict[str, Any] = {"bars": []}

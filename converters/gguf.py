@@ -52,9 +52,8 @@ from gguf import (
     LlamaFileType,
     TokenType,
 )
-from gguf.quants import dequantize as gguf_dequantize
 
-from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, DEQUANTIZERS, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
+from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import META_PREFIX, TENSORS_KEY, json_object
@@ -364,22 +363,6 @@ def _tinylm_spec(fields: dict[str, Any], tensors: dict[str, Any]) -> ArchSpec | 
         if set(tensors) == set(_llama_names(config.num_hidden_layers)):
             return ArchSpec(name, config_to_dict(config))
     return None
-
-
-def _dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """Layout "gguf": gguf-py's reference dequantization of one block-quantized tensor."""
-    try:
-        ggml_type = GGMLQuantizationType[str(q.params["ggml_type"])]
-        values = gguf_dequantize(q.parts["qdata"].load().numpy(), ggml_type)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(q.shape).to(q.dtype)
-    except NotImplementedError as e:
-        raise UnsupportedConversionError(f"gguf {q.params.get('ggml_type')}", "float",
-                                         "gguf-py cannot dequantize this type yet") from e
-    except (KeyError, ValueError, RuntimeError) as e:
-        raise FormatError(q.source or "<tensor>", f"cannot dequantize ({type(e).__name__}: {e})") from e
-
-
-DEQUANTIZERS.setdefault("gguf", _dequantize)
 
 
 # --------------------------------------------------------------------------------------- write

@@ -531,7 +531,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), 
     narrow = {} if quantized else _narrow_weights(ckpt)
     module = options.module
     if module is None or quantized or narrow:
-        module = instantiate(ckpt, source="the checkpoint", target="onnx")
+        module = instantiate(ckpt, source="the checkpoint", target="onnx", dequantize=True)
         # instantiate loads into the model's own dtype (float32): give every tensor the checkpoint's
         # dtype and bits again, so a float16 checkpoint exports as a float16 graph. 16-bit weights
         # in a float32 model (fp16 / bf16 schemes) stay float32 here; _cast_up stores them narrow.

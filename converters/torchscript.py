@@ -386,7 +386,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
 
     module = options.module
     if module is None:
-        module = instantiate(ckpt, source="the checkpoint", target="torchscript")
+        module = instantiate(ckpt, source="the checkpoint", target="torchscript", dequantize=True)
     compiled, how = _compile(module, options)
     info = {
         "format": _LAYOUT, "export": how,

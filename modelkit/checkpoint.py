@@ -144,46 +144,72 @@ class Checkpoint:
         return {name: t.load() for name, t in self.tensors.items()}
 
 
+# Quantized layers live in the quantizers layer, above this one: reached through this lazy path
+# (as storage.tensors.LAYOUT_MODULES reaches dequantizers), never imported here.
+QUANTIZED_REBUILDER = "modelkit.quantizers._modules:rebuild"
+
+
+def _build(ckpt: Checkpoint, arch: ArchSpec | str | None, source: str, target: str) -> tuple[nn.Module, str]:
+    """The bare module: a user factory, or a registered model from `arch` / the file's ArchSpec."""
+    if isinstance(arch, str) and ":" in arch:
+        return models.load_factory(arch)(), arch
+    if isinstance(arch, str):
+        arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
+    spec = arch or ckpt.arch
+    if spec is None:
+        raise UnsupportedConversionError(
+            source, target,
+            f"the file names no architecture; pass --arch NAME (one of {', '.join(models.MODELS)}) "
+            "or --arch pkg.module:factory (API: arch=...)",
+        )
+    return models.build_from_spec(spec), spec.name
+
+
+def _quantized_layers(model: nn.Module, quantized: Mapping[str, QuantizedTensor], source: str) -> nn.Module:
+    import importlib
+
+    module, _, function = QUANTIZED_REBUILDER.partition(":")
+    return getattr(importlib.import_module(module), function)(model, dict(quantized), source=source)
+
+
 def instantiate(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source: str = "checkpoint",
-                target: str = "a runnable model") -> nn.Module:
+                target: str = "a runnable model", dequantize: bool = False) -> nn.Module:
     """Rebuild a runnable module from a checkpoint: its ArchSpec (or `arch`) plus its weights.
+
+    The one rebuilder of modelkit: files, exports and verifications all come through here.
+    Quantized tensors become quantized layers holding them as stored (nothing is re-quantized),
+    unless `dequantize`, which loads their float values into the float model (what graph
+    exporters trace).
 
     Args:
         ckpt: The weights (and usually the ArchSpec).
         arch: Overrides the file: an ArchSpec, a registered model name (the file's config is kept
             when it names the same model), or a user factory "pkg.module:function".
         source, target: Names for error messages ("m.safetensors", "onnx").
+        dequantize: Build the float model even when the checkpoint holds quantized tensors.
 
     Raises:
         UnsupportedConversionError: no architecture is known.
         ConfigError: the weights do not fit the architecture.
     """
-    if isinstance(arch, str) and ":" in arch:
-        model = models.load_factory(arch)()
-        label = arch
-    else:
-        if isinstance(arch, str):
-            arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
-        spec = arch or ckpt.arch
-        if spec is None:
-            raise UnsupportedConversionError(
-                source, target,
-                f"the file names no architecture; pass --arch NAME (one of {', '.join(models.MODELS)}) "
-                "or --arch pkg.module:factory (API: arch=...)",
-            )
-        model = models.build_from_spec(spec)
-        label = spec.name
-    state = ckpt.materialize()
+    model, label = _build(ckpt, arch, source, target)
+    quantized = {} if dequantize else {n: t for n, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)}
+    if quantized:
+        model = _quantized_layers(model, quantized, source)
+    state = {n: t.load() for n, t in ckpt.tensors.items() if n not in quantized}
     expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    # A quantized layer's own keys (packed data, scales) come from its QuantizedTensor, its bias from the file.
+    owners = {n.rpartition(".")[0] for n in quantized}
+    wanted = {k for k in expected if k.rpartition(".")[0] not in owners or k.rpartition(".")[2] == "bias"}
+    missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ConfigError(
             f"{source}: weights do not fit architecture {label!r}"
             + (f"; missing {missing[:3]}" if missing else "") + (f"; unexpected {unexpected[:3]}" if unexpected else "")
         )
-    wrong = [k for k in expected if tuple(expected[k].shape) != tuple(state[k].shape)]
+    wrong = [k for k in state if tuple(expected[k].shape) != tuple(state[k].shape)]
     if wrong:
         raise ConfigError(f"{source}: weights do not fit architecture {label!r}; {wrong[0]} is "
                           f"{list(state[wrong[0]].shape)}, the model expects {list(expected[wrong[0]].shape)}")
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not quantized)
     return model.eval()

@@ -39,8 +39,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from modelkit.checkpoint import DEQUANTIZERS, LazyTensor, QuantizedTensor
-from modelkit.errors import ConfigError, FormatError, MissingDependencyError
+from modelkit.checkpoint import LazyTensor, QuantizedTensor
+from modelkit.errors import ConfigError, FormatError, MissingDependencyError, UnsupportedConversionError
 from modelkit.quantizers import _modules
 from modelkit.storage.memory import empty_bytes
 
@@ -396,7 +396,7 @@ def dequantize(data: torch.Tensor, type_name: str, shape: tuple[int, ...] | None
     return values
 
 
-def _dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
+def dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
     """Layout "gguf": block bytes in parts["qdata"], the block type in params["ggml_type"]."""
     ggml_type = str(q.params.get("ggml_type", ""))
     if ggml_type.lower() in BLOCK_TYPES:
@@ -411,13 +411,11 @@ def _dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
         raise FormatError(q.source or "<tensor>", f"unknown GGUF block type {ggml_type!r}")
     try:
         values = gguf_dequantize(q.parts["qdata"].load().numpy(), GGMLQuantizationType[ggml_type])
+        return torch.from_numpy(values.astype("float32", copy=False)).reshape(q.shape).to(q.dtype)
     except NotImplementedError as e:
-        raise FormatError(q.source or "<tensor>", f"gguf-py cannot dequantize {ggml_type} yet") from e
-    return torch.from_numpy(values.astype("float32", copy=False)).reshape(q.shape).to(q.dtype)
-
-
-DEQUANTIZERS.setdefault("gguf", _dequantize_layout)
-
+        raise UnsupportedConversionError(f"gguf {ggml_type}", "float", "gguf-py cannot dequantize this type yet") from e
+    except (ValueError, RuntimeError) as e:        # block bytes that do not fit the type or the shape
+        raise FormatError(q.source or "<tensor>", f"cannot dequantize {ggml_type} ({type(e).__name__}: {e})") from e
 
 def quantized_tensor(weight: torch.Tensor, type_name: str, *, scheme: str | None = None) -> QuantizedTensor:
     """`weight` as a QuantizedTensor of GGUF blocks (the form the GGUF writer stores natively)."""

@@ -109,3 +109,37 @@ def test_quantized_tensor_with_unknown_layout_is_a_format_error():
     qt = QuantizedTensor("x", "nope", (2,), torch.float32, {"qdata": LazyTensor.of(torch.zeros(2, dtype=torch.int8))})
     with pytest.raises(FormatError, match="unknown quantized layout 'nope'"):
         qt.load()
+
+
+def test_one_rebuilder_for_float_and_quantized_checkpoints():
+    """checkpoint.instantiate rebuilds quantized layers holding the stored parts, or (dequantize=True,
+    what graph exporters trace) the float model with the dequantized values."""
+    from modelkit.checkpoint import instantiate
+    from modelkit.pipeline.quantize import quantize_module
+    from modelkit.quantizers.int8 import Int8Config
+
+    model = build("mlp", seed=0).eval()
+    quantized = quantize_module(model, Int8Config()).eval()
+    ckpt = Checkpoint.from_module(quantized)
+    x = torch.randn(5, 2, generator=torch.Generator().manual_seed(0))
+    rebuilt = instantiate(ckpt)
+    assert type(rebuilt.net[0]) is type(quantized.net[0]) and torch.equal(rebuilt(x), quantized(x))
+    floats = instantiate(ckpt, dequantize=True)
+    assert isinstance(floats.net[0], torch.nn.Linear)
+    assert torch.equal(floats.net[0].weight, ckpt.tensors["net.0.weight"].load())
+    assert torch.equal(instantiate(Checkpoint.from_module(model))(x), model(x))
+
+
+def test_each_quantized_layout_has_one_dequantizer():
+    """The layout table is the only registration: no converter or quantizer registers one on import."""
+    from pathlib import Path
+
+    import modelkit.converters.gguf  # noqa: F401  (reading GGUF files used to register a second "gguf")
+    from modelkit.quantizers import gguf_blocks
+    from modelkit.storage.tensors import dequantizer
+
+    assert dequantizer("gguf") is gguf_blocks.dequantize_layout
+    root = Path(__file__).resolve().parents[1]
+    registering = [p.name for folder in ("converters", "quantizers") for p in (root / folder).glob("*.py")
+                   if "DEQUANTIZERS" in p.read_text()]
+    assert registering == []

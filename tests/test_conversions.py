@@ -147,16 +147,73 @@ def test_existing_output_needs_force_and_input_is_never_the_output(tmp_path, mlp
 
 
 def test_failed_verification_leaves_no_output(tmp_path, mlp, monkeypatch):
-    from modelkit.pipeline import convert as conversion
+    from modelkit.pipeline import write as conversion
 
     def broken(expected, written, *, label):
         raise VerificationError(f"{label}: tensor differs", max_abs_err=1.0, atol=0.0)
 
+    source = _source(tmp_path, "safetensors", mlp)           # written (and verified) before the check breaks
     monkeypatch.setattr(conversion, "verify_weights", broken)
-    source = _source(tmp_path, "safetensors", mlp)
     with pytest.raises(VerificationError):
         modelkit.convert(source, tmp_path / "out.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
+
+
+def _broken_weights(monkeypatch):
+    """Every bit-exact check of the one write path fails from here on."""
+    from modelkit.pipeline import write
+
+    def broken(expected, written, *, label):
+        raise VerificationError(f"{label}: tensor differs", max_abs_err=1.0, atol=0.0)
+
+    monkeypatch.setattr(write, "verify_weights", broken)
+
+
+def test_save_verifies_and_a_failure_leaves_no_output(tmp_path, mlp, monkeypatch):
+    """api.save goes through the write path: weights read back bit for bit, a graph also run."""
+    from modelkit.pipeline import write
+
+    def broken(module, run, inputs, *, atol=0.0, rtol=0.0, label):
+        raise VerificationError(f"{label}: outputs differ", max_abs_err=1.0, atol=atol)
+
+    monkeypatch.setattr(write, "verify_outputs", broken)
+    with pytest.raises(VerificationError, match="outputs differ"):
+        modelkit.save(Checkpoint.from_module(mlp), tmp_path / "m.onnx")
+    _broken_weights(monkeypatch)
+    with pytest.raises(VerificationError, match="tensor differs"):
+        modelkit.save(Checkpoint.from_module(mlp), tmp_path / "m.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_verification_of_a_pruned_model_leaves_no_output(tmp_path, mlp, monkeypatch):
+    from modelkit.pipeline.compress import prune_file
+    from modelkit.quantizers.prune import PruneConfig
+
+    source = _source(tmp_path, "safetensors", mlp)
+    _broken_weights(monkeypatch)
+    with pytest.raises(VerificationError):
+        prune_file(source, tmp_path / "pruned.safetensors", PruneConfig(method="magnitude", sparsity=0.5), device="cpu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]
+
+
+def test_failed_verification_of_a_training_checkpoint_leaves_no_output(tmp_path, monkeypatch):
+    from modelkit.pipeline.train import TrainConfig, train
+
+    _broken_weights(monkeypatch)
+    with pytest.raises(VerificationError):
+        train("mlp", tmp_path / "run", config=TrainConfig(epochs=1, steps_per_epoch=1, device="cpu"))
+    assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_failed_verification_of_an_onnx_quantization_leaves_no_output(tmp_path, mlp, monkeypatch):
+    from modelkit.pipeline import onnx_quantize
+
+    source = _source(tmp_path, "onnx", mlp)
+    real = onnx_quantize.compare_outputs
+    monkeypatch.setattr(onnx_quantize, "compare_outputs", lambda *a, **k: real(*a, **{**k, "rtol": 0.0}))
+    with pytest.raises(VerificationError, match="quantized session"):
+        modelkit.quantize(source, tmp_path / "q.onnx", scheme="int8-dynamic")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.onnx"]
 
 
 @pytest.mark.parametrize("verification_fails", [False, True])
@@ -166,7 +223,7 @@ def test_fsync_failure_during_verification_leaves_no_output(tmp_path, mlp, monke
     import errno
     import os
 
-    from modelkit.pipeline import convert as conversion
+    from modelkit.pipeline import write as conversion
 
     real_fsync = os.fsync
 
@@ -175,12 +232,12 @@ def test_fsync_failure_during_verification_leaves_no_output(tmp_path, mlp, monke
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
 
+    source = _source(tmp_path, "safetensors", mlp)
     monkeypatch.setattr(os, "fsync", failing_fsync)
     if verification_fails:
         def broken(expected, written, *, label):
             raise VerificationError(f"{label}: tensor differs", max_abs_err=1.0, atol=0.0)
         monkeypatch.setattr(conversion, "verify_weights", broken)
-    source = _source(tmp_path, "safetensors", mlp)
     with pytest.raises(VerificationError if verification_fails else OSError):
         modelkit.convert(source, tmp_path / "out.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.safetensors"]

@@ -127,7 +127,7 @@ def test_write_streams_one_tensor_at_a_time(tmp_path):
         return LazyTensor(tensor.dtype, tuple(tensor.shape), reader)
 
     tensors = {f"t{i}": lazy(f"t{i}", torch.full((8,), float(i))) for i in range(5)}
-    modelkit.save(Checkpoint(tensors), tmp_path / "s.gguf", format="gguf")
+    modelkit.save(Checkpoint(tensors), tmp_path / "s.gguf", format="gguf", verify=False)   # the writer alone
     assert loads == list(tensors)     # the header comes from the specs: each tensor is read once, in order
 
 

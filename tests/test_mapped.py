@@ -98,7 +98,7 @@ def test_torch_zip_checkpoints_give_spans_for_mapped_tensors(tmp_path):
 
 @pytest.mark.parametrize("offset", [0, 1, 8])
 def test_verification_finds_one_flipped_byte_at_any_alignment(offset):
-    from modelkit.pipeline.convert import _same_bits
+    from modelkit.pipeline.verify import _same_bits
 
     raw = torch.arange(64 + offset, dtype=torch.uint8)
     a = raw[offset:].view(torch.float16) if offset % 2 == 0 else raw[offset:offset + 64].clone().view(torch.float16)

@@ -21,6 +21,7 @@ from modelkit.checkpoint import Checkpoint
 from modelkit.errors import ConfigError, UnsupportedConversionError
 from modelkit.metadata import DISTILL_KEY, METRICS_KEY, PRUNE_KEY
 from modelkit.pipeline import distributed
+from modelkit.pipeline.measure import evaluate
 
 PathLike = str | os.PathLike[str]
 
@@ -30,12 +31,6 @@ def _arch_name(model: nn.Module) -> str:
         raise UnsupportedConversionError(type(model).__name__, "prune/distill report",
                                          "metrics and fine-tuning need a reference model (mlp, cnn, tinylm)")
     return name
-
-
-def _metric(model: nn.Module, device: str) -> dict[str, Any]:
-    from modelkit.pipeline.measure import evaluate
-
-    return evaluate(model, device=device)
 
 
 def _parameters(model: nn.Module) -> int:
@@ -92,27 +87,32 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
         >>> report = prune_file("runs/cnn/model.safetensors", "cnn-pruned.safetensors",        # doctest: +SKIP
         ...                     PruneConfig(method="structured", sparsity=0.5), finetune_epochs=10)
     """
-    from modelkit.pipeline.load import load_module, save
+    from modelkit.formats import FORMATS, WriteOptions, format_for_output
+    from modelkit.pipeline.load import load_module
+    from modelkit.pipeline.write import write_checkpoint
     from modelkit.quantizers import prune
 
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
     model = load_module(src)
     name = _arch_name(model)
-    before = _metric(model, device)
+    before = evaluate(model, device=device)
     pruned = prune.apply(model, config)
-    after = _metric(pruned, device)
+    after = evaluate(pruned, device=device)
     tuned = None
     if finetune_epochs:
         finetune(pruned, epochs=finetune_epochs, lr=lr, seed=seed, device=device, progress=progress)
-        tuned = _metric(pruned, device)
+        tuned = evaluate(pruned, device=device)
     metric = before["split"] + " " + _headline(name)
     final = tuned or after
     metadata = {PRUNE_KEY: json.dumps({**prune.config_dict(config), "finetune_epochs": finetune_epochs}),
                 METRICS_KEY: json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})}
     if not distributed.from_environment().is_main:
         return None                     # under torchrun only rank 0 writes and reports
-    save(Checkpoint.from_module(pruned, metadata=metadata), dst, force=force)
+    fmt = format_for_output(dst, None)
+    module = pruned if FORMATS[fmt].has_graph else None      # a graph's outputs are checked against the pruned model
+    write_checkpoint(Checkpoint.from_module(pruned, metadata=metadata), dst, fmt,
+                     WriteOptions(module=module, final_path=dst), force=force, module=module)
     return PruneReport(
         source=str(src), target=str(dst), config=prune.config_dict(config), metric=metric,
         parameters={"before": _parameters(model), "after": _parameters(pruned)},
@@ -185,7 +185,6 @@ def distill_file(teacher: PathLike, student: str, out: PathLike, config: Any = N
     """
     from modelkit.models import load_model_module
     from modelkit.pipeline.load import load_module
-    from modelkit.pipeline.measure import evaluate
     from modelkit.pipeline.train import TrainConfig, train
     from modelkit.quantizers.distill import DistillationLoss, config_dict, default_config
 

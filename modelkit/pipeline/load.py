@@ -9,8 +9,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from modelkit.checkpoint import ArchSpec, Checkpoint, QuantizedTensor
-from modelkit.errors import ConfigError, UnsupportedConversionError
+from modelkit.checkpoint import ArchSpec, Checkpoint, instantiate
 from modelkit.formats import (
     FORMATS,
     ReadOptions,
@@ -20,7 +19,8 @@ from modelkit.formats import (
     format_for_output,
     load_format,
 )
-from modelkit.storage.atomic import atomic_path
+from modelkit.pipeline.verify import reference_module
+from modelkit.pipeline.write import write_checkpoint
 
 if TYPE_CHECKING:
     from torch import nn
@@ -57,15 +57,25 @@ def load(path: PathLike, *, format: str | None = None, trust: bool = False, key:
     return load_format(fmt).read(path, ReadOptions(trust=trust, key=key, dequantize=dequantize))
 
 
-def save(ckpt: Checkpoint, path: PathLike, *, format: str | None = None, force: bool = False) -> Path:
-    """Write `ckpt` to `path` atomically (temporary file, fsync, rename); returns the path.
+def save(ckpt: Checkpoint, path: PathLike, *, format: str | None = None, force: bool = False,
+         verify: bool = True) -> Path:
+    """Write `ckpt` to `path` through the one write path: a temporary file, fsynced, verified
+    (every tensor read back bit for bit; graph formats also run against the rebuilt model),
+    renamed into place. Returns the path.
 
-    The format comes from `format` or the path's suffix. An existing file needs `force=True`.
+    Args:
+        ckpt: What to write.
+        path: The output; its format comes from `format` or the suffix.
+        format: Output format name.
+        force: Overwrite an existing file.
+        verify: Check the written file (on by default); a failure raises VerificationError and
+            leaves no output.
     """
     path = Path(path)
     fmt = format_for_output(path, format)
-    with atomic_path(path, force=force, companions=FORMATS[fmt].companions) as tmp:
-        load_format(fmt).write(ckpt, tmp, WriteOptions(final_path=path))
+    module = reference_module(ckpt, target=fmt) if verify and FORMATS[fmt].has_graph else None
+    write_checkpoint(ckpt, path, fmt, WriteOptions(module=module, final_path=path), force=force, verify=verify,
+                     module=module)
     return path
 
 
@@ -86,42 +96,5 @@ def load_module(path: PathLike, *, format: str | None = None, arch: ArchSpec | s
     Example:
         >>> model = modelkit.load_module("runs/cnn/model.safetensors")   # doctest: +SKIP
     """
-    from modelkit.checkpoint import instantiate
-
     ckpt = load(path, format=format, trust=trust)
-    if any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):   # quantized layers, not dequantized floats
-        return instantiate_quantized(ckpt, arch=arch, source=str(path))
-    return instantiate(ckpt, arch=arch, source=str(path))
-
-
-def instantiate_quantized(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source: str = "checkpoint") -> nn.Module:
-    """Rebuild a runnable quantized model: the float model from the ArchSpec, quantized layers
-    holding the file's QuantizedTensors as stored (nothing is re-quantized), the rest loaded."""
-    from modelkit.models import build_from_spec, load_factory
-    from modelkit.quantizers import _modules
-
-    if isinstance(arch, str) and ":" in arch:
-        model = load_factory(arch)()
-    else:
-        if isinstance(arch, str):
-            arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
-        spec = arch or ckpt.arch
-        if spec is None:
-            raise UnsupportedConversionError(source, "a runnable model", "the file names no architecture; pass --arch NAME")
-        model = build_from_spec(spec)
-    quantized = {n: t for n, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)}
-    model = _modules.rebuild(model, quantized, source=source)
-    state = {n: t.load() for n, t in ckpt.tensors.items() if not isinstance(t, QuantizedTensor)}
-    owners = {n.rpartition(".")[0] for n in quantized}
-    expected = {k for k in model.state_dict()
-                if k.rpartition(".")[0] not in owners or k.rpartition(".")[2] in ("bias",)}
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - set(model.state_dict()))
-    if missing or unexpected:
-        raise ConfigError(f"{source}: weights do not fit the architecture"
-                          + (f"; missing {missing[:3]}" if missing else "") + (f"; unexpected {unexpected[:3]}" if unexpected else ""))
-    current = model.state_dict()
-    wrong = [k for k in state if tuple(current[k].shape) != tuple(state[k].shape)]
-    if wrong:
-        raise ConfigError(f"{source}: {wrong[0]} is {list(state[wrong[0]].shape)}, the model expects {list(current[wrong[0]].shape)}")
-    model.load_state_dict(state, strict=False)
-    return model.eval()
+    return instantiate(ckpt, arch=arch, source=str(path))     # quantized tensors become quantized layers

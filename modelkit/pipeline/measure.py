@@ -1,11 +1,12 @@
 """Measuring a model: its task metric on its own data, and CPU latency. One place for both, used by
-`modelkit eval`, quantize and compress reports, and the demo."""
+`modelkit eval`, the quantize (torch and ONNX), prune and distill reports, the demo and bench/quantize.py."""
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,13 @@ def latencies(model: nn.Module, batches: Sequence[int] = LATENCY_BATCHES) -> dic
 
     make = load_model_module(arch_name(model)).example_inputs
     return {f"batch_{b}": round(latency_ms(model.cpu(), make(b)), 4) for b in batches}
+
+
+def metric_change(name: str, higher_is_better: bool, before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """One metric before and after a transform (as `evaluate` returns them): the reports' "metric" entry."""
+    b, a = before[name], after[name]
+    return {"name": name, "higher_is_better": higher_is_better, "float": b, "quantized": a, "delta": a - b,
+            "relative": (a - b) / b if b else math.nan}
 
 
 def session_module(path: PathLike, arch: ArchSpec | None = None) -> nn.Module:

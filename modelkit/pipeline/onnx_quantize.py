@@ -29,10 +29,12 @@ from typing import Any
 import numpy as np
 
 from modelkit.checkpoint import ARCH_KEY, ArchSpec
-from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError, VerificationError, did_you_mean
+from modelkit.errors import ConfigError, FormatError, UnsupportedConversionError, did_you_mean
+from modelkit.formats import FORMATS
 from modelkit.metadata import NAMES_KEY, QUANT_KEY
+from modelkit.pipeline.write import write_output
 from modelkit.schemes import ONNX_SCHEMES
-from modelkit.storage.atomic import atomic_path
+from modelkit.testing import compare_outputs
 
 PathLike = str | os.PathLike[str]
 logger = logging.getLogger(__name__)
@@ -207,12 +209,14 @@ def quantize_onnx(src: PathLike, dst: PathLike | None, *, scheme: str, group_siz
         quantized.metadata_props.add(key=key, value=value)
     config = {"scheme": scheme, "tool": "onnxruntime", **({"group_size": group} if scheme == "int4" else {})}
     quantized.metadata_props.add(key=QUANT_KEY, value=json.dumps(config, sort_keys=True))
-    with atomic_path(dst, force=force, companions=(".data",)) as tmp:     # FORMATS["onnx"].companions
+
+    def write(tmp: Path) -> None:
         onnx.save(quantized, str(tmp))
         onnx.checker.check_model(str(tmp))
-        size = tmp.stat().st_size
-        check = _check(src, tmp, arch, scheme) if verify else None
-        measured = _measure(src, tmp, arch, evaluate=evaluate, latency=bool(latency or evaluate), reference=reference)
+
+    check, size = write_output(dst, write, verify=(lambda tmp: _check(src, tmp, arch, scheme)) if verify else None,
+                               force=force, companions=FORMATS["onnx"].companions)
+    measured = _measure(src, dst, arch, evaluate=evaluate, latency=bool(latency or evaluate), reference=reference)
     report = QuantizeReport(scheme=scheme, config=config, source={"path": str(src), "format": "onnx",
                             "bytes": src.stat().st_size}, target={"path": str(dst), "format": "onnx", "bytes": size},
                             stats={"parameters": params, "bits_per_weight": round(8 * size / max(params, 1), 3)},
@@ -223,53 +227,40 @@ def quantize_onnx(src: PathLike, dst: PathLike | None, *, scheme: str, group_siz
 
 
 def _check(src: Path, quantized: Path, arch: ArchSpec, scheme: str) -> dict[str, Any]:
-    """Run the float and the quantized session on seeded inputs; their outputs must stay close."""
-    from modelkit.models import load_model_module
+    """Run the float and the quantized session on seeded inputs; their outputs must stay close
+    (within RELATIVE_TOLERANCE[scheme] of the largest float output)."""
     from modelkit.pipeline.measure import session_module
+    from modelkit.pipeline.verify import sample_inputs
 
-    make = load_model_module(arch.name).example_inputs
     reference, candidate = session_module(src, arch), session_module(quantized, arch)
-    worst = 0.0
-    for seed, batch in enumerate((1, 4)):
-        x = make(batch, seed=seed)
-        want, got = reference(x).float(), candidate(x).float()
-        worst = max(worst, float((want - got).abs().max() / want.abs().max().clamp(min=1e-12)))
     bound = RELATIVE_TOLERANCE[scheme]
-    if not worst <= bound:
-        raise VerificationError(f"{quantized}: the quantized session drifts from the float one (relative)",
-                                max_abs_err=worst, atol=bound)
-    return {"method": "both sessions", "inputs": 2, "max_relative_err": worst, "bound": bound, "passed": True}
+    result = compare_outputs(reference, candidate, sample_inputs(reference, batches=(1, 4)), rtol=bound,
+                             label=f"{quantized} (quantized session against the float one)")
+    return {**result, "method": "both sessions", "bound": bound}
 
 
 def _measure(src: Path, quantized: Path, arch: ArchSpec, *, evaluate: bool, latency: bool,
              reference: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     from modelkit.models import load_model_module
-    from modelkit.pipeline.measure import latency_ms, session_module
-    from modelkit.pipeline.train import evaluate as run_evaluate
+    from modelkit.pipeline import measure
 
-    module = load_model_module(arch.name)
     metric = lat = None
-    float_session, quant_session = session_module(src, arch), session_module(quantized, arch)
+    float_session, quant_session = measure.session_module(src, arch), measure.session_module(quantized, arch)
     if evaluate:
-        task = module.TASK
-        before = (reference or {}).get("metric") or run_evaluate(float_session, arch.name, task.default_split)
-        after = run_evaluate(quant_session, arch.name, task.default_split)
-        b, a = before[task.metric], after[task.metric]
-        metric = {"name": task.metric, "higher_is_better": task.higher_is_better, "float": b, "quantized": a,
-                  "delta": a - b, "relative": (a - b) / b if b else float("nan")}
+        task = load_model_module(arch.name).TASK
+        before = (reference or {}).get("metric") or measure.evaluate(float_session, device="cpu")
+        after = measure.evaluate(quant_session, device="cpu")
+        metric = measure.metric_change(task.metric, task.higher_is_better, before, after)
     if latency:
-        lat = {kind: {f"batch_{n}": round(latency_ms(session, module.example_inputs(n)), 4) for n in (1, 64)}
-               for kind, session in (("float", float_session), ("quantized", quant_session))}
+        lat = {kind: measure.latencies(session) for kind, session in (("float", float_session),
+                                                                      ("quantized", quant_session))}
     return metric, lat
 
 
 def float_reference(src: PathLike) -> dict[str, Any]:
     """The float ONNX model's metric, measured once for a comparison run."""
-    from modelkit.models import load_model_module
-    from modelkit.pipeline.measure import session_module
-    from modelkit.pipeline.train import evaluate as run_evaluate
+    from modelkit.pipeline.measure import evaluate, session_module
 
     src = Path(src)
     arch = _arch(_load(src), src)
-    task = load_model_module(arch.name).TASK
-    return {"metric": run_evaluate(session_module(src, arch), arch.name, task.default_split)}
+    return {"metric": evaluate(session_module(src, arch), device="cpu")}

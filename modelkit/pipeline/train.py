@@ -23,11 +23,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from modelkit.checkpoint import METRICS_KEY, Checkpoint
-from modelkit.errors import ConfigError, FormatError, OutputExistsError
+from modelkit.errors import ConfigError, FormatError, OutputExistsError, VerificationError
 from modelkit.metadata import TRAIN_KEY
 from modelkit.models import build, load_model_module
 from modelkit.pipeline import distributed
-from modelkit.storage.atomic import atomic_path
+from modelkit.pipeline.write import write_checkpoint, write_output
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -131,20 +131,36 @@ def _lr_at(step: int, total: int, config: TrainConfig) -> float:
 
 def _save(out: Path, model: nn.Module, optimizer, config: TrainConfig, *, epoch: int, step: int,
           history: list[dict[str, Any]], metrics: dict[str, Any], extra: Mapping[str, str] | None = None) -> Path:
-    from modelkit.converters import safetensors as st
-
+    """Both files through the one write path, each verified before it replaces the last epoch's."""
     metadata = {**(extra or {}), METRICS_KEY: json.dumps(metrics, sort_keys=True),
                 TRAIN_KEY: json.dumps(dataclasses.asdict(config), sort_keys=True)}
     ckpt = Checkpoint.from_module(model, metadata=metadata)
     target = out / MODEL_FILE
-    with atomic_path(target, force=True) as tmp:
-        st.write(ckpt, tmp)
+    write_checkpoint(ckpt, target, "safetensors", force=True)
     state = {"epoch": epoch, "step": step, "optimizer": optimizer.state_dict(),
              "history": json.dumps(history), "config": json.dumps(dataclasses.asdict(config)),
              "arch": ckpt.arch.to_json(), "rng": torch.get_rng_state()}
-    with atomic_path(out / STATE_FILE, force=True) as tmp:
-        torch.save(state, tmp)
+
+    def check_state(tmp: Path) -> dict[str, Any]:
+        back = torch.load(tmp, map_location="cpu", weights_only=True)     # as resume reads it
+        if not _same_state(state, back):
+            raise VerificationError(f"{out / STATE_FILE}: the training state read back differs from what was saved",
+                                    max_abs_err=float("inf"), atol=0.0)
+        return {"method": "bit-exact", "passed": True}
+
+    write_output(out / STATE_FILE, lambda tmp: torch.save(state, tmp), verify=check_state, force=True)
     return target
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Nested dicts, lists, tensors and scalars equal (tensors bit for bit, on the CPU)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same_state, a, b))
+    return a == b
 
 
 def _resume_state(out: Path, model: nn.Module, arch_json: str) -> dict[str, Any]:

@@ -92,20 +92,22 @@ def _dequantize_affine(q: QuantizedTensor) -> torch.Tensor:
     return out.reshape(q.shape).to(q.dtype)
 
 
-# Layout name -> dequantizer. The quantizers add their layouts here (GGUF block types, ...).
+# Layout name -> dequantizer, for the layouts this layer computes itself.
 DEQUANTIZERS: dict[str, Callable[[QuantizedTensor], torch.Tensor]] = {"affine": _dequantize_affine}
 
-# Layouts whose dequantizer lives in a module imported on first use: layout -> module, which
-# registers itself in DEQUANTIZERS. A fixed table in code: a file only ever picks a key of it.
-LAYOUT_MODULES: dict[str, str] = {"gguf": "modelkit.quantizers.gguf_blocks"}
+# Layouts whose dequantizer lives in a higher layer: layout -> "module:function", imported on
+# first use and then kept in DEQUANTIZERS. This table is the only registration of each layout
+# (no module registers itself on import), and a file only ever picks a key of it.
+LAYOUT_MODULES: dict[str, str] = {"gguf": "modelkit.quantizers.gguf_blocks:dequantize_layout"}
 
 
 def dequantizer(layout: str, *, source: str = "<tensor>") -> Callable[[QuantizedTensor], torch.Tensor]:
-    """The dequantizer of `layout`, importing its module from LAYOUT_MODULES on first use."""
+    """The dequantizer of `layout`, importing it from LAYOUT_MODULES on first use."""
     if layout not in DEQUANTIZERS and layout in LAYOUT_MODULES:
         import importlib
 
-        importlib.import_module(LAYOUT_MODULES[layout])
+        module, _, function = LAYOUT_MODULES[layout].partition(":")
+        DEQUANTIZERS[layout] = getattr(importlib.import_module(module), function)
     found = DEQUANTIZERS.get(layout)
     if found is None:
         known = sorted(set(DEQUANTIZERS) | set(LAYOUT_MODULES))

@@ -1,0 +1,120 @@
+"""The one write path: every file modelkit produces is written, checked and named here.
+
+`write_output` is the mechanism: the writer writes a temporary file (or folder) beside the target
+(modelkit.storage.atomic), fsync runs on another thread while the output is verified (write-back
+overlaps the check), and only a verified, synced output is renamed into place. Any error, a
+failed verification included, leaves no output and no temporary file. `write_checkpoint` is the
+common case: a Checkpoint through its format's writer, read back and checked bit for bit, plus
+the graph's outputs and the caller's own checks (`also`).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from modelkit.checkpoint import Checkpoint, LazyTensor
+from modelkit.formats import FORMATS, ReadOptions, WriteOptions, load_format
+from modelkit.pipeline.verify import graph_atol, module_dtype, sample_inputs, verify_outputs, verify_weights
+from modelkit.storage.atomic import atomic_dir, atomic_path, sync_in_background
+
+if TYPE_CHECKING:
+    from torch import nn
+
+PathLike = str | os.PathLike[str]
+ProgressFn = Callable[[int, int], None]
+Verify = Callable[[Path], dict[str, Any]]
+
+
+def write_output(target: PathLike, write: Callable[[Path], None], *, verify: Verify | None, force: bool,
+                 folder: bool = False, companions: tuple[str, ...] = ()) -> tuple[dict[str, Any] | None, int]:
+    """Write through a temporary name, fsync and verify it, rename it to `target`.
+
+    Args:
+        target: The output's final path (a folder when `folder`).
+        write: Writes the output at the temporary path it is given (which does not exist yet;
+            for `folder`, an empty folder).
+        verify: Checks the temporary output and returns the result for the report; raising
+            leaves no output. None: nothing to check (a plot), the output is still atomic.
+        force: Replace an existing `target`.
+        folder: The output is a folder (sharded checkpoints), renamed as a whole.
+        companions: Suffixes of sidecar files the writer may add (ONNX external data).
+
+    Returns:
+        (verification result or None, bytes written).
+    """
+    target = Path(target)
+    opener = atomic_dir(target, force=force) if folder else atomic_path(target, force=force, companions=companions)
+    with opener as tmp:
+        write(tmp)
+        result = None
+        if verify is not None:
+            wait_synced = sync_in_background(tmp if tmp.is_dir() else tmp.parent)   # disk writes while the CPU verifies
+            try:
+                result = verify(tmp)
+            except BaseException:
+                wait_synced(check=False)             # the verification's error is the one to report
+                raise
+            wait_synced()
+        size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else tmp.stat().st_size
+    return result, size
+
+
+def write_checkpoint(ckpt: Checkpoint, target: PathLike, fmt: str, options: WriteOptions | None = None, *,
+                     force: bool, verify: bool = True, module: nn.Module | None = None, sharded: bool = False,
+                     progress: ProgressFn | None = None,
+                     also: Callable[[Path, Checkpoint], dict[str, Any]] | None = None) -> tuple[dict[str, Any] | None, int]:
+    """Write `ckpt` as `fmt` through `write_output`, verified. Returns (verify result, bytes).
+
+    Verification reads the output back: every tensor bit-exact; for graph formats with a
+    `module`, the file's runtime against `module` within GRAPH_ATOL; then `also(tmp, written)`,
+    whose result joins the report (the quantizer's rebuilt-model check).
+    """
+    target = Path(target)
+    options = options or WriteOptions(final_path=target)
+    converter = load_format(fmt)
+
+    def write(tmp: Path) -> None:
+        converter.write(_with_progress(ckpt, progress), tmp, options)
+
+    def check(tmp: Path) -> dict[str, Any]:
+        written = converter.read(tmp, ReadOptions(trust=True))   # our own fresh output
+        result = verify_weights(ckpt, written, label=str(target))
+        if FORMATS[fmt].has_graph and module is not None:
+            runtime = converter.runnable(tmp, ReadOptions(trust=True))
+            outputs = verify_outputs(module, runtime, sample_inputs(module, options.example_inputs),
+                                     atol=graph_atol(fmt, module_dtype(module)), label=str(target))
+            result = {**outputs, "tensors_checked": result["tensors_checked"], "weights": "bit-exact"}
+        if also is not None:
+            result = {**result, **also(tmp, written)}
+        return result
+
+    return write_output(target, write, verify=check if verify else None, force=force, folder=sharded,
+                        companions=() if sharded else FORMATS[fmt].companions)
+
+
+def _with_progress(ckpt: Checkpoint, progress: ProgressFn | None) -> Checkpoint:
+    """Report bytes as the writer pulls tensors: writers need no progress code of their own."""
+    if progress is None:
+        return ckpt
+    total = max(ckpt.nbytes, 1)
+    done = [0]
+
+    def wrap(t: LazyTensor) -> LazyTensor:
+        def advance() -> None:
+            done[0] += t.nbytes
+            progress(min(done[0], total), total)
+
+        def read() -> torch.Tensor:
+            tensor = t.load()
+            advance()
+            return tensor
+        span = None if t.span is None else replace(t.span, copied=advance)     # copied file to file: counted there
+        return LazyTensor(t.dtype, t.shape, read, t.source, span=span)
+
+    tensors = {n: wrap(t) if isinstance(t, LazyTensor) else t for n, t in ckpt.tensors.items()}
+    return Checkpoint(tensors, dict(ckpt.metadata), ckpt.arch)
