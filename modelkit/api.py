@@ -70,13 +70,16 @@ class Inspection:
         }
 
 
-def inspect(path: PathLike, *, format: str | None = None) -> Inspection:
-    """Describe a model file (format, tensors, totals, metadata, ArchSpec) without reading tensor data."""
+def inspect(path: PathLike, *, format: str | None = None, trust: bool = False, key: str | None = None) -> Inspection:
+    """Describe a model file (format, tensors, totals, metadata, ArchSpec) without reading tensor data.
+
+    `format`, `trust` and `key` mean what they mean for `load`.
+    """
     from modelkit.checkpoint import METRICS_KEY
     from modelkit.storage.dtypes import dtype_name
 
     path, fmt = resolve_input(path, format)
-    ckpt = load_format(fmt).read(path, ReadOptions())
+    ckpt = load_format(fmt).read(path, ReadOptions(trust=trust, key=key))
     tensors = [
         TensorInfo(name, dtype_name(t.dtype), list(t.shape), t.nbytes,
                    t.scheme if isinstance(t, QuantizedTensor) else None)
@@ -88,12 +91,16 @@ def inspect(path: PathLike, *, format: str | None = None) -> Inspection:
 
 
 def generate(path: PathLike, prompt: str | bytes, *, max_new_bytes: int = 200, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0) -> bytes:
-    """Continue `prompt` with a tinylm checkpoint: greedy by default, sampled when temperature > 0."""
+             top_k: int | None = None, seed: int = 0, format: str | None = None, trust: bool = False,
+             key: str | None = None, arch: ArchSpec | str | None = None) -> bytes:
+    """Continue `prompt` with a tinylm checkpoint: greedy by default, sampled when temperature > 0.
+
+    `format`, `trust`, `key` and `arch` mean what they mean for `load_module`.
+    """
     from modelkit.models.tinylm import TinyLM
     from modelkit.models.tinylm import generate as _generate
 
-    model = load_module(path)
+    model = load_module(path, format=format, trust=trust, key=key, arch=arch)
     if not isinstance(model, TinyLM):
         raise ConfigError(f"{path} holds a {type(model).arch} model; generate needs a tinylm checkpoint")
     data = prompt.encode("utf-8") if isinstance(prompt, str) else prompt

@@ -20,6 +20,19 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
+class TableChoice(click.Choice):
+    """A choice from one of modelkit's tables; a wrong name gets "did you mean" as the library's errors do."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter as e:
+            from modelkit.errors import did_you_mean
+
+            e.message = f"{e.message}{did_you_mean(str(value), self.choices)}"
+            raise
+
+
 def _root_obj(ctx: click.Context) -> dict[str, Any]:
     root = ctx.find_root()
     if root.obj is None:
@@ -90,7 +103,7 @@ def read_options(*, arch: bool = True) -> Decorator:
         f = click.option("--trust", is_flag=True,
                          help="Allow inputs that run code when loaded (whole-module pickles, TorchScript); "
                               "dangerous findings are refused even then.")(f)
-        return click.option("--format", "--from", "source_format", type=click.Choice(sorted(FORMATS)),
+        return click.option("--format", "--from", "source_format", type=TableChoice(sorted(FORMATS)),
                             help="Read the input as this format (default: detected from its content).")(f)
 
     return decorate
@@ -102,5 +115,5 @@ def force_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def device_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+    return click.option("--device", type=TableChoice(DEVICES), default="auto", show_default=True,
                         help="Where to run (auto: cuda, then mps, then cpu).")(f)

@@ -76,8 +76,12 @@ def finetune(model: nn.Module, *, epochs: int, lr: float | None = None, seed: in
 
 
 def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: int = 0, lr: float | None = None,
-               seed: int = 0, device: str = "auto", force: bool = False, progress=None) -> PruneReport | None:
+               seed: int = 0, device: str = "auto", force: bool = False, progress=None,
+               source_format: str | None = None, trust: bool = False, key: str | None = None,
+               arch: str | None = None) -> PruneReport | None:
     """Prune the model in `src`, optionally fine-tune it, and save it to `dst` (any format by suffix).
+
+    `source_format`, `trust`, `key` and `arch` say how to read `src`, as for `load_module`.
 
     Under torchrun every rank prunes and fine-tunes (DDP); rank 0 writes `dst` and gets the
     report, the other ranks get None.
@@ -94,7 +98,7 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
 
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    model = load_module(src)
+    model = load_module(src, format=source_format, trust=trust, key=key, arch=arch)
     name = _arch_name(model)
     before = evaluate(model, device=device)
     pruned = prune.apply(model, config)
@@ -175,8 +179,11 @@ class DistillReport:
 
 def distill_file(teacher: PathLike, student: str, out: PathLike, config: Any = None, *, epochs: int | None = None,
                  seed: int = 0, device: str = "auto", baseline: bool = True, force: bool = False,
-                 progress=None) -> DistillReport | None:
+                 progress=None, source_format: str | None = None, trust: bool = False, key: str | None = None,
+                 arch: str | None = None) -> DistillReport | None:
     """Train a student on the teacher's soft targets; with `baseline`, also the same student from scratch.
+
+    `source_format`, `trust`, `key` and `arch` say how to read `teacher`, as for `load_module`.
 
     `config` None takes the teacher's model's measured defaults (quantizers.distill.default_config).
     Under torchrun every rank trains (DDP); rank 0 gets the report, the other ranks get None.
@@ -190,7 +197,7 @@ def distill_file(teacher: PathLike, student: str, out: PathLike, config: Any = N
 
     started = time.perf_counter()
     out = Path(out)
-    teacher_model = load_module(teacher)
+    teacher_model = load_module(teacher, format=source_format, trust=trust, key=key, arch=arch)
     name = _arch_name(teacher_model)
     student_name, student_config = parse_student(student, name)
     config = config if config is not None else default_config(name)

@@ -80,7 +80,7 @@ def save(ckpt: Checkpoint, path: PathLike, *, format: str | None = None, force: 
 
 
 def load_module(path: PathLike, *, format: str | None = None, arch: ArchSpec | str | None = None,
-                trust: bool = False) -> nn.Module:
+                trust: bool = False, key: str | None = None) -> nn.Module:
     """Rebuild a runnable model from a file: its ArchSpec (or `arch`) plus its weights.
 
     Args:
@@ -89,6 +89,7 @@ def load_module(path: PathLike, *, format: str | None = None, arch: ArchSpec | s
         arch: A registered model name, an ArchSpec, or a factory "pkg.module:function", for
             files that name no architecture (or to override it).
         trust: Allow content that runs code when loaded (see `load`).
+        key: For nested checkpoints, the entry holding the state_dict (see `load`).
 
     Raises:
         UnsupportedConversionError: the file names no architecture and none was given.
@@ -96,5 +97,5 @@ def load_module(path: PathLike, *, format: str | None = None, arch: ArchSpec | s
     Example:
         >>> model = modelkit.load_module("runs/cnn/model.safetensors")   # doctest: +SKIP
     """
-    ckpt = load(path, format=format, trust=trust)
+    ckpt = load(path, format=format, trust=trust, key=key)
     return instantiate(ckpt, arch=arch, source=str(path))     # quantized tensors become quantized layers

@@ -35,13 +35,15 @@ def arch_name(model: nn.Module) -> str:
 
 
 def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, arch: str | None = None,
-             device: str = "auto", runtime: str = "torch") -> dict[str, Any]:
+             device: str = "auto", runtime: str = "torch", format: str | None = None, trust: bool = False,
+             key: str | None = None) -> dict[str, Any]:
     """Evaluate a reference model (a file or a module) on a split of its own data.
 
     Returns the metrics plus "model" and "split": accuracy for classifiers; bits per byte,
     perplexity and the unigram baseline for tinylm. The default split is the model's own
     (test for classifiers, validation for tinylm). `runtime="onnxruntime"` runs an ONNX file
     in an onnxruntime session (CPU) instead of rebuilding the torch module from its weights.
+    `format`, `trust`, `key` and `arch` are `load_module`'s, for files.
     """
     from torch import nn
 
@@ -58,7 +60,8 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
                               "modelkit convert SRC model.onnx first")
         model, device = session_module(path_or_model), "cpu"
     else:
-        model = path_or_model if isinstance(path_or_model, nn.Module) else load_module(path_or_model, arch=arch)
+        model = path_or_model if isinstance(path_or_model, nn.Module) else load_module(
+            path_or_model, format=format, arch=arch, trust=trust, key=key)
     name = getattr(type(model), "arch", None)
     if name is None:
         raise ConfigError(f"{type(model).__name__} is not a reference model; evaluation needs one of its tasks")

@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from modelkit import schemes
-from modelkit.checkpoint import METRICS_KEY, Checkpoint, LazyTensor, QuantizedTensor, instantiate
+from modelkit.checkpoint import METRICS_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, instantiate
 from modelkit.errors import ConfigError
 from modelkit.metadata import QUANT_KEY
 from modelkit.pipeline import distributed, measure
@@ -133,7 +133,9 @@ def checkpoint_stats(ckpt: Checkpoint) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- files
 
 
-def _load_float(src: PathLike | nn.Module) -> tuple[nn.Module, dict[str, Any], dict[str, str]]:
+def _load_float(src: PathLike | nn.Module, *, source_format: str | None = None, trust: bool = False,
+                key: str | None = None, arch: ArchSpec | str | None = None,
+                ) -> tuple[nn.Module, dict[str, Any], dict[str, str]]:
     from modelkit.pipeline.load import load, load_module
 
     if isinstance(src, nn.Module):
@@ -141,13 +143,14 @@ def _load_float(src: PathLike | nn.Module) -> tuple[nn.Module, dict[str, Any], d
     from modelkit.formats import detect_format
 
     path = Path(src)
-    fmt = detect_format(path)
-    ckpt = load(path, format=fmt)
+    fmt = source_format or detect_format(path)
+    ckpt = load(path, format=fmt, trust=trust, key=key)
     if any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
         raise ConfigError(f"{path} is already quantized; quantize the float model instead")
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
     metadata = {k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}
-    return load_module(path, format=fmt), {"path": str(path), "format": fmt, "bytes": size}, metadata
+    model = load_module(path, format=fmt, trust=trust, key=key, arch=arch)
+    return model, {"path": str(path), "format": fmt, "bytes": size}, metadata
 
 
 def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str | None = None, force: bool = False,
@@ -214,6 +217,7 @@ def quantize(
     skip: Sequence[str] = (), format: str | None = None, qat: bool = False, epochs: int = 1, lr: float | None = None,
     steps: int | None = None, evaluate: bool = False, latency: bool | None = None, verify: bool = True,
     force: bool = False, reference: dict[str, Any] | None = None, progress: Callable[..., None] | None = None,
+    source_format: str | None = None, trust: bool = False, key: str | None = None, arch: ArchSpec | str | None = None,
 ) -> QuantizeReport | None:
     """Quantize a model file (or module) with one scheme, write it, and measure the cost.
 
@@ -231,6 +235,7 @@ def quantize(
         force: Overwrite `dst`.
         reference: Float metric and latency measured earlier (comparison runs measure them once).
         progress: QAT training progress callback.
+        source_format, trust, key, arch: how to read `src`, as for `load_module`.
 
     Returns:
         The report; None on ranks other than 0 when QAT runs under torchrun (rank 0 writes).
@@ -254,7 +259,7 @@ def quantize(
         return quantize_onnx(src, dst, scheme=scheme, group_size=group_size, skip=skip, evaluate=evaluate,
                              latency=latency, verify=verify, force=force, reference=reference)
     config = make_config(scheme, group_size=group_size, skip=skip)
-    model, source, metadata = _load_float(src)
+    model, source, metadata = _load_float(src, source_format=source_format, trust=trust, key=key, arch=arch)
     started = time.perf_counter()
     if qat:
         quantized = train_qat(model, config, epochs=epochs, lr=lr, steps=steps, progress=progress)
@@ -326,7 +331,8 @@ def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], fo
 
         reference = float_reference(src)
     elif evaluate:
-        model, _, _ = _load_float(src)
+        reading = {k: options[k] for k in ("source_format", "trust", "key", "arch") if k in options}
+        model, _, _ = _load_float(src, **reading)
         reference = measure_float(model)
     suffix = ".onnx" if str(src).endswith(".onnx") else FORMATS[format].suffixes[0]
     reports = []
