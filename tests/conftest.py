@@ -1,9 +1,14 @@
 """Shared fixtures: the fixtures folder, seeded reference models, trained checkpoints."""
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,9 +20,27 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(trylast=True)        # after xdist's own hook, which adds group suffixes on pytest < 9
 def pytest_collection_modifyitems(config, items):
-    """Start the long tests first, so under xdist they overlap the many short ones."""
+    """Start the long tests first, so under xdist they overlap the many short ones; keep xdist groups."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if getattr(config.option, "loadgroup", False):      # set on xdist workers under --dist loadgroup
+        _tag_xdist_groups(items)
+
+
+def _tag_xdist_groups(items) -> None:
+    """--dist loadgroup sends tests whose node id ends in @group to one worker. pytest-xdist 3.8 sets the
+    suffix through Node._nodeid, which pytest 9 no longer reads (node ids live in Node._id), so with
+    pytest 9 groups silently split: two workers each trained the shared tinylm, and the torchrun tests
+    ran side by side. This sets the suffix where pytest 9 keeps it; with older pytest xdist's own works."""
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+            from _pytest.nodeid import coerce_node_id
+
+            item._id = coerce_node_id(item.nodeid + suffix)
 
 
 @pytest.fixture
@@ -75,3 +98,56 @@ def trained_tinylm(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tinylm")
     return train("tinylm", out, config=TrainConfig(epochs=1, steps_per_epoch=5, seed=0, device="cpu"),
                  model_config=SMALL_CONFIGS["tinylm"]).path
+
+
+# ------------------------------------------------ llama.cpp verdicts (fixtures/llama_cpp/make_golden.py)
+
+
+@dataclass(frozen=True)
+class LlamaCppGolden:
+    """What llama.cpp computed on one GGUF file, recorded by fixtures/llama_cpp/make_golden.py."""
+
+    name: str
+    sha256: str
+    prompt: list[int]
+    logits: np.ndarray              # (len(prompt), 256) float32
+    options: dict
+    tokenize_text: bytes
+    tokenize_tokens: list[int]
+    detokenized: bytes              # llama.cpp's detokenize(range(256))
+    version: str                    # llama-cpp-python's
+
+    def check_bytes(self, path: Path) -> None:
+        """The file is exactly the one llama.cpp ran, so its verdict applies to it."""
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        assert digest == self.sha256, (
+            f"{self.name}: modelkit now writes other GGUF bytes than llama.cpp {self.version} was run on; if the "
+            f"change is meant, rerun fixtures/llama_cpp/make_golden.py (it needs llama-cpp-python=={self.version})")
+
+    def run_live(self, path: Path) -> np.ndarray | None:
+        """llama.cpp's logits for the prompt, run now, where llama-cpp-python is installed; None otherwise."""
+        if importlib.util.find_spec("llama_cpp") is None:
+            return None
+        import llama_cpp
+
+        kv = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if self.options.get("kv_f32") else {}
+        llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=self.options["n_ctx"], n_threads=1, seed=0,
+                              verbose=False, **kv)
+        llm.eval(self.prompt)
+        assert llm.tokenize(self.tokenize_text, add_bos=False) == self.tokenize_tokens
+        assert llm.detokenize(list(range(256))) == self.detokenized
+        return np.array(llm.scores[: len(self.prompt)], dtype=np.float32)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_golden(fixtures_dir) -> dict[str, LlamaCppGolden]:
+    folder = fixtures_dir / "llama_cpp"
+    doc = json.loads((folder / "golden.json").read_text())
+    with np.load(folder / "logits.npz") as logits:
+        return {name: LlamaCppGolden(name=name, sha256=entry["sha256"], prompt=entry["prompt"], logits=logits[name],
+                                     options=entry["llama_options"],
+                                     tokenize_text=bytes.fromhex(entry["tokenize"]["text_hex"]),
+                                     tokenize_tokens=entry["tokenize"]["tokens"],
+                                     detokenized=bytes.fromhex(entry["detokenize_0_255_hex"]),
+                                     version=doc["llama_cpp_python"])
+                for name, entry in doc["files"].items()}

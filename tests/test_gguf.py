@@ -263,23 +263,20 @@ def test_llama_cpp_conventions_reproduce_pytorch_logits(tinylm, tinylm_file):
     assert (_llama_cpp_forward(reader, tokens, unpermute=True) - expected).abs().max() > 1.0
 
 
-def _llama_cpp():
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
-
-
-def test_llama_cpp_runs_the_file_with_pytorch_logits(tinylm, tinylm_file):
-    llama_cpp = _llama_cpp()
-    llm = llama_cpp.Llama(model_path=str(tinylm_file), logits_all=True, vocab_only=False, n_ctx=64, n_threads=1,
-                          seed=0, verbose=False, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
-    tokens = list(b"def f(x):\n    return x + 1  # caf\xc3\xa9")
-    llm.eval(tokens)
-    got = torch.from_numpy(np.array(llm.scores[: len(tokens)]))
+def test_llama_cpp_runs_the_file_with_pytorch_logits(tinylm, tinylm_file, llama_cpp_golden):
+    """llama.cpp's logits on exactly these bytes (recorded by fixtures/llama_cpp/make_golden.py, and run
+    live where llama-cpp-python is installed) agree with PyTorch's; its tokenizer sees one token per byte."""
+    golden = llama_cpp_golden["tinylm-f32"]
+    golden.check_bytes(tinylm_file)
     with torch.no_grad():
-        expected = tinylm(torch.tensor([tokens]))[0]
-    assert (got - expected).abs().max() < LLAMA_CPP_ATOL
-    text = b"a b\n\tcaf\xc3\xa9 !"
-    assert llm.tokenize(text, add_bos=False) == list(text)                         # one token per byte
-    assert llm.detokenize(list(range(256))) == bytes(range(256))
+        expected = tinylm(torch.tensor([golden.prompt]))[0]
+    assert golden.prompt == list(b"def f(x):\n    return x + 1  # caf\xc3\xa9")
+    assert (torch.from_numpy(golden.logits) - expected).abs().max() < LLAMA_CPP_ATOL
+    assert golden.tokenize_tokens == list(golden.tokenize_text)                        # one token per byte
+    assert golden.detokenized == bytes(range(256))
+    live = golden.run_live(tinylm_file)
+    if live is not None:
+        assert (torch.from_numpy(live) - expected).abs().max() < LLAMA_CPP_ATOL
 
 
 # ------------------------------------------------------------------ files from other tools

@@ -492,26 +492,27 @@ def test_pth_quantized_file_is_a_plain_weights_only_state_dict(small_model, tmp_
                                                  "zero_point": "lm_head.weight_zero_point"}
 
 
-@pytest.mark.slow
 @one_model("tinylm")
-def test_llama_cpp_runs_our_gguf_blocks(small_model, tmp_path):
-    """llama.cpp loads a q4_0 / q8_0 tinylm written here; its logits agree with ours."""
-    llama_cpp = pytest.importorskip("llama_cpp")
-    import numpy as np
-
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0"])
+def test_llama_cpp_runs_our_gguf_blocks(small_model, tmp_path, scheme, llama_cpp_golden):
+    """llama.cpp loads a q8_0 / q4_0 tinylm written here; its logits (recorded by
+    fixtures/llama_cpp/make_golden.py for exactly these bytes, and run live where installed) agree with ours."""
     from modelkit.pipeline.quantize import save_quantized
 
-    prompt = list(b"def f(x):\n    return x")[:12]
-    for scheme, atol in (("q8_0", 0.01), ("q4_0", 0.01)):    # measured 2026-11-21: 0.0025 / 0.0022 (logits up to 0.39)
-        quantized = schemes.apply(small_model, _config(scheme))
-        path = tmp_path / f"{scheme}.gguf"
-        save_quantized(quantized, path, config=_config(scheme))
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=32, logits_all=True, verbose=False, n_threads=1)
-        llm.eval(prompt)
-        theirs = np.array(llm.scores[:len(prompt)])
-        with torch.no_grad():
-            ours = quantized(torch.tensor([prompt]))[0].numpy()
-        assert np.abs(theirs - ours).max() <= atol, scheme     # llama.cpp rounds activations to q8 in dot products
+    golden = llama_cpp_golden[f"tinylm-{scheme}"]
+    quantized = schemes.apply(small_model, _config(scheme))
+    path = tmp_path / f"{scheme}.gguf"
+    save_quantized(quantized, path, config=_config(scheme))
+    golden.check_bytes(path)
+    with torch.no_grad():
+        ours = quantized(torch.tensor([golden.prompt]))[0].numpy()
+    # Measured 2026-11-21: 0.0025 (q8_0) / 0.0022 (q4_0), logits up to 0.39: llama.cpp rounds activations
+    # to q8 in its dot products.
+    atol = 0.01
+    assert abs(golden.logits - ours).max() <= atol
+    live = golden.run_live(path)
+    if live is not None:
+        assert abs(live - ours).max() <= atol
 
 
 TAMPERING = [

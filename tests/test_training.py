@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -12,9 +13,6 @@ import torch
 import modelkit
 from modelkit.errors import ConfigError, OutputExistsError
 from modelkit.pipeline.train import MODEL_FILE, STATE_FILE, TrainConfig, train
-
-TINY_LM = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
 
 
 def test_mlp_reaches_its_bar(tmp_path):
@@ -29,20 +27,34 @@ def test_cnn_reaches_its_bar(tmp_path):
     assert result.metrics["test"]["examples"] == 270
 
 
-def test_tinylm_short_run_beats_the_unigram_baseline(tmp_path):
-    result = train("tinylm", tmp_path, config=TrainConfig(steps_per_epoch=150, device="cpu"), model_config=TINY_LM)
-    val = result.metrics["val"]
+@pytest.fixture(scope="module")
+def tinylm_recipe_run(tmp_path_factory):
+    """tinylm trained once with the recipe `make demo` runs (its defaults), on both cores: the one long
+    training of the suite, shared by the tests that need a trained tinylm's figures."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return train("tinylm", tmp_path_factory.mktemp("tinylm-recipe"), config=TrainConfig(device="cpu"))
+    finally:
+        torch.set_num_threads(before)
+
+
+# Both tests read the one run above: same group, so under xdist one worker trains it once.
+@pytest.mark.slow
+@pytest.mark.xdist_group("tinylm-recipe")
+def test_tinylm_run_beats_the_unigram_baseline(tinylm_recipe_run):
+    val = tinylm_recipe_run.metrics["val"]
     assert val["unigram_bits_per_byte"] > 4.0                     # source code: about 4.7-4.9 bits per byte
     assert val["ratio_to_unigram"] < 0.8
     assert val["perplexity"] == pytest.approx(2 ** val["bits_per_byte"], rel=1e-6)
 
 
 @pytest.mark.slow
-def test_tinylm_default_recipe_reaches_the_demo_bar(tmp_path, all_threads):
+@pytest.mark.xdist_group("tinylm-recipe")
+def test_tinylm_default_recipe_reaches_the_demo_bar(tinylm_recipe_run):
     """The recipe `make demo` runs: at most 0.55x the unigram bits per byte on validation."""
-    result = train("tinylm", tmp_path, config=TrainConfig(device="cpu"))
-    assert result.metrics["val"]["ratio_to_unigram"] <= 0.55
-    assert result.metrics["test"]["ratio_to_unigram"] <= 0.55
+    assert tinylm_recipe_run.metrics["val"]["ratio_to_unigram"] <= 0.55
+    assert tinylm_recipe_run.metrics["test"]["ratio_to_unigram"] <= 0.55
 
 
 def test_saved_checkpoint_carries_arch_metrics_and_recipe(tmp_path):
