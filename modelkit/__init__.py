@@ -41,6 +41,7 @@ _LAZY = {
     "MODELS": "modelkit.models:MODELS",
     "build": "modelkit.models:build",
     "assert_same_outputs": "modelkit.testing:assert_same_outputs",
+    "compare_outputs": "modelkit.testing:compare_outputs",
     "quantize": "modelkit.pipeline.quantize:quantize",
     "prepare_qat": "modelkit.pipeline.quantize:prepare_qat",
     "convert_qat": "modelkit.pipeline.quantize:convert_qat",

@@ -55,11 +55,14 @@ def scan(ctx: click.Context, paths: tuple[str, ...], recursive: bool, fail_on: s
     if as_json or sarif is not None:
         import json
     if sarif is not None:
-        from modelkit.scan.sarif import to_sarif
+        from pathlib import Path
 
-        try:
-            with open(sarif, "w", encoding="utf-8") as f:
-                f.write(json.dumps(to_sarif(report, version=__version__), indent=2) + "\n")
+        from modelkit.scan.sarif import to_sarif
+        from modelkit.storage.atomic import atomic_path
+
+        try:    # a report replaced on every run: written aside, fsynced, renamed (never half a file)
+            with atomic_path(Path(sarif), force=True) as tmp:
+                tmp.write_text(json.dumps(to_sarif(report, version=__version__), indent=2) + "\n", encoding="utf-8")
         except OSError as e:
             raise OSError(e.errno, f"cannot write the SARIF file ({e.strerror or e})", sarif) from e
     if as_json:
