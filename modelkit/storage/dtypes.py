@@ -1,41 +1,137 @@
-"""Tensor helpers shared by converters: dtype names and raw bytes."""
+"""Tensor element types without torch: names, sizes, safetensors codes and the numpy view of the bits.
+
+A `DType` is what a LazyTensor's header says its elements are. Weight containers are read and
+written through numpy arrays of `DType.numpy` (the stored bits: bfloat16 and float8 have no numpy
+type, so their arrays are uint16 / uint8 of the raw bits, never widened); torch's dtype is reached
+through `DType.torch` only by code that has torch already.
+"""
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-# safetensors dtype codes (https://github.com/huggingface/safetensors#format) <-> torch.
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8, "I8": torch.int8,
-    "U16": torch.uint16, "I16": torch.int16,
-    "U32": torch.uint32, "I32": torch.int32,
-    "U64": torch.uint64, "I64": torch.int64,
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+import numpy as np
+
+
+class DType:
+    """One element type.
+
+    Args:
+        name: torch's name ("float32", "bfloat16"); what reports and JSON print.
+        code: The safetensors code ("F32", "BF16"); None where safetensors has none.
+        numpy: The numpy type that holds the stored bits ("<f4"; "<u2" for bfloat16).
+        is_floating_point: As torch.dtype.is_floating_point.
+        exact: numpy's values are the values (False where the array holds raw bits: bfloat16, float8).
+    """
+
+    __slots__ = ("name", "code", "numpy", "itemsize", "is_floating_point", "exact")
+
+    def __init__(self, name: str, code: str | None, numpy: str, *, floating: bool = False, exact: bool = True) -> None:
+        self.name, self.code, self.numpy = name, code, np.dtype(numpy)
+        self.itemsize = self.numpy.itemsize
+        self.is_floating_point, self.exact = floating, exact
+
+    @property
+    def torch(self) -> Any:
+        """The torch.dtype (imports torch: only for callers that already work with torch)."""
+        import torch
+
+        return getattr(torch, self.name)
+
+    def __repr__(self) -> str:
+        return f"modelkit.{self.name}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __reduce__(self) -> tuple[Any, ...]:       # pickled (multiprocessing) as the shared instance
+        return (as_dtype, (self.name,))
+
+
+_ALL = (
+    DType("bool", "BOOL", "?"),
+    DType("uint8", "U8", "u1"), DType("int8", "I8", "i1"),
+    DType("uint16", "U16", "<u2"), DType("int16", "I16", "<i2"),
+    DType("uint32", "U32", "<u4"), DType("int32", "I32", "<i4"),
+    DType("uint64", "U64", "<u8"), DType("int64", "I64", "<i8"),
+    DType("float16", "F16", "<f2", floating=True), DType("bfloat16", "BF16", "<u2", floating=True, exact=False),
+    DType("float32", "F32", "<f4", floating=True), DType("float64", "F64", "<f8", floating=True),
+    DType("float8_e4m3fn", "F8_E4M3", "u1", floating=True, exact=False),
+    DType("float8_e5m2", "F8_E5M2", "u1", floating=True, exact=False),
+    DType("complex64", None, "<c8"), DType("complex128", None, "<c16"),
+)
+DTYPES: dict[str, DType] = {d.name: d for d in _ALL}
+
+# safetensors dtype codes (https://github.com/huggingface/safetensors#format) -> DType.
+SAFETENSORS_DTYPES: dict[str, DType] = {d.code: d for d in _ALL if d.code is not None}
+
+# torch's legacy typed storage classes (still named in TorchScript archives and old checkpoints) -> DType.
+LEGACY_STORAGE_DTYPES: dict[str, DType] = {
+    "DoubleStorage": DTYPES["float64"], "FloatStorage": DTYPES["float32"], "HalfStorage": DTYPES["float16"],
+    "BFloat16Storage": DTYPES["bfloat16"], "LongStorage": DTYPES["int64"], "IntStorage": DTYPES["int32"],
+    "ShortStorage": DTYPES["int16"], "CharStorage": DTYPES["int8"], "ByteStorage": DTYPES["uint8"],
+    "BoolStorage": DTYPES["bool"], "ComplexFloatStorage": DTYPES["complex64"],
+    "ComplexDoubleStorage": DTYPES["complex128"],
 }
-SAFETENSORS_CODES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
-# torch's legacy typed storage classes (still named in TorchScript archives and old checkpoints) -> dtype.
-LEGACY_STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
-}
+# Short names users type (`--dtype bf16`) -> DType.
+DTYPE_NAMES: dict[str, DType] = {"f32": DTYPES["float32"], "f16": DTYPES["float16"], "bf16": DTYPES["bfloat16"]}
 
-# Short names users type (`--dtype bf16`) -> torch.
-DTYPE_NAMES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+_BY_NUMPY = {d.numpy: d for d in reversed(_ALL) if d.exact}     # the exact type of each numpy dtype
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float32' for torch.float32: the name used in reports and JSON."""
+def as_dtype(value: Any) -> DType:
+    """A DType from a DType, a torch.dtype, a name ("float32", "F32", "f32") or a numpy dtype."""
+    if isinstance(value, DType):
+        return value
+    if isinstance(value, str):
+        found = DTYPES.get(value) or SAFETENSORS_DTYPES.get(value) or DTYPE_NAMES.get(value)
+        if found is None:
+            raise ValueError(f"unknown dtype {value!r}")
+        return found
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return DTYPES[str(value).removeprefix("torch.")]
+    found = _BY_NUMPY.get(np.dtype(value))
+    if found is None:
+        raise ValueError(f"numpy dtype {value!r} has no modelkit dtype")
+    return found
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float32' for float32 (a DType or a torch.dtype): the name used in reports and JSON."""
     return str(dtype).removeprefix("torch.")
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes in memory order (little-endian on every platform torch supports here).
+def tensor_bytes(tensor: Any) -> memoryview:
+    """The bytes of a numpy array or a torch tensor, in memory order (little-endian here).
 
-    Viewing as uint8 first works for dtypes numpy lacks (bfloat16, float8).
+    A torch tensor is viewed as uint8 first, which works for dtypes numpy lacks (bfloat16, float8).
     """
+    if isinstance(tensor, np.ndarray):
+        flat = np.ascontiguousarray(tensor).reshape(-1)
+        return memoryview(flat.view(np.uint8)) if flat.size else memoryview(b"")
+    import torch
+
     flat = tensor.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def to_torch(array: np.ndarray, dtype: DType) -> Any:
+    """A torch tensor sharing `array`'s memory, of `dtype` (raw bits reinterpreted where numpy lacks it)."""
+    import torch
+
+    if array.dtype == np.bool_:
+        return torch.from_numpy(array)
+    tensor = torch.from_numpy(array)
+    return tensor if dtype.exact else tensor.view(dtype.torch)
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A numpy array of a torch tensor's stored bits (uint16 for bfloat16), sharing memory where it can."""
+    dtype = as_dtype(tensor.dtype)
+    tensor = tensor.detach()
+    if dtype.exact:
+        return tensor.numpy()
+    import torch
+
+    raw = torch.uint16 if dtype.itemsize == 2 else torch.uint8
+    return tensor.view(raw).numpy()

@@ -1,38 +1,60 @@
 """The tensor types of a Checkpoint: LazyTensor (known by its header, read on demand) and
-QuantizedTensor (packed parts + scheme, stored natively), with the dequantizer table."""
+QuantizedTensor (packed parts + scheme, stored natively), with the dequantizer table.
+
+This layer never imports torch at import time: a reader may hand back a numpy array (the weight
+containers: safetensors, GGUF, HDF5, torch's own serialization read by modelkit) or a torch tensor
+(formats read through torch); `array()` gives numpy either way, `load()` gives torch.
+"""
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
+import numpy as np
 
 from modelkit.errors import FormatError
+from modelkit.storage.dtypes import DType, as_dtype, to_numpy, to_torch
 from modelkit.storage.mapped import FileSpan
 
 
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+def _nbytes(dtype: DType, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
 @dataclass(frozen=True, eq=False)
 class LazyTensor:
-    """A tensor known by its header; `load()` reads the bytes (an mmap view where possible)."""
+    """A tensor known by its header; `load()` (torch) or `array()` (numpy) reads the bytes, an mmap
+    view where possible.
 
-    dtype: torch.dtype
+    `dtype` may be given as a torch.dtype or a name; it is kept as a modelkit DType. `reader` returns
+    a numpy array of `dtype.numpy` (the stored bits) or a torch tensor of `dtype`.
+    """
+
+    dtype: DType
     shape: tuple[int, ...]
-    reader: Callable[[], torch.Tensor] = field(repr=False)
+    reader: Callable[[], Any] = field(repr=False)
     source: str = ""                   # where it comes from, for error messages
     # Where load()'s exact bytes lie in a file, when they do (raw little-endian, contiguous, no
     # transformation): writers copy such spans file to file in the kernel (modelkit.storage.mapped.copy_span).
     span: FileSpan | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
     @classmethod
-    def of(cls, tensor: torch.Tensor, *, source: str = "") -> LazyTensor:
-        """Wrap a tensor that is already in memory."""
-        tensor = tensor.detach()
-        return cls(tensor.dtype, tuple(tensor.shape), lambda: tensor, source)
+    def of(cls, tensor: Any, *, source: str = "") -> LazyTensor:
+        """Wrap a tensor (torch) or an array (numpy) that is already in memory."""
+        if not isinstance(tensor, np.ndarray):
+            tensor = tensor.detach()
+        return cls(as_dtype(tensor.dtype), tuple(tensor.shape), lambda: tensor, source)
+
+    @classmethod
+    def of_array(cls, array: np.ndarray, dtype: DType | Any, *, source: str = "") -> LazyTensor:
+        """Wrap an in-memory array of stored bits of `dtype` (uint16 bits for bfloat16)."""
+        return cls(as_dtype(dtype), tuple(array.shape), lambda: array, source)
 
     @property
     def numel(self) -> int:
@@ -42,20 +64,34 @@ class LazyTensor:
     def nbytes(self) -> int:
         return _nbytes(self.dtype, self.shape)
 
-    def load(self) -> torch.Tensor:
-        """Read the tensor; raises FormatError if the data disagrees with the header."""
-        tensor = self.reader()
-        if tensor.dtype != self.dtype or tuple(tensor.shape) != self.shape:
-            raise FormatError(
-                self.source or "<tensor>",
-                f"tensor data is {tensor.dtype} {list(tensor.shape)} but the header says "
-                f"{self.dtype} {list(self.shape)}",
-            )
-        return tensor
+    def _read(self) -> Any:
+        data = self.reader()
+        if isinstance(data, np.ndarray):
+            ok = data.dtype == self.dtype.numpy and tuple(data.shape) == self.shape
+            seen = f"{data.dtype} {list(data.shape)}"
+        else:
+            ok = as_dtype(data.dtype) is self.dtype and tuple(data.shape) == self.shape
+            seen = f"{str(data.dtype).removeprefix('torch.')} {list(data.shape)}"
+        if not ok:
+            raise FormatError(self.source or "<tensor>",
+                              f"tensor data is {seen} but the header says {self.dtype} {list(self.shape)}")
+        return data
+
+    def array(self) -> np.ndarray:
+        """The stored bits as a numpy array of `dtype.numpy` and `shape` (no torch needed)."""
+        data = self._read()
+        return data if isinstance(data, np.ndarray) else to_numpy(data)
+
+    def load(self) -> Any:
+        """The tensor as torch; raises FormatError if the data disagrees with the header."""
+        data = self._read()
+        return to_torch(data, self.dtype) if isinstance(data, np.ndarray) else data
 
 
-def _unpack_int4(packed: torch.Tensor, signed: bool) -> torch.Tensor:
+def _unpack_int4(packed: Any, signed: bool) -> Any:
     """(..., n/2) uint8, low nibble first -> (..., n) int8 values."""
+    import torch
+
     low = (packed & 0x0F).to(torch.int16)
     high = (packed >> 4).to(torch.int16)
     values = torch.stack((low, high), dim=-1).flatten(-2)                 # (..., n/2, 2) -> (..., n)
@@ -64,7 +100,7 @@ def _unpack_int4(packed: torch.Tensor, signed: bool) -> torch.Tensor:
     return values.to(torch.int8)
 
 
-def _dequantize_affine(q: QuantizedTensor) -> torch.Tensor:
+def _dequantize_affine(q: QuantizedTensor) -> Any:
     """value = (q - zero_point) * scale, one scale per row and group of `group_size` columns.
 
     Layout: the logical tensor viewed as (rows, cols) with rows = shape[0]; `qdata` holds int8
@@ -89,11 +125,11 @@ def _dequantize_affine(q: QuantizedTensor) -> torch.Tensor:
     if "zero_point" in q.parts:
         values = values - q.parts["zero_point"].load().float().reshape(rows if scale.numel() != 1 else 1, -1, 1)
     out = values * scale.reshape(rows if scale.numel() != 1 else 1, -1, 1)
-    return out.reshape(q.shape).to(q.dtype)
+    return out.reshape(q.shape).to(q.dtype.torch)
 
 
 # Layout name -> dequantizer, for the layouts this layer computes itself.
-DEQUANTIZERS: dict[str, Callable[[QuantizedTensor], torch.Tensor]] = {"affine": _dequantize_affine}
+DEQUANTIZERS: dict[str, Callable[[QuantizedTensor], Any]] = {"affine": _dequantize_affine}
 
 # Layouts whose dequantizer lives in a higher layer: layout -> "module:function", imported on
 # first use and then kept in DEQUANTIZERS. This table is the only registration of each layout
@@ -101,7 +137,7 @@ DEQUANTIZERS: dict[str, Callable[[QuantizedTensor], torch.Tensor]] = {"affine": 
 LAYOUT_MODULES: dict[str, str] = {"gguf": "modelkit.quantizers.gguf_blocks:dequantize_layout"}
 
 
-def dequantizer(layout: str, *, source: str = "<tensor>") -> Callable[[QuantizedTensor], torch.Tensor]:
+def dequantizer(layout: str, *, source: str = "<tensor>") -> Callable[[QuantizedTensor], Any]:
     """The dequantizer of `layout`, importing it from LAYOUT_MODULES on first use."""
     if layout not in DEQUANTIZERS and layout in LAYOUT_MODULES:
         import importlib
@@ -123,7 +159,7 @@ class QuantizedTensor:
         scheme: The quantization scheme that produced it ("int8", "int4", "q4_0", ...).
         layout: How the parts combine: a key of DEQUANTIZERS ("affine": (q - zero_point) * scale).
         shape: The logical (dequantized) shape.
-        dtype: The dtype `load()` returns.
+        dtype: The dtype `load()` returns (a torch.dtype or name is kept as a DType).
         parts: Named stored tensors: "qdata", "scale", optionally "zero_point".
         params: Small layout facts: bits, group_size, symmetric, axis.
     """
@@ -131,10 +167,13 @@ class QuantizedTensor:
     scheme: str
     layout: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     parts: Mapping[str, LazyTensor]
     params: Mapping[str, int | float | str | bool] = field(default_factory=dict)
     source: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
 
     @property
     def numel(self) -> int:
@@ -149,8 +188,8 @@ class QuantizedTensor:
     def bits_per_weight(self) -> float:
         return 8 * self.nbytes / max(self.numel, 1)
 
-    def load(self) -> torch.Tensor:
-        """The dequantized tensor."""
+    def load(self) -> Any:
+        """The dequantized tensor (torch)."""
         return dequantizer(self.layout, source=self.source or "<tensor>")(self)
 
 
