@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from gguf import (
     GGML_QUANT_VERSION,
     GGMLQuantizationType,
@@ -58,7 +57,8 @@ from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedCon
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import META_PREFIX, TENSORS_KEY, json_object
 from modelkit.parse import gguf as gguf_header
-from modelkit.storage.dtypes import dtype_name
+from modelkit.parse.detect import gguf as detect  # noqa: F401  (the converter's detect)
+from modelkit.storage.dtypes import DTYPES, DType, dtype_name, narrow_float32, widen_to_float32
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
 
@@ -110,23 +110,24 @@ F32, F16, BF16, F64 = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
 I8, I16, I32, I64 = (GGMLQuantizationType.I8, GGMLQuantizationType.I16,
                      GGMLQuantizationType.I32, GGMLQuantizationType.I64)
 
-# torch dtype -> (GGUF type, same-width torch dtype whose bytes are written). Dtypes GGUF lacks are
+# dtype name -> (GGUF type, same-width numpy type whose bytes are written). Dtypes GGUF lacks are
 # stored as the signed integer of their width and `modelkit.tensors` records the original.
-_STORAGE: dict[torch.dtype, tuple[GGMLQuantizationType, torch.dtype]] = {
-    torch.float32: (F32, torch.float32), torch.float16: (F16, torch.float16),
-    torch.bfloat16: (BF16, torch.int16),           # numpy has no bfloat16: hand gguf its bytes
-    torch.float64: (F64, torch.float64),
-    torch.int8: (I8, torch.int8), torch.int16: (I16, torch.int16),
-    torch.int32: (I32, torch.int32), torch.int64: (I64, torch.int64),
-    torch.uint8: (I8, torch.int8), torch.bool: (I8, torch.int8),
-    torch.uint16: (I16, torch.int16), torch.uint32: (I32, torch.int32), torch.uint64: (I64, torch.int64),
-    torch.float8_e4m3fn: (I8, torch.int8), torch.float8_e5m2: (I8, torch.int8),
+_STORAGE: dict[str, tuple[GGMLQuantizationType, np.dtype]] = {
+    "float32": (F32, np.dtype("<f4")), "float16": (F16, np.dtype("<f2")),
+    "bfloat16": (BF16, np.dtype("<i2")),           # numpy has no bfloat16: hand gguf its bytes
+    "float64": (F64, np.dtype("<f8")),
+    "int8": (I8, np.dtype("i1")), "int16": (I16, np.dtype("<i2")),
+    "int32": (I32, np.dtype("<i4")), "int64": (I64, np.dtype("<i8")),
+    "uint8": (I8, np.dtype("i1")), "bool": (I8, np.dtype("i1")),
+    "uint16": (I16, np.dtype("<i2")), "uint32": (I32, np.dtype("<i4")), "uint64": (I64, np.dtype("<i8")),
+    "float8_e4m3fn": (I8, np.dtype("i1")), "float8_e5m2": (I8, np.dtype("i1")),
 }
-_NATIVE: dict[GGMLQuantizationType, torch.dtype] = {
-    F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16, F64: torch.float64,
-    I8: torch.int8, I16: torch.int16, I32: torch.int32, I64: torch.int64,
+_BYTES = np.dtype("u1")                 # block-quantized data
+_NATIVE: dict[GGMLQuantizationType, DType] = {
+    F32: DTYPES["float32"], F16: DTYPES["float16"], BF16: DTYPES["bfloat16"], F64: DTYPES["float64"],
+    I8: DTYPES["int8"], I16: DTYPES["int16"], I32: DTYPES["int32"], I64: DTYPES["int64"],
 }
-_DTYPES = {dtype_name(d): d for d in _STORAGE}
+_HALVES = ("float16", "bfloat16")       # kept in F32 as norms by llama.cpp's convention
 _FILE_TYPES = {F32: LlamaFileType.ALL_F32, F16: LlamaFileType.MOSTLY_F16, BF16: LlamaFileType.MOSTLY_BF16}
 
 # Hugging Face Llama name -> llama.cpp name; "{n}" is the block number (gguf-py's tensor_mapping.py
@@ -151,17 +152,6 @@ _FROM_LLAMA_BLOCK = {g.removeprefix("blk.{n}."): h for h, g in _LLAMA_BLOCK_NAME
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def detect(path: Path) -> bool:
-    """True if `path` starts with a whole GGUF header: the magic, version 2 or 3, and two counts.
-
-    Reads those 24 bytes only; a file that stops inside them is not one modelkit can read.
-    """
-    try:
-        with path.open("rb") as f:
-            head = f.read(gguf_header.HEADER_BYTES)
-    except OSError:
-        return False
-    return gguf_header.plausible(head)
 
 
 # ---------------------------------------------------------------------------------------- read
@@ -266,11 +256,12 @@ def _entry(path: Path, mapped: MappedFile, tensor: Any, record: dict[str, Any], 
         return name, LazyTensor(dtype, shape, lambda: _load(mapped, span, ggml_type, dtype, shape, n_heads), source,
                                 span=mapped.span(*span) if same_bytes else None)
     byte_shape = tuple(data.shape)       # gguf's reader gives block data as (rows, bytes per row)
-    qdata = LazyTensor(torch.uint8, byte_shape, lambda: _load(mapped, span, ggml_type, torch.uint8, byte_shape, n_heads), source)
-    quantized = QuantizedTensor(scheme=ggml_type.name.lower(), layout="gguf", shape=shape, dtype=torch.float32,
+    qdata = LazyTensor(DTYPES["uint8"], byte_shape,
+                       lambda: _load(mapped, span, ggml_type, DTYPES["uint8"], byte_shape, n_heads), source)
+    quantized = QuantizedTensor(scheme=ggml_type.name.lower(), layout="gguf", shape=shape, dtype=DTYPES["float32"],
                                 parts={"qdata": qdata}, params={"ggml_type": ggml_type.name}, source=source)
     if options.dequantize:
-        return name, LazyTensor(torch.float32, shape, quantized.load, source)
+        return name, LazyTensor(DTYPES["float32"], shape, quantized.load, source)
     return name, quantized
 
 
@@ -280,31 +271,33 @@ def _rows_pair_up(shape: tuple[int, ...], n_heads: int) -> bool:
 
 
 def _original(path: Path, name: str, record: dict[str, Any], ggml_type: GGMLQuantizationType,
-              shape: tuple[int, ...]) -> tuple[torch.dtype, tuple[int, ...]]:
+              shape: tuple[int, ...]) -> tuple[DType, tuple[int, ...]]:
     """The dtype and shape to return: the stored ones, or those `modelkit.tensors` recorded."""
     stored = _NATIVE[ggml_type]
-    dtype = _DTYPES.get(record.get("dtype", dtype_name(stored)))
+    recorded = record.get("dtype", stored.name)
+    dtype = DTYPES.get(recorded) if isinstance(recorded, str) and recorded in _STORAGE else None
     original = record.get("shape", list(shape))
     if dtype is None or not isinstance(original, list) or not all(isinstance(d, int) and d >= 0 for d in original):
         raise FormatError(path, f"tensor {name!r}: {_KEYS.TENSORS} records {record!r}, not a dtype and shape")
-    widened = ggml_type == F32 and dtype in (torch.float16, torch.bfloat16)      # norms kept in F32
+    widened = ggml_type == F32 and dtype.name in _HALVES                         # norms kept in F32
     if math.prod(original) != math.prod(shape) or (dtype.itemsize != stored.itemsize and not widened):
         raise FormatError(path, f"tensor {name!r} is stored as {ggml_type.name} {list(shape)}, which cannot "
                                 f"hold the recorded {dtype_name(dtype)} {original}")
     return dtype, tuple(original)
 
 
-def _load(mapped: MappedFile, span: tuple[int, int], ggml_type: GGMLQuantizationType, dtype: torch.dtype,
-          shape: tuple[int, ...], n_heads: int | None) -> torch.Tensor:
-    """One tensor as a view of the file's pages with its dtype, shape and row order (copied only
-    where a cast or llama.cpp's row permutation needs new memory)."""
-    stored = mapped.view(*span, f"tensor at offset {span[0]}").view(_NATIVE.get(ggml_type, torch.uint8))
-    if dtype.itemsize == stored.dtype.itemsize:
-        tensor = stored.view(torch.uint8).view(dtype)
-    else:
-        tensor = stored.to(dtype)       # F32 -> f16/bf16: exact, the values were f16/bf16 to begin with
-    tensor = tensor.reshape(shape)      # sizes were checked against the header when the file was opened
-    return tensor if n_heads is None else _from_llama_rope(tensor, n_heads)
+def _load(mapped: MappedFile, span: tuple[int, int], ggml_type: GGMLQuantizationType, dtype: DType,
+          shape: tuple[int, ...], n_heads: int | None) -> np.ndarray:
+    """One tensor's stored bits as a view of the file's pages with its dtype, shape and row order
+    (copied only where a cast or llama.cpp's row permutation needs new memory)."""
+    raw = mapped.view(*span, f"tensor at offset {span[0]}")
+    stored = _NATIVE.get(ggml_type)
+    if stored is None or dtype.itemsize == stored.itemsize:
+        array = raw.view(dtype.numpy)
+    else:       # F32 -> f16/bf16: exact, the values were f16/bf16 to begin with
+        array = narrow_float32(raw.view(np.float32), dtype)
+    array = array.reshape(shape)        # sizes were checked against the header when the file was opened
+    return array if n_heads is None else _from_llama_rope(array, n_heads)
 
 
 def _restore_aliases(path: Path, tensors: dict[str, Any], metadata: dict[str, str]) -> None:
@@ -388,7 +381,7 @@ class _Slot:
     entry: LazyTensor | QuantizedTensor
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]              # stored shape, numpy order
-    view: torch.dtype                   # dtype whose bytes gguf gets (uint8 for block-quantized data)
+    view: np.dtype                      # numpy type whose bytes gguf gets (uint8 for block-quantized data)
     n_heads: int | None = None          # permute rows for llama.cpp's RoPE
     widen: bool = False                 # f16/bf16 norm stored in F32
 
@@ -399,13 +392,13 @@ class _Slot:
                 and not self.widen and self.entry.dtype.itemsize == self.view.itemsize:
             return _SpanData(self.entry.span)
         if isinstance(self.entry, QuantizedTensor):
-            tensor = self.entry.parts["qdata"].load()
+            array = self.entry.parts["qdata"].array()
         else:
-            tensor = self.entry.load()
-            tensor = tensor.float() if self.widen else tensor.contiguous().view(self.view)
+            array = self.entry.array()
+            array = widen_to_float32(array, self.entry.dtype) if self.widen else np.ascontiguousarray(array).view(self.view)
         if self.n_heads is not None:
-            tensor = _to_llama_rope(tensor, self.n_heads)
-        return tensor.contiguous().reshape(self.shape if self.view != torch.uint8 else tensor.shape).numpy()
+            array = _to_llama_rope(array, self.n_heads)
+        return np.ascontiguousarray(array).reshape(self.shape if self.view != _BYTES else array.shape)
 
 
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
@@ -417,8 +410,8 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     for slot in slots:
         nbytes = slot.entry.parts["qdata"].nbytes if isinstance(slot.entry, QuantizedTensor) \
             else math.prod(slot.shape) * _NATIVE[slot.ggml_type].itemsize
-        shape = slot.entry.parts["qdata"].shape if slot.view == torch.uint8 else slot.shape
-        writer.add_tensor_info(slot.stored, shape, np.dtype(dtype_name(slot.view)), nbytes, raw_dtype=slot.ggml_type)
+        shape = slot.entry.parts["qdata"].shape if slot.view == _BYTES else slot.shape
+        writer.add_tensor_info(slot.stored, shape, slot.view, nbytes, raw_dtype=slot.ggml_type)
     # The writer's fixed sequence. write_tensors_to_file needs every array in memory at once, so the
     # data goes through write_tensor_data instead (its streaming form): one tensor loaded at a time.
     try:
@@ -484,16 +477,16 @@ def _slot(entry: LazyTensor | QuantizedTensor, name: str, stored: str, n_heads: 
                                              f"tensor {name!r} names no GGML type ({entry.params!r})")
         if n_heads is not None and not _rows_pair_up(entry.parts["qdata"].shape, n_heads):
             raise _bad_rows(name, entry.shape, n_heads)
-        return _Slot(stored, entry, ggml_type, entry.shape, torch.uint8, n_heads), {}
-    if entry.dtype not in _STORAGE:
+        return _Slot(stored, entry, ggml_type, entry.shape, _BYTES, n_heads), {}
+    if entry.dtype.name not in _STORAGE:
         raise UnsupportedConversionError(dtype_name(entry.dtype), "gguf",
                                          f"tensor {name!r} has a dtype GGUF cannot hold, even as raw bytes")
-    ggml_type, view = _STORAGE[entry.dtype]
+    ggml_type, view = _STORAGE[entry.dtype.name]
     record: dict[str, Any] = {}
-    widen = widen_norm and len(entry.shape) == 1 and entry.dtype in (torch.float16, torch.bfloat16)
+    widen = widen_norm and len(entry.shape) == 1 and entry.dtype.name in _HALVES
     if widen:                          # llama.cpp keeps norms in F32; f16/bf16 -> f32 is exact
-        ggml_type, view = F32, torch.float32
-    if _NATIVE[ggml_type] != entry.dtype:
+        ggml_type, view = F32, np.dtype("<f4")
+    if _NATIVE[ggml_type] is not entry.dtype:
         record["dtype"] = dtype_name(entry.dtype)
     shape = entry.shape
     if not shape:                       # gguf's reader cannot give a 0-d BF16 tensor back: store (1,)
@@ -591,7 +584,7 @@ def _byte_vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def _to_llama_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _to_llama_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Reorder each head's rows from Hugging Face's RoPE layout to llama.cpp's.
 
     Hugging Face rotates row i of a head with row i + head_dim/2 ("rotate half"); llama.cpp's llama
@@ -599,13 +592,13 @@ def _to_llama_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     (head, i, half), as llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute) does.
     """
     rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _from_llama_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _from_llama_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """The inverse of _to_llama_rope: rows (head, i, half) back to (head, half, i)."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # ---------------------------------------------------------------------------- header bounds

@@ -43,7 +43,6 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import torch
 
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ModelkitError, UnknownModelError, UnsupportedConversionError
@@ -51,7 +50,9 @@ from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
 from modelkit.models.plugin import KerasLayer, KerasWeight
 from modelkit.parse import hdf5 as hdf5_header
-from modelkit.storage.dtypes import dtype_name
+from modelkit.parse.detect import hdf5 as detect  # noqa: F401  (the converter's detect)
+from modelkit.storage import dtypes
+from modelkit.storage.dtypes import DType, contiguous, dtype_name, widen_to_float32
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
 logger = logging.getLogger(__name__)
@@ -70,49 +71,19 @@ _H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError
 
 @dataclass(frozen=True)
 class _Stored:
-    """How one torch dtype lives in HDF5: the numpy dtype of the dataset and, for dtypes numpy
-    lacks, the same-width unsigned torch dtype the bits are viewed as."""
+    """How one dtype lives in HDF5: the numpy dtype of the dataset (the same-width unsigned type
+    for dtypes numpy lacks: bfloat16 as uint16 bits)."""
 
-    torch: torch.dtype
+    dtype: DType
     numpy: np.dtype
-    view: torch.dtype | None = None
+
+    @property
+    def bits(self) -> bool:
+        """The dataset holds raw bits, not values numpy knows (bfloat16, float8)."""
+        return not self.dtype.exact
 
 
-def _dtype_table() -> dict[str, _Stored]:
-    native = {torch.bool: "?", torch.uint8: "u1", torch.int8: "i1", torch.int16: "<i2", torch.uint16: "<u2",
-              torch.int32: "<i4", torch.uint32: "<u4", torch.int64: "<i8", torch.uint64: "<u8",
-              torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8",
-              torch.complex64: "<c8", torch.complex128: "<c16"}
-    table = {dtype_name(t): _Stored(t, np.dtype(code)) for t, code in native.items()}
-    views = {"bfloat16": torch.uint16, "complex32": torch.uint32, "float8_e4m3fn": torch.uint8,
-             "float8_e5m2": torch.uint8, "float8_e4m3fnuz": torch.uint8, "float8_e5m2fnuz": torch.uint8,
-             "float8_e8m0fnu": torch.uint8, "float4_e2m1fn_x2": torch.uint8}
-    for name, raw in views.items():
-        dtype = getattr(torch, name, None)           # newer float8/float4 types exist in newer torch only
-        if isinstance(dtype, torch.dtype):
-            table[name] = _Stored(dtype, np.dtype(f"<u{raw.itemsize}"), raw)
-    return table
-
-
-DTYPES: dict[str, _Stored] = _dtype_table()
-_BY_TORCH: dict[torch.dtype, _Stored] = {s.torch: s for s in DTYPES.values()}
-
-
-def detect(path: Path) -> bool:
-    """True if `path` starts with the HDF5 signature and a plausible superblock (reads 16 bytes).
-
-    HDF5 also allows the signature after a user block (at 512, 1024, ... bytes); such a file
-    starts with other bytes, possibly another format's, so detection does not claim it
-    (`--from hdf5` still reads it).
-    """
-    try:
-        if not path.is_file():
-            return False
-        with path.open("rb") as f:
-            head = f.read(hdf5_header.SUPERBLOCK_HEAD)
-    except OSError:
-        return False
-    return hdf5_header.plausible_superblock(head)
+DTYPES: dict[str, _Stored] = {name: _Stored(d, d.numpy) for name, d in dtypes.DTYPES.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,9 +118,9 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
 
     def lazy(name: str, e: _Entry) -> LazyTensor:
         if e.offset is None:
-            return LazyTensor(e.stored.torch, e.shape, lambda: _load(path, e), f"{path}:{name}")
+            return LazyTensor(e.stored.dtype, e.shape, lambda: _load(path, e), f"{path}:{name}")
         # Contiguous, unfiltered, little-endian: a view of the file's pages, and a span writers copy file to file.
-        return LazyTensor(e.stored.torch, e.shape, lambda: _view(mapped, name, e), f"{path}:{name}",
+        return LazyTensor(e.stored.dtype, e.shape, lambda: _view(mapped, name, e), f"{path}:{name}",
                           span=mapped.span(e.offset, e.nbytes))
 
     tensors = {name: lazy(name, e) for name, e in entries.items()}
@@ -212,11 +183,11 @@ def _plain_dtype(path: Path, name: str, dataset: h5py.Dataset) -> _Stored:
     if dtype.kind == "V" and dtype.itemsize == 2 and not dtype.fields and "dtype" in dataset.attrs:
         # Keras 3 stores bfloat16 (and only bfloat16) as 2-byte opaque data with a `dtype`
         # attribute. The attribute's value is not read: it is a variable-length string, see _str_attr.
-        return _Stored(torch.bfloat16, dtype, torch.uint16)
+        return _Stored(dtypes.DTYPES["bfloat16"], dtype)
     if dtype.kind in "biufc" and not dtype.fields and not dtype.subdtype:
         native = dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
-        for stored in _BY_TORCH.values():
-            if stored.view is None and stored.numpy == native:
+        for stored in DTYPES.values():
+            if not stored.bits and stored.numpy == native:
                 return stored
     raise FormatError(path, f"dataset {name!r} holds {dtype}, which is not a tensor type modelkit reads")
 
@@ -298,12 +269,12 @@ def _raw_offset(dataset: h5py.Dataset, size: int) -> int | None:
     return offset
 
 
-def _view(mapped: MappedFile, name: str, entry: _Entry) -> torch.Tensor:
+def _view(mapped: MappedFile, name: str, entry: _Entry) -> np.ndarray:
     raw = mapped.view(entry.offset or 0, entry.nbytes, f"tensor {name!r}")
-    return raw.view(entry.stored.torch).reshape(entry.shape)
+    return raw.view(entry.stored.dtype.numpy).reshape(entry.shape)
 
 
-def _load(path: Path, entry: _Entry) -> torch.Tensor:
+def _load(path: Path, entry: _Entry) -> np.ndarray:
     """Open the file again, check the dataset as `read` did, and read it into a fresh array."""
     name = "/".join(entry.link)
     try:
@@ -322,10 +293,7 @@ def _load(path: Path, entry: _Entry) -> torch.Tensor:
         raise
     except _H5_ERRORS as e:
         raise FormatError(path, f"cannot read dataset {name!r} ({_one_line(e)})") from e
-    if array.dtype.kind == "V":
-        array = array.view(f"<u{array.dtype.itemsize}")
-    tensor = torch.from_numpy(array)
-    return tensor.view(entry.stored.torch) if entry.stored.view is not None else tensor
+    return array.view(entry.stored.dtype.numpy)         # Keras's opaque bfloat16 ("V2") as its uint16 bits
 
 
 def _one_line(error: BaseException) -> str:
@@ -348,26 +316,26 @@ def _unescape(key: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Keras layouts
 
-Transform = Callable[[torch.Tensor], torch.Tensor]
+Transform = Callable[[np.ndarray], np.ndarray]
 
 
-def _same(w: torch.Tensor) -> torch.Tensor:
+def _same(w: np.ndarray) -> np.ndarray:
     return w
 
 
-def _dense_kernel(w: torch.Tensor) -> torch.Tensor:
-    return w.t()                                    # (out, in) -> (in, out)
+def _dense_kernel(w: np.ndarray) -> np.ndarray:
+    return w.T                                      # (out, in) -> (in, out)
 
 
-def _conv_kernel(w: torch.Tensor) -> torch.Tensor:
-    return w.permute(2, 3, 1, 0)                    # (out, in, kh, kw) -> (kh, kw, in, out)
+def _conv_kernel(w: np.ndarray) -> np.ndarray:
+    return w.transpose(2, 3, 1, 0)                  # (out, in, kh, kw) -> (kh, kw, in, out)
 
 
 def _dense_after_flatten(channels: int, height: int, width: int) -> Transform:
     """torch flattens (C, H, W); Keras (channels_last) flattens (H, W, C): reorder the kernel's rows."""
-    def transform(w: torch.Tensor) -> torch.Tensor:
+    def transform(w: np.ndarray) -> np.ndarray:
         out = w.shape[0]
-        return w.reshape(out, channels, height, width).permute(2, 3, 1, 0).reshape(height * width * channels, out)
+        return w.reshape(out, channels, height, width).transpose(2, 3, 1, 0).reshape(height * width * channels, out)
     return transform
 
 
@@ -381,7 +349,7 @@ def _transform(weight: KerasWeight) -> Transform:
 
 
 _TRANSFORMS: dict[str, Transform] = {"same": _same, "dense_kernel": _dense_kernel, "conv_kernel": _conv_kernel}
-_KERAS_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
+_KERAS_DTYPES = ("float16", "float32", "float64", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -403,10 +371,14 @@ def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
         if layout is None:
             return (f"{arch.name} has no standard Keras equivalent (its model declares no keras_layers); "
                     f"the {GROUP} group keeps it losslessly")
+        import torch  # the model's shapes come from building it
         with torch.device("meta"):                  # shapes only: nothing is allocated
             model = build_from_spec(arch)
     except (ConfigError, UnknownModelError) as e:
         return f"its ArchSpec does not build ({e})"
+    except ImportError:
+        return (f"the Keras layout of {arch.name} is checked against the model, which needs torch "
+                "(pip install 'modelkit[torch]')")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     counts: dict[str, int] = {}
     paths, targets = [], {}
@@ -421,7 +393,7 @@ def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
             return f"tensor {name!r} has no Keras mapping in the {arch.name} layout"
         if tuple(entry.shape) != expected.get(name):
             return f"tensor {name!r} is {list(entry.shape)}, the {arch.name} layout expects {list(expected[name])}"
-        if entry.dtype not in _KERAS_DTYPES:
+        if entry.dtype.name not in _KERAS_DTYPES:
             return f"tensor {name!r} is {dtype_name(entry.dtype)}; Keras weights are floating point"
     missing = sorted(set(targets) - set(ckpt.tensors))
     if missing:
@@ -441,18 +413,18 @@ def _write_keras_groups(f: h5py.File, plan: _KerasPlan) -> None:
         f.create_group(path).attrs["weight_names"] = np.array([f"{path}/{w.keras}:0".encode() for w in layer.weights])
 
 
-def _write_keras_weight(f: h5py.File, plan: _KerasPlan, name: str, tensor: torch.Tensor) -> None:
+def _write_keras_weight(f: h5py.File, plan: _KerasPlan, name: str, array: np.ndarray, dtype: DType) -> None:
     path, index, weight, transform = plan.targets[name]
-    value = transform(tensor).contiguous()
+    value = np.ascontiguousarray(transform(array))
     legacy_name = f"{path}/{weight}:0"
-    if value.dtype == torch.bfloat16:
+    if dtype.name == "bfloat16":
         # Keras 3 stores bfloat16 as a 2-byte opaque type with a dtype attribute; the Keras 2
         # reader knows no bfloat16, so its copy is float32 (exact: bfloat16 is float32's top half).
-        dataset = f[f"layers/{path}/vars"].create_dataset(str(index), data=value.view(torch.uint16).numpy().view("V2"))
+        dataset = f[f"layers/{path}/vars"].create_dataset(str(index), data=value.view("V2"))
         dataset.attrs["dtype"] = "bfloat16"
-        f[path].create_dataset(legacy_name, data=value.float().numpy())
+        f[path].create_dataset(legacy_name, data=widen_to_float32(value, dtype))
     else:
-        dataset = f[f"layers/{path}/vars"].create_dataset(str(index), data=value.numpy())
+        dataset = f[f"layers/{path}/vars"].create_dataset(str(index), data=value)
         f[path][legacy_name] = dataset              # a hard link: the same bytes under the Keras 2 name
 
 
@@ -505,16 +477,14 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
                 _set_str_attr(dataset, "dtype", dtype_name(entry.dtype))
                 reserved.append((offset, entry.span))
                 continue
-            tensor = entry.load().detach().cpu().contiguous()
+            array = contiguous(entry.array())                  # stored bits (uint16 for bfloat16)
             if name in aliases:
                 tensors[keys[name]] = tensors[keys[aliases[name]]]
             else:
-                stored = _BY_TORCH[tensor.dtype]
-                raw = tensor.view(stored.view) if stored.view is not None else tensor
-                _set_str_attr(tensors.create_dataset(keys[name], data=raw.numpy()), "dtype", dtype_name(tensor.dtype))
+                _set_str_attr(tensors.create_dataset(keys[name], data=array), "dtype", dtype_name(entry.dtype))
             if keras:
-                _write_keras_weight(f, plan, name, tensor)
-            del tensor
+                _write_keras_weight(f, plan, name, array, entry.dtype)
+            del array
     with path.open("r+b") as out:                  # HDF5 is closed: fill the reserved bytes, file to file
         for offset, span in reserved:
             copy_span(span, out, at=offset)
@@ -532,7 +502,7 @@ def _reserve(group: h5py.Group, name: str, entry: LazyTensor) -> tuple[h5py.Data
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
     space = h5py.h5s.create_simple(tuple(entry.shape))
-    dataset = h5py.Dataset(h5py.h5d.create(group.id, name.encode("utf-8"), h5py.h5t.py_create(_BY_TORCH[entry.dtype].numpy), space,
+    dataset = h5py.Dataset(h5py.h5d.create(group.id, name.encode("utf-8"), h5py.h5t.py_create(DTYPES[entry.dtype.name].numpy), space,
                                            dcpl=dcpl))
     offset = dataset.id.get_offset()
     if offset is None or dataset.id.get_storage_size() != entry.nbytes:
@@ -549,7 +519,7 @@ def _check_writable(ckpt: Checkpoint) -> dict[str, str]:
                 f"tensor {name!r} is quantized ({entry.scheme}); HDF5 does not store quantized tensors yet: "
                 "dequantize it first",
             )
-        if entry.dtype not in _BY_TORCH:
+        if entry.dtype.name not in DTYPES:
             raise UnsupportedConversionError(str(entry.dtype), "hdf5", f"tensor {name!r} has a dtype modelkit cannot "
                                              f"store in HDF5 (known: {', '.join(DTYPES)})")
         if not name:

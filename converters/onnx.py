@@ -64,7 +64,8 @@ from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedCon
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, VERSION_KEY, json_object
 from modelkit.models import MODELS, load_model_module
-from modelkit.parse.onnx import GRAPH, MODEL, TENSOR, TYPED_TENSOR_FIELDS, is_model
+from modelkit.parse.detect import onnx as detect  # noqa: F401  (the converter's detect)
+from modelkit.parse.onnx import GRAPH, MODEL, TENSOR, TYPED_TENSOR_FIELDS
 from modelkit.parse.paths import resolve_location
 from modelkit.parse.protobuf import LEN, VARINT, fields, int64s, string_pairs, text
 from modelkit.storage import qdq, quantized_layout
@@ -95,16 +96,6 @@ _ONNX_TYPES: dict[torch.dtype, int] = {v: k for k, v in _DTYPES.items()}
 _PACKED4: dict[int, torch.dtype] = {TensorProto.INT4: torch.int8, TensorProto.UINT4: torch.uint8}
 
 
-def detect(path: Path) -> bool:
-    """A ModelProto: ir_version first (as every protobuf writer orders it), then known fields up to
-    the graph. Walks field headers through an mmap, so only a few pages are read."""
-    try:
-        if not path.is_file() or path.stat().st_size < 4:
-            return False
-        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return is_model(buf)
-    except (OSError, ValueError):
-        return False
 
 
 # ---------------------------------------------------------------- reading
@@ -304,9 +295,10 @@ def _quantized_tensors(path: Path, initializers: dict[str, _Initializer],
         if info.get("encoding") != layout.encoding:
             raise bad(f"encoding {info.get('encoding')!r} does not fit its layout and params ({layout.encoding})")
         # affine scales come back in their stored dtype; GGUF's d is always f16 inside the block bytes
-        scale_dtype = quantized_layout.LOGICAL_DTYPES.get(info.get("scale_dtype") if layout.encoding == "affine" else "float16")
-        if scale_dtype is None:
+        logical = quantized_layout.LOGICAL_DTYPES.get(info.get("scale_dtype") if layout.encoding == "affine" else "float16")
+        if logical is None:
             raise bad(f"scale_dtype {info.get('scale_dtype')!r} is not one of {', '.join(quantized_layout.LOGICAL_DTYPES)}")
+        scale_dtype = logical.torch
         inputs = _qdq_inputs(layout)
         if set(info["parts"]) != set(inputs):
             raise bad(f"parts {sorted(info['parts'])} are not the DequantizeLinear inputs {sorted(inputs)}")
@@ -712,7 +704,7 @@ def _to_qdq(graph: Any, quantized: dict[str, QuantizedTensor], names: dict[str, 
 def _narrow_weights(ckpt: Checkpoint) -> dict[str, torch.dtype]:
     """16-bit float tensors of a checkpoint that also holds float32 ones (the fp16 / bf16 schemes:
     weights narrow, biases and norms float32): exported as float32, then stored narrow."""
-    floats = {name: t.dtype for name, t in ckpt.tensors.items() if t.dtype.is_floating_point}
+    floats = {name: t.dtype.torch for name, t in ckpt.tensors.items() if t.dtype.is_floating_point}
     if torch.float32 not in floats.values():
         return {}
     return {name: dtype for name, dtype in floats.items() if dtype in (torch.float16, torch.bfloat16)}
@@ -753,7 +745,7 @@ def _cast_up(graph: Any, narrow: dict[str, torch.dtype], names: dict[str, dict[s
 
 def _check_exact(name: str, entry: QuantizedTensor, layout: qdq.QDQLayout, inputs: dict[str, torch.Tensor]) -> None:
     """The parts rebuilt from the DequantizeLinear inputs must be the parts, bit for bit."""
-    scale_dtype = entry.parts["scale"].dtype if "scale" in entry.parts else torch.float16
+    scale_dtype = entry.parts["scale"].dtype.torch if "scale" in entry.parts else torch.float16
     specs = qdq.part_specs(layout, scale_dtype)
     for part in sorted(set(specs) | set(entry.parts)):
         same = part in specs and part in entry.parts
@@ -789,11 +781,11 @@ def _dequantize(graph: Any, name: str, entry: QuantizedTensor, layout: qdq.QDQLa
         target = _ir_value(f"{name}/shape", torch.tensor(layout.output_shape, dtype=torch.int64))
         graph.register_initializer(target)
         nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], target], name=f"{name}/Reshape"))
-    if entry.dtype != torch.float32:                        # computed in float32, as modelkit dequantizes
-        to = convert_attributes({"to": ir.DataType(_ONNX_TYPES[entry.dtype])})
+    if entry.dtype.torch != torch.float32:                  # computed in float32, as modelkit dequantizes
+        to = convert_attributes({"to": ir.DataType(_ONNX_TYPES[entry.dtype.torch])})
         nodes.append(ir.Node("", "Cast", [nodes[-1].outputs[0]], to, name=f"{name}/Cast"))
     output = nodes[-1].outputs[0]
-    output.type = ir.TensorType(ir.DataType(_ONNX_TYPES[entry.dtype]))
+    output.type = ir.TensorType(ir.DataType(_ONNX_TYPES[entry.dtype.torch]))
     output.shape = ir.Shape(layout.output_shape)
     if graph.num_nodes():
         graph.insert_before(graph.node(0), nodes)

@@ -48,7 +48,8 @@ from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import PTH_LAYOUT, PTH_METADATA_ENTRY, PTH_SOURCE_KEY
 from modelkit.parse import pickle as pickle_walk
 from modelkit.parse import zipdir
-from modelkit.parse.sniff import torch_zip_roots
+from modelkit.parse.detect import TORCH_LEGACY_HEAD, torch_save_prefix
+from modelkit.parse.detect import pth as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import quantized_layout
 from modelkit.storage import zip_records as _zip_records
 from modelkit.storage.dtypes import LEGACY_STORAGE_DTYPES
@@ -57,7 +58,6 @@ from modelkit.storage.mapped import FileSpan
 logger = logging.getLogger(__name__)
 
 # torch.save's legacy stream starts with the pickled magic number (torch/serialization.py MAGIC_NUMBER).
-_LEGACY_HEAD = b"\x80\x02\x8a\x0a" + pickle_walk.LEGACY_MAGIC.to_bytes(10, "little") + b"."   # LONG1 magic, STOP
 _MODELKIT_KEY = PTH_METADATA_ENTRY      # entry of state_dict._metadata holding our metadata
 _LAYOUT = PTH_LAYOUT
 SOURCE_KEY = PTH_SOURCE_KEY             # metadata: which entry or object the state_dict came from
@@ -74,27 +74,7 @@ _DATA_MODULES = frozenset({
 })
 
 
-def detect(path: Path) -> bool:
-    """A torch.save file: a zip with `<archive>/data.pkl` that is not TorchScript, or the legacy magic."""
-    try:
-        if not path.is_file():
-            return False
-        with path.open("rb") as f:
-            head = f.read(len(_LEGACY_HEAD))
-        if head == _LEGACY_HEAD:
-            return True
-        if not head.startswith(b"PK\x03\x04"):
-            return False
-        return _archive_prefix(zipdir.member_names(path)) is not None   # the central directory only
-    except (OSError, ParseError):
-        return False
 
-
-def _archive_prefix(names: list[str]) -> str | None:
-    """The folder holding data.pkl in a torch.save zip; None for TorchScript and other zips."""
-    for prefix, constants, code in torch_zip_roots(names):
-        return None if constants or code else prefix
-    return None
 
 
 def _gate(path: Path, options: ReadOptions) -> str:
@@ -175,10 +155,10 @@ def _layout(path: Path) -> bool:
     """True for the zip layout, False for the legacy stream; FormatError for anything else."""
     try:
         with path.open("rb") as f:
-            head = f.read(len(_LEGACY_HEAD))
+            head = f.read(len(TORCH_LEGACY_HEAD))
     except OSError as e:
         raise FormatError(path, f"cannot read the file ({e})") from e
-    if head == _LEGACY_HEAD:
+    if head == TORCH_LEGACY_HEAD:
         return False
     if head.startswith(b"PK\x03\x04"):
         return True
@@ -263,7 +243,7 @@ def _data_pkl(path: Path) -> bytes:
             entries = zipdir.read_directory(buf)
         except ParseError as e:
             raise FormatError(path, f"the zip archive is malformed ({e})") from e
-        prefix = _archive_prefix([e.filename for e in entries])
+        prefix = torch_save_prefix([e.filename for e in entries])
         if prefix is None:
             raise FormatError(path, "a zip archive without data.pkl, or a TorchScript archive "
                                     "(read those with --from torchscript)")

@@ -35,7 +35,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
@@ -43,9 +43,10 @@ from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import json_object
 from modelkit.parse import safetensors as safetensors_header
+from modelkit.parse.detect import safetensors as detect  # noqa: F401  (the converter's detect)
 from modelkit.parse.paths import plain_name_problem
 from modelkit.storage import quantized_layout
-from modelkit.storage.dtypes import SAFETENSORS_CODES, SAFETENSORS_DTYPES, tensor_bytes
+from modelkit.storage.dtypes import SAFETENSORS_DTYPES, DType, tensor_bytes
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
 _ALIGN = 8
@@ -53,17 +54,6 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
-def detect(path: Path) -> bool:
-    """A safetensors file (plausible 8-byte header length, then '{'), a sharded folder or its index."""
-    if path.is_dir():
-        return (path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file()
-    if path.name.endswith(".safetensors.index.json"):
-        return path.is_file()
-    if not path.is_file():
-        return False
-    with path.open("rb") as f:
-        head = f.read(9)
-    return safetensors_header.plausible(head, path.stat().st_size)
 
 
 class _File:
@@ -75,12 +65,13 @@ class _File:
         self.data_start = data_start
         self._mapped = MappedFile(path)
 
-    def get(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
+        """The stored bits (a view of the file's pages)."""
         begin, end = self.offsets[name]
         if end == begin:
-            return torch.empty(shape, dtype=dtype)
+            return np.empty(shape, dtype=dtype.numpy)
         flat = self._mapped.view(self.data_start + begin, end - begin, f"tensor {name!r}")
-        return flat.view(dtype).reshape(shape)
+        return flat.view(dtype.numpy).reshape(shape)
 
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
@@ -92,7 +83,7 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
 
 def _read_file(path: Path, *, group: bool = True) -> Checkpoint:
     try:
-        with safe_open(str(path), framework="pt") as f:   # validates header, offsets and sizes
+        with safe_open(str(path), framework="numpy") as f:   # validates header, offsets and sizes
             metadata = dict(f.metadata() or {})
             headers = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
         with path.open("rb") as raw, mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -108,7 +99,7 @@ def _read_file(path: Path, *, group: bool = True) -> Checkpoint:
     for name, (code, shape) in headers.items():
         dtype = SAFETENSORS_DTYPES.get(code)
         if dtype is None:
-            raise FormatError(path, f"tensor {name!r} has dtype {code!r}, which torch cannot hold")
+            raise FormatError(path, f"tensor {name!r} has dtype {code!r}, which modelkit does not know")
         begin, end = offsets[name]
         tensors[name] = LazyTensor(dtype, shape, lambda name=name, dtype=dtype, shape=shape: handle.get(name, dtype, shape),
                                    f"{path}:{name}", span=FileSpan(path, 8 + length + begin, end - begin))
@@ -169,7 +160,7 @@ def _stored_tensors(ckpt: Checkpoint) -> tuple[dict[str, LazyTensor], dict[str, 
             raise UnsupportedConversionError(
                 "quantized checkpoint", "safetensors", f"tensor {name!r} is quantized ({entry.scheme}); dequantize it first",
             )
-        if SAFETENSORS_CODES.get(entry.dtype) is None:
+        if entry.dtype.code is None:
             raise UnsupportedConversionError(str(entry.dtype), "safetensors", f"tensor {name!r} has a dtype safetensors lacks")
         if name not in aliases:
             stored[name] = entry
@@ -189,7 +180,7 @@ def _write_file(path: Path, tensors: dict[str, LazyTensor], metadata: dict[str, 
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, entry in tensors.items():
-        header[name] = {"dtype": SAFETENSORS_CODES[entry.dtype], "shape": list(entry.shape),
+        header[name] = {"dtype": entry.dtype.code, "shape": list(entry.shape),
                         "data_offsets": [offset, offset + entry.nbytes]}
         offset += entry.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -201,7 +192,7 @@ def _write_file(path: Path, tensors: dict[str, LazyTensor], metadata: dict[str, 
             if entry.span is not None:          # unchanged bytes of a file: copied in the kernel
                 copy_span(entry.span, out)
             else:
-                out.write(tensor_bytes(entry.load()))
+                out.write(tensor_bytes(entry.array()))
 
 
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:

@@ -41,8 +41,9 @@ from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import TORCHSCRIPT_EXPORT_KEY, TORCHSCRIPT_EXTRA
 from modelkit.parse import zipdir
-from modelkit.parse.sniff import torch_zip_roots
-from modelkit.storage.dtypes import LEGACY_STORAGE_DTYPES
+from modelkit.parse.detect import torchscript as detect  # noqa: F401  (the converter's detect)
+from modelkit.parse.detect import torchscript_prefix
+from modelkit.storage.dtypes import DTYPES, LEGACY_STORAGE_DTYPES, DType, as_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +61,7 @@ _DEPRECATED = r"`torch\.jit\.\w+` is deprecated"
 # Storage classes data.pkl may name -> element dtype (torch.storage._dtype_to_storage_type_map).
 
 
-def detect(path: Path) -> bool:
-    """A zip whose folder holds data.pkl, constants.pkl and code/ (what torch.jit.save writes)."""
-    try:
-        if not path.is_file():
-            return False
-        with path.open("rb") as f:
-            if f.read(4) != b"PK\x03\x04":
-                return False
-        return _archive_prefix(zipdir.member_names(path)) is not None   # the central directory only
-    except (OSError, ParseError):
-        return False
 
-
-def _archive_prefix(names: list[str]) -> str | None:
-    """The folder holding data.pkl, constants.pkl and code/; None for other zips."""
-    return next((prefix for prefix, constants, code in torch_zip_roots(names) if constants and code), None)
 
 
 def _gate(path: Path, *, running_code: bool, trust: bool) -> str:
@@ -97,7 +83,7 @@ def _gate(path: Path, *, running_code: bool, trust: bool) -> str:
 @dataclass(frozen=True, slots=True)
 class _Storage:
     key: str
-    dtype: torch.dtype
+    dtype: DType
     numel: int                    # elements of `dtype`
 
 
@@ -107,7 +93,7 @@ class _TensorRef:
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
 
 
 class _ScriptObject:
@@ -124,7 +110,7 @@ class _ScriptObject:
 
 @dataclass(frozen=True, slots=True)
 class _StorageType:
-    dtype: torch.dtype
+    dtype: DType
 
 
 def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> _TensorRef:
@@ -174,9 +160,9 @@ class _WeightsUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its me
         if module == "torch" and name in LEGACY_STORAGE_DTYPES:
             return _StorageType(LEGACY_STORAGE_DTYPES[name])
         if (module, name) == ("torch.storage", "UntypedStorage"):
-            return _StorageType(torch.uint8)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+            return _StorageType(DTYPES["uint8"])
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype) and name in DTYPES:
+            return as_dtype(getattr(torch, name))
         raise _Refused(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> _Storage:
@@ -196,7 +182,7 @@ class _Archive:
             self.zip = zipdir.Archive(path)
         except (OSError, ParseError) as e:
             raise FormatError(path, f"not a readable zip archive ({e})") from e
-        prefix = _archive_prefix(list(self.zip.entries))
+        prefix = torchscript_prefix(list(self.zip.entries))
         if prefix is None:
             raise FormatError(path, "not a TorchScript archive (needs data.pkl, constants.pkl and code/ in one folder)")
         self.prefix = prefix
@@ -295,7 +281,7 @@ def _lazy(archive: _Archive, name: str, ref: _TensorRef) -> LazyTensor:
     """Check a reference against its zip member, then read the bytes only when loaded."""
     path = archive.path
     storage = ref.storage
-    ok = (isinstance(storage, _Storage) and isinstance(ref.dtype, torch.dtype) and isinstance(ref.offset, int)
+    ok = (isinstance(storage, _Storage) and isinstance(ref.dtype, DType) and isinstance(ref.offset, int)
           and isinstance(ref.size, tuple) and isinstance(ref.stride, tuple) and len(ref.size) == len(ref.stride)
           and all(isinstance(v, int) and v >= 0 for v in (ref.offset, *ref.size, *ref.stride)))
     if not ok:
@@ -316,7 +302,7 @@ def _lazy(archive: _Archive, name: str, ref: _TensorRef) -> LazyTensor:
     def load() -> torch.Tensor:
         data = archive.read(f"data/{storage.key}")
         flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        return flat.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)
+        return flat.view(ref.dtype.torch).as_strided(ref.size, ref.stride, ref.offset)
 
     return LazyTensor(ref.dtype, ref.size, load, f"{path}:{name}")
 

@@ -13,17 +13,26 @@ from modelkit.checkpoint import ArchSpec, QuantizedTensor
 from modelkit.errors import ConfigError
 from modelkit.formats import (
     FORMATS,
+    RUNTIMES,
     ReadOptions,
     load_format,
 )
 from modelkit.pipeline.load import load, load_module, resolve_input, save
-from modelkit.pipeline.measure import RUNTIMES, evaluate
 
 __all__ = ["RUNTIMES", "Inspection", "TensorInfo", "evaluate", "formats", "generate", "inspect", "load",
            "load_module", "save"]
 
 if TYPE_CHECKING:
-    pass
+    from modelkit.pipeline.measure import evaluate
+
+
+def __getattr__(name: str) -> Any:
+    """`evaluate` runs models (torch): imported on first use, so inspect and convert never load torch."""
+    if name == "evaluate":
+        from modelkit.pipeline.measure import evaluate
+
+        return evaluate
+    raise AttributeError(f"module 'modelkit.api' has no attribute {name!r}")
 
 PathLike = str | os.PathLike[str]
 

@@ -3,17 +3,15 @@
 Tensors are lazy: a reader fills in dtype and shape from the file's header and a function that
 reads the bytes when asked, so opening a large file reads no tensor data, and a converter holds
 one tensor at a time. The tensor types live in modelkit.storage.tensors and the ArchSpec in
-modelkit.models; both are re-exported here, where users look for them.
+modelkit.models; both are re-exported here, where users look for them. Nothing here imports torch
+until a caller hands in or asks for torch objects (from_module, materialize, instantiate).
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from modelkit import models
 from modelkit.errors import ConfigError, UnsupportedConversionError
@@ -27,6 +25,10 @@ from modelkit.storage.tensors import (
     TensorEntry,
     dequantizer,
 )
+
+if TYPE_CHECKING:        # torch is imported by the functions that take or make torch objects, not here
+    import torch
+    from torch import nn
 
 __all__ = ["ALIASES_KEY", "ARCH_KEY", "DEQUANTIZERS", "LAYOUT_MODULES", "METRICS_KEY", "ArchSpec", "Checkpoint",
            "LazyTensor", "QuantizedTensor", "TensorEntry", "dequantizer", "instantiate"]
@@ -140,7 +142,7 @@ class Checkpoint:
         return value if isinstance(value, dict) else {}
 
     def materialize(self) -> dict[str, torch.Tensor]:
-        """Read every tensor (dequantized): for small models and tests, never inside a converter."""
+        """Read every tensor as torch (dequantized): for small models and tests, never inside a converter."""
         return {name: t.load() for name, t in self.tensors.items()}
 
 

@@ -2,7 +2,7 @@
 
 Each entry names a converter module (imported on first use) with the same names:
 
-    detect(path: Path) -> bool                      reads a few KB at most; never unpickles
+    detect(path: Path) -> bool                      modelkit.parse.detect.<name>: a few KB, never unpickles
     read(path: Path, options: ReadOptions) -> Checkpoint
     write(ckpt: Checkpoint, path: Path, options: WriteOptions) -> None
     runnable(path: Path, options: ReadOptions) -> Callable[..., Tensor]   graph formats only
@@ -35,13 +35,14 @@ class FormatInfo:
 
 
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
-    FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf", extra="gguf"),
-    FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5", extra="hdf5"),
+    FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf"),
+    FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5"),
     FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True,
                companions=(".data",)),
-    FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", runs_pickle=True),
+    FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", extra="torch", runs_pickle=True),
     FormatInfo("safetensors", (".safetensors",),                 "modelkit.converters.safetensors"),
-    FormatInfo("torchscript", (".ts", ".pt"),                    "modelkit.converters.torchscript", has_graph=True, runs_pickle=True),
+    FormatInfo("torchscript", (".ts", ".pt"),                    "modelkit.converters.torchscript", extra="torch", has_graph=True,
+               runs_pickle=True),
 )}
 
 # How a model file can be run for evaluation: torch rebuilds the module from the weights; onnxruntime
@@ -94,8 +95,9 @@ def load_format(name: str) -> ModuleType:
     except ModuleNotFoundError as e:
         if info.extra is None or (e.name or "").startswith("modelkit"):
             raise
+        extra = "torch" if (e.name or "").partition(".")[0] == "torch" else info.extra
         raise MissingDependencyError(
-            f"format {name!r} needs the {e.name!r} package: pip install 'modelkit[{info.extra}]'"
+            f"format {name!r} needs the {e.name!r} package: pip install 'modelkit[{extra}]'"
         ) from e
 
 
@@ -120,14 +122,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     """
     path = Path(path)
     check_readable(path)
-    matches = []
-    for name in FORMATS:
-        try:
-            module = load_format(name)
-        except MissingDependencyError:
-            continue  # a format whose extra is missing cannot be the one we read
-        if module.detect(path):
-            matches.append(name)
+    from modelkit.parse import detect  # the converters' own detectors, without importing the converters
+
+    matches = [name for name in FORMATS if getattr(detect, name)(path)]
     if len(matches) > 1:  # e.g. a zip that two formats accept: prefer the one the suffix names
         by_suffix = [m for m in matches if path.suffix.lower() in FORMATS[m].suffixes]
         matches = by_suffix or matches

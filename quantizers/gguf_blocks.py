@@ -400,7 +400,7 @@ def dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
     """Layout "gguf": block bytes in parts["qdata"], the block type in params["ggml_type"]."""
     ggml_type = str(q.params.get("ggml_type", ""))
     if ggml_type.lower() in BLOCK_TYPES:
-        return dequantize(q.parts["qdata"].load(), ggml_type, q.shape).to(q.dtype)
+        return dequantize(q.parts["qdata"].load(), ggml_type, q.shape).to(q.dtype.torch)
     # Other block types (K-quants, i-quants) only come from GGUF files: gguf-py dequantizes them.
     try:
         from gguf import GGMLQuantizationType
@@ -411,7 +411,7 @@ def dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
         raise FormatError(q.source or "<tensor>", f"unknown GGUF block type {ggml_type!r}")
     try:
         values = gguf_dequantize(q.parts["qdata"].load().numpy(), GGMLQuantizationType[ggml_type])
-        return torch.from_numpy(values.astype("float32", copy=False)).reshape(q.shape).to(q.dtype)
+        return torch.from_numpy(values.astype("float32", copy=False)).reshape(q.shape).to(q.dtype.torch)
     except NotImplementedError as e:
         raise UnsupportedConversionError(f"gguf {ggml_type}", "float", "gguf-py cannot dequantize this type yet") from e
     except (ValueError, RuntimeError) as e:        # block bytes that do not fit the type or the shape

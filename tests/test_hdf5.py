@@ -67,7 +67,7 @@ def _sample(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("code", sorted(hdf5.DTYPES))
 def test_every_dtype_round_trips_bit_exact_with_scalars_and_empty_tensors(code, tmp_path):
-    tensor = _sample(hdf5.DTYPES[code].torch)
+    tensor = _sample(hdf5.DTYPES[code].dtype.torch)
     state = {"t": tensor, "scalar": tensor.reshape(-1)[5].clone(), "empty": tensor[:0].clone()}
     back = modelkit.load(_save(tmp_path, Checkpoint.from_state_dict(state))).materialize()
     for name, want in state.items():

@@ -219,7 +219,8 @@ def load_model_module(name: str) -> ModuleType:
     try:
         imported = importlib.import_module(info.module)
     except ImportError as e:
-        raise ConfigError(f"model {name!r}: cannot import its module {info.module} ({e})") from e
+        hint = "; pip install 'modelkit[torch]'" if (getattr(e, "name", None) or "").startswith("torch") else ""
+        raise ConfigError(f"model {name!r}: cannot import its module {info.module} ({e}){hint}") from e
     module = MODELS._modules[name] = _checked(name, imported)
     return module
 

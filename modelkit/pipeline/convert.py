@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor, instantiate
 from modelkit.errors import ConfigError, UnsupportedConversionError, did_you_mean
 from modelkit.formats import (
@@ -35,9 +33,10 @@ from modelkit.formats import (
     load_format,
 )
 from modelkit.pipeline.write import write_checkpoint
-from modelkit.storage.dtypes import DTYPE_NAMES, dtype_name
+from modelkit.storage.dtypes import DTYPE_NAMES, DType, as_dtype, cast_float, dtype_name
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:       # weight containers convert without torch; graphs import it where they are built
+    import torch
     from torch import nn
 
 PathLike = str | os.PathLike[str]
@@ -63,9 +62,11 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
-        return name
+def parse_dtype(name: str | DType | torch.dtype | None) -> DType | None:
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        return as_dtype(name)
     if name not in DTYPE_NAMES:
         raise ConfigError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_NAMES)}{did_you_mean(name, DTYPE_NAMES)}")
     return DTYPE_NAMES[name]
@@ -89,22 +90,30 @@ class ConversionReport:
                 "notes": self.notes}
 
 
-def _cast(ckpt: Checkpoint, dtype: torch.dtype | None) -> Checkpoint:
-    """Floating-point tensors cast to `dtype` as they are read; everything else unchanged."""
+def _cast(ckpt: Checkpoint, dtype: DType | None) -> Checkpoint:
+    """Floating-point tensors cast to `dtype` as they are read (numpy, rounding as torch does);
+    everything else unchanged."""
     if dtype is None:
         return ckpt
     tensors = {}
     for name, t in ckpt.tensors.items():
-        if isinstance(t, LazyTensor) and t.dtype.is_floating_point and t.dtype != dtype:
-            tensors[name] = LazyTensor(dtype, t.shape, lambda t=t: t.load().to(dtype), t.source)
+        if isinstance(t, LazyTensor) and t.dtype.is_floating_point and t.dtype is not dtype:
+            tensors[name] = LazyTensor(dtype, t.shape, lambda t=t: _cast_array(t, dtype), t.source)
         else:
             tensors[name] = t
     return Checkpoint(tensors, dict(ckpt.metadata), ckpt.arch)
 
 
+def _cast_array(t: LazyTensor, dtype: DType) -> Any:
+    try:
+        return cast_float(t.array(), t.dtype, dtype)
+    except ValueError:          # float8 and other types numpy cannot compute with: torch casts them
+        return t.load().to(dtype.torch)
+
+
 def convert(
     src: PathLike, dst: PathLike, *, to: str | None = None, source_format: str | None = None,
-    dtype: str | torch.dtype | None = None, arch: ArchSpec | str | None = None, shard_size: int | str | None = None,
+    dtype: str | DType | torch.dtype | None = None, arch: ArchSpec | str | None = None, shard_size: int | str | None = None,
     verify: bool = True, force: bool = False, trust: bool = False, key: str | None = None,
     progress: ProgressFn | None = None,
 ) -> ConversionReport:
@@ -164,7 +173,7 @@ def convert(
         module = instantiate(ckpt, arch=arch if isinstance(arch, str) else None, source=str(src), target=out_fmt,
                              dequantize=True)
         if cast is not None:
-            module = module.to(cast)
+            module = module.to(cast.torch)
         options = WriteOptions(module=module, final_path=dst)
     sharded = shard_bytes is not None
     verify_result, size = write_checkpoint(ckpt, dst, out_fmt, options, force=force, verify=verify,

@@ -15,8 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from modelkit.checkpoint import Checkpoint, LazyTensor
 from modelkit.formats import FORMATS, ReadOptions, WriteOptions, load_format
 from modelkit.pipeline.verify import graph_atol, module_dtype, sample_inputs, verify_outputs, verify_weights
@@ -109,10 +107,10 @@ def _with_progress(ckpt: Checkpoint, progress: ProgressFn | None) -> Checkpoint:
             done[0] += t.nbytes
             progress(min(done[0], total), total)
 
-        def read() -> torch.Tensor:
-            tensor = t.load()
+        def read() -> Any:
+            data = t.reader()          # numpy or torch, as the source gives it: LazyTensor checks it
             advance()
-            return tensor
+            return data
         span = None if t.span is None else replace(t.span, copied=advance)     # copied file to file: counted there
         return LazyTensor(t.dtype, t.shape, read, t.source, span=span)
 

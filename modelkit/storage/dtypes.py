@@ -37,6 +37,17 @@ class DType:
 
         return getattr(torch, self.name)
 
+    def __eq__(self, other: object) -> bool:
+        # Equal to torch's dtype of the same name, so callers' `entry.dtype == torch.float16` keeps working.
+        if isinstance(other, DType):
+            return self is other
+        if type(other).__name__ == "dtype" and type(other).__module__ == "torch":
+            return str(other) == f"torch.{self.name}"
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
     def __repr__(self) -> str:
         return f"modelkit.{self.name}"
 
@@ -135,3 +146,39 @@ def to_numpy(tensor: Any) -> np.ndarray:
 
     raw = torch.uint16 if dtype.itemsize == 2 else torch.uint8
     return tensor.view(raw).numpy()
+
+
+def contiguous(array: np.ndarray) -> np.ndarray:
+    """`array` in C order, with its shape (np.ascontiguousarray makes a 0-d array 1-d)."""
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
+
+
+def widen_to_float32(array: np.ndarray, dtype: DType) -> np.ndarray:
+    """float16 or bfloat16 bits -> float32 values (exact)."""
+    if dtype.name == "bfloat16":
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32)
+
+
+def narrow_float32(array: np.ndarray, dtype: DType) -> np.ndarray:
+    """float32 values that are float16 / bfloat16 values -> that dtype's stored bits (exact for such values)."""
+    if dtype.name == "bfloat16":
+        return (contiguous(array).view(np.uint32) >> 16).astype(np.uint16)
+    return array.astype(dtype.numpy)
+
+
+def cast_float(array: np.ndarray, source: DType, target: DType) -> np.ndarray:
+    """Floating-point stored bits of `source` -> stored bits of `target`, rounding to nearest even as torch does."""
+    if source is target:
+        return array
+    if not (source.exact or source.name == "bfloat16") or not (target.exact or target.name == "bfloat16"):
+        raise ValueError(f"no numpy cast from {source} to {target}")
+    values = widen_to_float32(array, source) if source.name in ("bfloat16", "float16") else array
+    if target.name != "bfloat16":
+        return values.astype(target.numpy)
+    bits = contiguous(values.astype(np.float32, copy=False)).view(np.uint32)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = bits + (0x7FFF + ((bits >> 16) & 1))            # round to nearest, ties to even
+    out = (rounded >> 16).astype(np.uint16)
+    # NaN as torch 2.x writes it, whatever the sign: 0xFFFF from float32 (its vectorized path), 0x7FC0 via float16
+    return np.where(nan, np.uint16(0x7FC0 if source.name == "float16" else 0xFFFF), out)

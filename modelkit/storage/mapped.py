@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-import torch
+import numpy as np
 
 from modelkit.errors import FormatError
 
@@ -132,7 +132,7 @@ def _splice(src: int, dst: int, span: FileSpan, at: int | None) -> int:
 
 
 class MappedFile:
-    """One file's bytes, mapped once; `view(offset, nbytes)` gives uint8 tensors into it."""
+    """One file's bytes, mapped once; `view(offset, nbytes)` gives uint8 arrays into it."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -150,11 +150,12 @@ class MappedFile:
     def span(self, offset: int, nbytes: int) -> FileSpan:
         return FileSpan(self.path, offset, nbytes)
 
-    def view(self, offset: int, nbytes: int, what: str = "a tensor") -> torch.Tensor:
-        """`nbytes` bytes at `offset` as a uint8 tensor (no copy); FormatError if past the end."""
+    def view(self, offset: int, nbytes: int, what: str = "a tensor") -> np.ndarray:
+        """`nbytes` bytes at `offset` as a uint8 array (no copy, writable: copy-on-write pages);
+        FormatError if past the end."""
         if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
+            return np.empty(0, dtype=np.uint8)
         mapping = self._mapping()
         if offset < 0 or offset + nbytes > len(mapping):
             raise FormatError(self.path, f"{what} ends past the end of the file (was it truncated?)")
-        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
+        return np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=offset)

@@ -26,17 +26,16 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.metadata import QUANTIZED_KEY, json_object
+from modelkit.storage.dtypes import DTYPES
 from modelkit.storage.tensors import LazyTensor, QuantizedTensor
 
 if TYPE_CHECKING:
     from modelkit.checkpoint import Checkpoint  # storage sits below checkpoint: annotations only
 
 RECORD_LIMIT = 20_000_000                   # bytes of the JSON entry; far above any real model's
-LOGICAL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LOGICAL_DTYPES = {name: DTYPES[name] for name in ("float32", "float16", "bfloat16")}
 _PART_SUFFIXES = {"qdata": "_packed", "scale": "_scale", "zero_point": "_zero_point"}
 
 
@@ -46,7 +45,7 @@ def describe(name: str, entry: QuantizedTensor, *, target: str) -> dict[str, Any
         raise UnsupportedConversionError("quantized checkpoint", target,
                                          f"tensor {name!r} dequantizes to {entry.dtype}; expected a float dtype")
     return {"scheme": entry.scheme, "layout": entry.layout, "shape": list(entry.shape),
-            "dtype": str(entry.dtype).removeprefix("torch."), "params": dict(entry.params)}
+            "dtype": entry.dtype.name, "params": dict(entry.params)}
 
 
 def stored_part_name(name: str, part: str, entry: QuantizedTensor) -> str:

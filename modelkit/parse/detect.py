@@ -1,0 +1,109 @@
+"""Which format a file holds, decided from its first bytes (and a zip's central directory).
+
+One function per format, each reading a few KB at most and never unpickling. The format table
+(modelkit.formats) calls these without importing the converters, so detecting a file costs no
+torch, onnx or h5py import; each converter's `detect` is the same function. Standard library only.
+"""
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+from modelkit.errors import ParseError
+from modelkit.parse import gguf as gguf_header
+from modelkit.parse import hdf5 as hdf5_header
+from modelkit.parse import safetensors as safetensors_header
+from modelkit.parse import zipdir
+from modelkit.parse.onnx import is_model
+from modelkit.parse.pickle_opcodes import LEGACY_MAGIC
+from modelkit.parse.sniff import torch_zip_roots
+
+ZIP_MAGIC = b"PK\x03\x04"
+# A legacy torch.save file starts with its magic number pickled alone: PROTO 2, LONG1 magic, STOP.
+TORCH_LEGACY_HEAD = b"\x80\x02\x8a\x0a" + LEGACY_MAGIC.to_bytes(10, "little") + b"."
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+def _head(path: Path, size: int) -> bytes:
+    with path.open("rb") as f:
+        return f.read(size)
+
+
+def safetensors(path: Path) -> bool:
+    """A safetensors file (plausible 8-byte header length, then '{'), a sharded folder or its index."""
+    if path.is_dir():
+        return (path / SAFETENSORS_INDEX).is_file() or (path / SAFETENSORS_SINGLE).is_file()
+    if path.name.endswith(".safetensors.index.json"):
+        return path.is_file()
+    try:
+        return path.is_file() and safetensors_header.plausible(_head(path, 9), path.stat().st_size)
+    except OSError:
+        return False
+
+
+def gguf(path: Path) -> bool:
+    """A whole GGUF header: the magic, version 2 or 3, and two counts (24 bytes)."""
+    try:
+        return path.is_file() and gguf_header.plausible(_head(path, gguf_header.HEADER_BYTES))
+    except OSError:
+        return False
+
+
+def hdf5(path: Path) -> bool:
+    """The HDF5 signature and a plausible superblock at the start (16 bytes).
+
+    HDF5 also allows the signature after a user block (at 512, 1024, ... bytes); such a file
+    starts with other bytes, possibly another format's, so detection does not claim it
+    (`--format hdf5` still reads it).
+    """
+    try:
+        return path.is_file() and hdf5_header.plausible_superblock(_head(path, hdf5_header.SUPERBLOCK_HEAD))
+    except OSError:
+        return False
+
+
+def onnx(path: Path) -> bool:
+    """A ModelProto: ir_version first (as every protobuf writer orders it), then known fields up to
+    the graph. Walks field headers through an mmap, so only a few pages are read."""
+    try:
+        if not path.is_file() or path.stat().st_size < 4:
+            return False
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return is_model(buf)
+    except (OSError, ValueError):
+        return False
+
+
+def torch_save_prefix(names: list[str]) -> str | None:
+    """The folder holding data.pkl in a torch.save zip; None for TorchScript and other zips."""
+    for prefix, constants, code in torch_zip_roots(names):
+        return None if constants or code else prefix
+    return None
+
+
+def torchscript_prefix(names: list[str]) -> str | None:
+    """The folder holding data.pkl, constants.pkl and code/ (torch.jit.save); None for other zips."""
+    return next((prefix for prefix, constants, code in torch_zip_roots(names) if constants and code), None)
+
+
+def pth(path: Path) -> bool:
+    """A torch.save file: a zip with `<archive>/data.pkl` that is not TorchScript, or the legacy magic."""
+    try:
+        if not path.is_file():
+            return False
+        head = _head(path, len(TORCH_LEGACY_HEAD))
+        if head == TORCH_LEGACY_HEAD:
+            return True
+        return head.startswith(ZIP_MAGIC) and torch_save_prefix(zipdir.member_names(path)) is not None
+    except (OSError, ParseError):
+        return False
+
+
+def torchscript(path: Path) -> bool:
+    """A zip whose folder holds data.pkl, constants.pkl and code/ (what torch.jit.save writes)."""
+    try:
+        return (path.is_file() and _head(path, 4) == ZIP_MAGIC
+                and torchscript_prefix(zipdir.member_names(path)) is not None)   # the central directory only
+    except (OSError, ParseError):
+        return False

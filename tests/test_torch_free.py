@@ -1,0 +1,140 @@
+"""Weight files never wait for torch: inspect, convert and scan of weight containers run with torch
+unimportable, and write the same bytes as with torch."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+# Run the CLI with torch unimportable: `import torch` raises ModuleNotFoundError.
+_NO_TORCH = ("import sys\nsys.modules['torch'] = None\nfrom modelkit.cli import run\n"
+             "run(sys.argv[1:])\nassert 'torch' not in sys.modules or sys.modules['torch'] is None\n")
+
+# Modules on the torch-free path: importing each must not import torch.
+TORCH_FREE_MODULES = (
+    "modelkit", "modelkit.parse.detect", "modelkit.storage.dtypes", "modelkit.storage.tensors",
+    "modelkit.checkpoint", "modelkit.formats", "modelkit.api", "modelkit.pipeline.convert",
+    "modelkit.pipeline.write", "modelkit.pipeline.verify", "modelkit.converters.safetensors",
+    "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.scan", "modelkit.cli.app",
+)
+
+
+def _modelkit(args: list[str], cwd: Path, *, torch_free: bool) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", _NO_TORCH, *args] if torch_free else [sys.executable, "-m", "modelkit", *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    """A safetensors file of every kind of tensor a weight file holds, written by torch."""
+    folder = tmp_path_factory.mktemp("torch-free")
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(8, 64, generator=g)
+    tensors = {
+        "model.embed.weight": torch.randn(32, 64, generator=g),
+        "model.proj.weight": base.t().contiguous(),                      # was a strided view
+        "model.half": torch.randn(64, generator=g).half(),
+        "model.bf16": torch.randn(4, 64, generator=g).to(torch.bfloat16),
+        "model.steps": torch.arange(7, dtype=torch.int64),
+        "model.mask": torch.tensor([True, False, True]),
+        "model.scalar": torch.tensor(3.5),
+    }
+    save_file(tensors, str(folder / "w.safetensors"), metadata={"format": "pt"})
+    return folder / "w.safetensors"
+
+
+@pytest.mark.parametrize("module", TORCH_FREE_MODULES)
+def test_torch_free_layers_import_no_torch(module):
+    code = f"import sys\nimport {module}\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False", f"importing {module} imports torch"
+
+
+# (output name, extra options): each conversion run with and without torch must give the same bytes.
+CONVERSIONS = [
+    ("out.gguf", []),
+    ("out.h5", []),
+    ("out-bf16.safetensors", ["--dtype", "bf16"]),
+    ("out-f16.gguf", ["--dtype", "f16"]),
+    ("shards", ["--shard-size", "4KB"]),
+]
+
+
+@pytest.mark.parametrize(("name", "options"), CONVERSIONS, ids=[c[0] for c in CONVERSIONS])
+def test_convert_without_torch_writes_the_same_bytes(weights, tmp_path, name, options):
+    with_torch, without = tmp_path / "torch", tmp_path / "none"
+    with_torch.mkdir(), without.mkdir()
+    for folder, torch_free in ((with_torch, False), (without, True)):
+        result = _modelkit(["convert", str(weights), name, *options], folder, torch_free=torch_free)
+        assert result.returncode == 0, result.stderr
+        assert "verified: weights bit-exact" in result.stdout
+    files = sorted(p.relative_to(with_torch) for p in with_torch.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(without) for p in without.rglob("*") if p.is_file())
+    for relative in files:
+        digest = [hashlib.sha256((root / relative).read_bytes()).hexdigest() for root in (with_torch, without)]
+        assert digest[0] == digest[1], f"{relative} differs with and without torch"
+
+
+def test_round_trip_without_torch_keeps_every_tensor(weights, tmp_path):
+    for src, dst in ((weights, "a.gguf"), ("a.gguf", "b.h5"), ("b.h5", "c.safetensors"), ("c.safetensors", "d")):
+        result = _modelkit(["convert", str(src), dst, *(["--shard-size", "4KB"] if dst == "d" else [])],
+                           tmp_path, torch_free=True)
+        assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+
+    expected = load_file(str(weights))
+    index = json.loads((tmp_path / "d" / "model.safetensors.index.json").read_text())
+    got = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        got.update(load_file(str(tmp_path / "d" / shard)))
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape
+        assert torch.equal(got[name].view(torch.uint8) if tensor.dim() else got[name], tensor.view(torch.uint8)
+                           if tensor.dim() else tensor), name
+
+
+@pytest.mark.parametrize("source", ["w.safetensors", "w.gguf"])
+def test_inspect_without_torch_matches_inspect_with_torch(weights, tmp_path, source):
+    if source == "w.gguf":
+        assert _modelkit(["convert", str(weights), "w.gguf"], tmp_path, torch_free=False).returncode == 0
+        path = tmp_path / "w.gguf"
+    else:
+        path = weights
+    docs = []
+    for torch_free in (False, True):
+        result = _modelkit(["inspect", str(path), "--json"], tmp_path, torch_free=torch_free)
+        assert result.returncode == 0, result.stderr
+        docs.append(json.loads(result.stdout))
+    assert docs[0] == docs[1]
+    assert {t["name"]: t["dtype"] for t in docs[1]["tensors"]}["model.bf16"] == "bfloat16"
+
+
+def test_bf16_cast_rounds_as_torch_does():
+    """convert --dtype bf16 casts with numpy: the bits equal torch's .to(torch.bfloat16), ties and NaN included."""
+    import numpy as np
+
+    from modelkit.storage.dtypes import DTYPES, cast_float, to_numpy
+
+    g = torch.Generator().manual_seed(1)
+    values = torch.cat([torch.randn(100_000, generator=g) * 1e3, torch.tensor([
+        float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.00390625, 1.01171875, 3.4e38, 1e-40])])
+    ours = cast_float(values.numpy(), DTYPES["float32"], DTYPES["bfloat16"])
+    assert np.array_equal(ours, to_numpy(values.to(torch.bfloat16)))
+    halves = values.half()
+    assert np.array_equal(cast_float(to_numpy(halves), DTYPES["float16"], DTYPES["bfloat16"]),
+                          to_numpy(halves.to(torch.bfloat16)))
+
+
+def test_a_graph_target_without_torch_names_the_extra(weights, tmp_path):
+    result = _modelkit(["convert", str(weights), "m.onnx", "--arch", "mlp"], tmp_path, torch_free=True)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert "modelkit[torch]" in result.stderr or "modelkit[onnx]" in result.stderr
