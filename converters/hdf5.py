@@ -501,6 +501,7 @@ def _reserve(group: h5py.Group, name: str, entry: LazyTensor) -> tuple[h5py.Data
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dcpl.set_obj_track_times(False)                # as h5py's create_dataset: the same bytes on every run
     space = h5py.h5s.create_simple(tuple(entry.shape))
     dataset = h5py.Dataset(h5py.h5d.create(group.id, name.encode("utf-8"), h5py.h5t.py_create(DTYPES[entry.dtype.name].numpy), space,
                                            dcpl=dcpl))

@@ -24,11 +24,11 @@ SCHEMES: dict[str, str] = {
     "int4": "modelkit.quantizers.int4:Int4Config",
     "int8": "modelkit.quantizers.int8:Int8Config",
     "int8-dynamic": "modelkit.quantizers.int8_dynamic:Int8DynamicConfig",
-    "q4_0": "modelkit.quantizers.gguf_blocks:Q4_0Config",
-    "q4_1": "modelkit.quantizers.gguf_blocks:Q4_1Config",
-    "q5_0": "modelkit.quantizers.gguf_blocks:Q5_0Config",
-    "q5_1": "modelkit.quantizers.gguf_blocks:Q5_1Config",
-    "q8_0": "modelkit.quantizers.gguf_blocks:Q8_0Config",
+    "q4_0": "modelkit.quantizers.gguf_arrays:Q4_0Config",
+    "q4_1": "modelkit.quantizers.gguf_arrays:Q4_1Config",
+    "q5_0": "modelkit.quantizers.gguf_arrays:Q5_0Config",
+    "q5_1": "modelkit.quantizers.gguf_arrays:Q5_1Config",
+    "q8_0": "modelkit.quantizers.gguf_arrays:Q8_0Config",
 }
 
 # Schemes for ONNX models, run by onnxruntime's own quantization tools (modelkit.pipeline.onnx_quantize).

@@ -19,6 +19,7 @@ from torch import nn
 
 from modelkit.checkpoint import LazyTensor, QuantizedTensor, TensorEntry, dequantizer
 from modelkit.errors import ConfigError
+from modelkit.quantizers.gguf_arrays import check_skip  # noqa: F401  (one check for every config)
 
 logger = logging.getLogger("modelkit.quantizers")
 
@@ -28,17 +29,6 @@ logger = logging.getLogger("modelkit.quantizers")
 DEFAULT_SKIP: tuple[str, ...] = ("*norm*",)
 
 Convert = Callable[[str, nn.Module], "nn.Module | None"]
-
-
-def check_skip(config: Any) -> None:
-    """`skip` as a tuple of strings (JSON gives lists); a ConfigError otherwise."""
-    skip = config.skip
-    if isinstance(skip, str):
-        skip = (skip,)
-    skip = tuple(skip)
-    if not all(isinstance(p, str) and p for p in skip):
-        raise ConfigError(f"skip must be module-name patterns (strings), got {list(skip)!r}")
-    object.__setattr__(config, "skip", skip)
 
 
 def log_kept(name: str, reason: str) -> None:

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -42,20 +40,27 @@ from torch import nn
 from modelkit.checkpoint import LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, MissingDependencyError, UnsupportedConversionError
 from modelkit.quantizers import _modules
+from modelkit.quantizers.gguf_arrays import (  # noqa: F401  (the configs are this module's too)
+    BLOCK,
+    KERNEL_ISAS,
+    BlockConfig,
+    Q4_0Config,
+    Q4_1Config,
+    Q5_0Config,
+    Q5_1Config,
+    Q8_0Config,
+    in_threads,
+    run_kernels,
+    shares,
+)
 from modelkit.storage.memory import empty_bytes
 
-try:
-    from modelkit.quantizers import _gguf_kernels
-except ImportError:                 # installed without a C compiler: eager torch only
-    _gguf_kernels = None
+# The implementations quantize can use here, fastest first ("torch" is always there; the C kernels
+# where the extension was built).
+IMPLEMENTATIONS: tuple[str, ...] = (*KERNEL_ISAS, "torch")
 
-# The implementations quantize can use here, fastest first ("torch" is always there).
-IMPLEMENTATIONS: tuple[str, ...] = (*(_gguf_kernels.ISAS if _gguf_kernels else ()), "torch")
-
-BLOCK = 32                  # weights per block for every type here (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0)
 _CHUNK_BLOCKS = 16384       # 512 Ki floats (2 MiB) per chunk: measured best on a 2 MiB-L2 EPYC (8192: +10%, 65536: +30%)
 _ROUND = 0.49999997         # float32(0.5 - 2**-25): trunc(|x| + this) == gguf-py's np_roundf(x) for |x| < 2**22
-_MIN_SHARE = 2**16          # blocks per thread at least (2 MiB of float32): smaller tensors run on one thread
 
 
 @dataclass(frozen=True)
@@ -323,33 +328,9 @@ def quantize(tensor: torch.Tensor, type_name: str, *, threads: int | None = None
     return out.view(rows, shape[-1] // BLOCK * kind.type_size)
 
 
-def _shares(total: int, workers: int, least: int, step: int = 1) -> list[tuple[int, int]]:
-    """Split range(total) into at most `workers` contiguous (start, stop) shares of at least
-    `least`, each starting at a multiple of `step`."""
-    if total == 0:
-        return [(0, 0)]
-    count = max(1, min(workers, total // least))
-    size = math.ceil(math.ceil(total / count) / step) * step
-    return [(start, min(start + size, total)) for start in range(0, total, size)]
-
-
-def _in_threads(work: Callable[[int, int], bool], shares: list[tuple[int, int]]) -> bool:
-    """Run work(start, stop) for each share, side by side; whether all returned True."""
-    if len(shares) == 1:
-        return work(*shares[0])
-    with ThreadPoolExecutor(len(shares)) as pool:
-        return all(list(pool.map(lambda share: work(*share), shares)))
-
-
 def _run_kernels(kind: BlockType, blocks: torch.Tensor, out: torch.Tensor, workers: int, isa: str) -> bool:
-    """The C kernels, one contiguous share of the blocks per thread (they release the GIL)."""
-    source, target = blocks.view(-1).numpy(), out.view(-1).numpy()
-    name, size = kind.name.lower(), kind.type_size
-
-    def work(start: int, stop: int) -> bool:
-        return _gguf_kernels.quantize(name, source[start * BLOCK:stop * BLOCK], target[start * size:stop * size], isa) < 0
-
-    return _in_threads(work, _shares(blocks.shape[0], workers, _MIN_SHARE))
+    """The C kernels (modelkit.quantizers.gguf_arrays.run_kernels: one share of blocks per thread)."""
+    return run_kernels(kind.name.lower(), blocks.view(-1).numpy(), out.view(-1).numpy(), workers, isa)
 
 
 def _run_torch(kind: BlockType, blocks: torch.Tensor, out: torch.Tensor, workers: int, _: str) -> bool:
@@ -362,13 +343,13 @@ def _run_torch(kind: BlockType, blocks: torch.Tensor, out: torch.Tensor, workers
                 return False
         return True
 
-    shares = _shares(blocks.shape[0], workers, 1, step=_CHUNK_BLOCKS)
+    parts = shares(blocks.shape[0], workers, 1, step=_CHUNK_BLOCKS)
     # Each op single-threaded inside our threads: torch's intra-op threads would split every
     # small op again and wait on each other at each one (slow on a busy machine).
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:     # torch releases the GIL inside each op, so the threads overlap
-        return _in_threads(work, shares)
+        return in_threads(work, parts)
     finally:
         torch.set_num_threads(previous)
 
@@ -424,60 +405,6 @@ def quantized_tensor(weight: torch.Tensor, type_name: str, *, scheme: str | None
     return QuantizedTensor(scheme=scheme or kind.name.lower(), layout="gguf", shape=tuple(weight.shape),
                            dtype=weight.dtype if weight.dtype.is_floating_point else torch.float32,
                            parts={"qdata": LazyTensor.of(qdata)}, params={"ggml_type": kind.name})
-
-
-@dataclass(frozen=True, kw_only=True)
-class BlockConfig:
-    """Quantize every Linear and Embedding weight whose rows are whole 32-weight blocks.
-
-    Args:
-        skip: fnmatch patterns of module names left in float, e.g. ("lm_head",). Norms,
-            biases and every 1-D tensor always stay float32, as llama.cpp keeps them; so does
-            any weight whose rows are not a multiple of 32 (logged).
-
-    Example:
-        >>> from modelkit.models import build
-        >>> q = apply(build("tinylm", {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}),
-        ...           Q8_0Config())
-        >>> type(q.lm_head).__name__
-        'QuantizedLinear'
-    """
-
-    scheme: ClassVar[str] = ""
-    skip: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        _modules.check_skip(self)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Q8_0Config(BlockConfig):
-    __doc__ = BlockConfig.__doc__
-    scheme: ClassVar[str] = "q8_0"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Q4_0Config(BlockConfig):
-    __doc__ = BlockConfig.__doc__
-    scheme: ClassVar[str] = "q4_0"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Q4_1Config(BlockConfig):
-    __doc__ = BlockConfig.__doc__
-    scheme: ClassVar[str] = "q4_1"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Q5_0Config(BlockConfig):
-    __doc__ = BlockConfig.__doc__
-    scheme: ClassVar[str] = "q5_0"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Q5_1Config(BlockConfig):
-    __doc__ = BlockConfig.__doc__
-    scheme: ClassVar[str] = "q5_1"
 
 
 def apply(model: nn.Module, config: BlockConfig) -> nn.Module:

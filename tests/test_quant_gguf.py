@@ -20,7 +20,7 @@ from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 from modelkit.errors import ConfigError  # noqa: E402
-from modelkit.quantizers import gguf_blocks  # noqa: E402
+from modelkit.quantizers import gguf_arrays, gguf_blocks  # noqa: E402
 
 TYPES = sorted(gguf_blocks.BLOCK_TYPES)
 IMPLEMENTATIONS = gguf_blocks.IMPLEMENTATIONS
@@ -182,7 +182,7 @@ def test_chunks_and_threads_do_not_change_the_bytes(type_name, implementation, m
     x = _data("normal", 37, 3, seed=7)                  # 111 blocks: 12 chunks of 10 with a short last one
     expected = gguf_quantize(x, GGMLQuantizationType[type_name.upper()])
     monkeypatch.setattr(gguf_blocks, "_CHUNK_BLOCKS", 10)
-    monkeypatch.setattr(gguf_blocks, "_MIN_SHARE", 10)  # the C kernels' shares: 37 + 37 + 37 blocks
+    monkeypatch.setattr(gguf_arrays, "MIN_SHARE", 10)  # the C kernels' shares: 37 + 37 + 37 blocks
     for threads in (1, 3):
         got = gguf_blocks.quantize(torch.from_numpy(x), type_name, threads=threads, implementation=implementation)
         assert np.array_equal(got.numpy(), expected)

@@ -6,8 +6,10 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -35,7 +37,7 @@ def weights(tmp_path_factory) -> Path:
     """A safetensors file of every kind of tensor a weight file holds, written by torch."""
     folder = tmp_path_factory.mktemp("torch-free")
     g = torch.Generator().manual_seed(0)
-    base = torch.randn(8, 64, generator=g)
+    base = torch.randn(64, 32, generator=g)
     tensors = {
         "model.embed.weight": torch.randn(32, 64, generator=g),
         "model.proj.weight": base.t().contiguous(),                      # was a strided view
@@ -69,12 +71,14 @@ CONVERSIONS = [
 
 @pytest.mark.parametrize(("name", "options"), CONVERSIONS, ids=[c[0] for c in CONVERSIONS])
 def test_convert_without_torch_writes_the_same_bytes(weights, tmp_path, name, options):
+    """Run a second apart, so a timestamp in the output would show (HDF5 object headers can hold them)."""
     with_torch, without = tmp_path / "torch", tmp_path / "none"
     with_torch.mkdir(), without.mkdir()
     for folder, torch_free in ((with_torch, False), (without, True)):
         result = _modelkit(["convert", str(weights), name, *options], folder, torch_free=torch_free)
         assert result.returncode == 0, result.stderr
         assert "verified: weights bit-exact" in result.stdout
+        time.sleep(1.1 if not torch_free else 0)
     files = sorted(p.relative_to(with_torch) for p in with_torch.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(without) for p in without.rglob("*") if p.is_file())
     for relative in files:
@@ -138,3 +142,37 @@ def test_a_graph_target_without_torch_names_the_extra(weights, tmp_path):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert "modelkit[torch]" in result.stderr or "modelkit[onnx]" in result.stderr
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_quantize_a_weight_file_to_gguf_without_torch(weights, tmp_path, scheme):
+    """No architecture, no model, no torch: 2-D weights become blocks byte-identical to gguf-py's,
+    the rest is stored as it was, and the file is the same as with torch."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import quantize as gguf_quantize
+    from safetensors.torch import load_file
+
+    for torch_free in (True, False):
+        name = f"{scheme}-{torch_free}.gguf"
+        result = _modelkit(["quantize", str(weights), name, "--scheme", scheme, "--json"], tmp_path, torch_free=torch_free)
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)["reports"][0]
+        assert report["stats"]["quantized_tensors"] == 2 and report["verify"]["method"] == "bit-exact"   # embed, proj
+    assert (tmp_path / f"{scheme}-True.gguf").read_bytes() == (tmp_path / f"{scheme}-False.gguf").read_bytes()
+    source = load_file(str(weights))
+    stored = {t.name: t for t in GGUFReader(tmp_path / f"{scheme}-True.gguf").tensors}
+    for name in ("model.embed.weight", "model.proj.weight"):
+        expected = gguf_quantize(source[name].numpy(), GGMLQuantizationType[scheme.upper()])
+        assert stored[name].tensor_type == GGMLQuantizationType[scheme.upper()]
+        assert np.array_equal(np.asarray(stored[name].data).reshape(expected.shape), expected), name
+    assert stored["model.half"].tensor_type == GGMLQuantizationType.F16          # 1-D: kept as it is
+
+
+def test_quantize_a_weight_file_with_nan_names_the_tensor(tmp_path):
+    bad = torch.zeros(4, 64)
+    bad[2, 5] = float("nan")
+    save_file({"layer.weight": bad}, str(tmp_path / "nan.safetensors"))
+    result = _modelkit(["quantize", "nan.safetensors", "nan.gguf", "--scheme", "q8_0"], tmp_path, torch_free=True)
+    assert result.returncode == 2
+    assert "layer.weight" in result.stderr and "NaN" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "nan.gguf").exists()

@@ -42,6 +42,8 @@ def _verified(verify: dict | None) -> str:
     if verify.get("method") == "both sessions":
         return (f"verified: float and quantized sessions agree within {verify['max_relative_err']:.1%} "
                 f"(bound {verify['bound']:.0%})")
+    if "rebuilt_outputs" not in verify:          # a weight file quantized without a model
+        return f"verified: stored tensors bit-exact ({verify.get('tensors_checked', 0)} tensors)"
     return "verified: stored tensors bit-exact, model rebuilt from the file gives identical outputs"
 
 
@@ -94,6 +96,7 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int
     Examples:
       modelkit quantize runs/cnn/model.safetensors cnn-int8.safetensors --scheme int8 --eval
       modelkit quantize runs/tinylm/model.safetensors tinylm-q4_0.gguf --scheme q4_0
+      modelkit quantize weights.safetensors weights-q8_0.gguf --scheme q8_0      # no model, no torch needed
       modelkit quantize runs/tinylm/model.safetensors out/ --scheme q8_0,q4_0,int4,gptq --eval --plot q.png
       modelkit quantize runs/cnn/model.safetensors cnn-qat.safetensors --scheme int4 --qat --epochs 3 --eval
       modelkit quantize cnn.onnx cnn-int8.onnx --scheme int8-static --eval

@@ -15,18 +15,18 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from modelkit import schemes
 from modelkit.checkpoint import METRICS_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, instantiate
 from modelkit.errors import ConfigError
 from modelkit.metadata import QUANT_KEY
-from modelkit.pipeline import distributed, measure
-from modelkit.pipeline.measure import arch_name, latencies, metric_change
+from modelkit.pipeline.quantize_weights import checkpoint_stats, is_block_scheme, quantize_weights
 from modelkit.pipeline.reports import QuantizeReport
 from modelkit.pipeline.write import write_checkpoint, write_output
+
+if TYPE_CHECKING:    # modules, training and measuring import torch where they run; a weight file to GGUF does not
+    from torch import nn
 
 PathLike = str | os.PathLike[str]
 # Largest |torch quantized model - runtime| / max |torch output| accepted when a quantized model
@@ -106,6 +106,7 @@ def train_qat(model: nn.Module, config: Any, *, epochs: int = 1, lr: float | Non
         out: Folder for the training checkpoints (default: a temporary folder).
     """
     from modelkit.models import load_model_module
+    from modelkit.pipeline.measure import arch_name
     from modelkit.pipeline.train import TrainConfig, train
 
     name = arch_name(model)
@@ -121,15 +122,6 @@ def train_qat(model: nn.Module, config: Any, *, epochs: int = 1, lr: float | Non
 # ------------------------------------------------------------------------------- measuring
 
 
-def checkpoint_stats(ckpt: Checkpoint) -> dict[str, Any]:
-    """Parameters, stored tensor bytes and bits per weight (all tensors, quantized or not)."""
-    params = ckpt.num_parameters
-    quantized = [t for t in ckpt.tensors.values() if isinstance(t, QuantizedTensor)]
-    return {"parameters": params, "tensor_bytes": ckpt.nbytes,
-            "bits_per_weight": round(8 * ckpt.nbytes / max(params, 1), 3),
-            "quantized_tensors": len(quantized), "quantized_parameters": sum(t.numel for t in quantized)}
-
-
 # ------------------------------------------------------------------------------- files
 
 
@@ -138,7 +130,7 @@ def _load_float(src: PathLike | nn.Module, *, source_format: str | None = None, 
                 ) -> tuple[nn.Module, dict[str, Any], dict[str, str]]:
     from modelkit.pipeline.load import load, load_module
 
-    if isinstance(src, nn.Module):
+    if not isinstance(src, (str, os.PathLike)):
         return src.eval(), {"path": None, "module": type(src).__name__}, {}
     from modelkit.formats import detect_format
 
@@ -259,6 +251,15 @@ def quantize(
         return quantize_onnx(src, dst, scheme=scheme, group_size=group_size, skip=skip, evaluate=evaluate,
                              latency=latency, verify=verify, force=force, reference=reference)
     config = make_config(scheme, group_size=group_size, skip=skip)
+    weights_only = (isinstance(src, (str, os.PathLike)) and dst is not None and is_block_scheme(config) and arch is None
+                    and not (qat or evaluate or latency) and _output_format(dst, format) == "gguf")
+    if weights_only:        # no model needed, unless the file names one (then the model picks its layers)
+        report = quantize_weights(src, dst, config=config, source_format=source_format, trust=trust, key=key,
+                                  force=force, verify=verify, progress=progress)
+        if report is not None:
+            return report
+    from modelkit.pipeline import distributed
+
     model, source, metadata = _load_float(src, source_format=source_format, trust=trust, key=key, arch=arch)
     started = time.perf_counter()
     if qat:
@@ -290,9 +291,17 @@ def quantize(
     return report
 
 
+def _output_format(dst: PathLike, format: str | None) -> str:
+    from modelkit.formats import format_for_output
+
+    return format_for_output(dst, format)
+
+
 def measure_float(model: nn.Module, *, evaluate: bool = True, latency: bool = True) -> dict[str, Any]:
     """The float model's metric and latency, for comparison with each scheme."""
     from modelkit.models import load_model_module
+    from modelkit.pipeline import measure
+    from modelkit.pipeline.measure import arch_name, latencies
 
     task = load_model_module(arch_name(model)).TASK
     out: dict[str, Any] = {"metric_name": task.metric, "higher_is_better": task.higher_is_better}
@@ -305,6 +314,9 @@ def measure_float(model: nn.Module, *, evaluate: bool = True, latency: bool = Tr
 
 def _measure(report: QuantizeReport, quantized: nn.Module, reference: dict[str, Any], *, evaluate: bool,
              latency: bool) -> None:
+    from modelkit.pipeline import measure
+    from modelkit.pipeline.measure import latencies, metric_change
+
     if evaluate:
         name = reference["metric_name"]
         after = measure.evaluate(quantized, device="cpu")

@@ -1,0 +1,135 @@
+"""GGUF block quantization of a weight file, tensor by tensor: no model built, no torch imported.
+
+`modelkit quantize weights.safetensors out.gguf --scheme q4_0` on a file that names no
+architecture (a bare state dict, a weight file from another tool): every 2-D floating-point
+tensor whose name ends in "weight" and whose rows are whole 32-weight blocks becomes a block
+type, as llama.cpp's quantizer chooses them; every other tensor is stored as it is. Tensors are
+quantized as the GGUF writer pulls them (one in memory at a time) and the written file is
+verified bit for bit: every block read back equals a fresh quantization of the source tensor.
+
+A file that names an architecture keeps the module path (modelkit.pipeline.quantize), where the
+model decides which layers are quantized and the rebuilt model's outputs are checked.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from modelkit import schemes
+from modelkit.checkpoint import Checkpoint, LazyTensor, QuantizedTensor
+from modelkit.errors import ConfigError
+from modelkit.formats import ReadOptions, check_readable, detect_format, load_format
+from modelkit.metadata import METRICS_KEY, QUANT_KEY
+from modelkit.pipeline.reports import QuantizeReport
+from modelkit.pipeline.write import ProgressFn, write_checkpoint
+from modelkit.quantizers.gguf_arrays import BLOCK, TYPE_SIZES, BlockConfig, quantize_array
+from modelkit.storage.dtypes import DTYPES, widen_to_float32
+
+PathLike = str | os.PathLike[str]
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_stats(ckpt: Checkpoint) -> dict[str, Any]:
+    """Parameters, stored tensor bytes and bits per weight (all tensors, quantized or not)."""
+    params = ckpt.num_parameters
+    quantized = [t for t in ckpt.tensors.values() if isinstance(t, QuantizedTensor)]
+    return {"parameters": params, "tensor_bytes": ckpt.nbytes,
+            "bits_per_weight": round(8 * ckpt.nbytes / max(params, 1), 3),
+            "quantized_tensors": len(quantized), "quantized_parameters": sum(t.numel for t in quantized)}
+
+
+def is_block_scheme(scheme: Any) -> bool:
+    """Whether `scheme` (a name or a config) is a GGUF block type this module quantizes."""
+    name = scheme if isinstance(scheme, str) else getattr(type(scheme), "scheme", None)
+    return name in TYPE_SIZES
+
+
+def _float32(entry: LazyTensor) -> np.ndarray:
+    """The tensor's values as float32, as gguf-py casts them before quantizing."""
+    array = entry.array()
+    if entry.dtype.name in ("float16", "bfloat16"):
+        return widen_to_float32(array, entry.dtype)
+    return array.astype(np.float32, copy=False)
+
+
+def _quantizable(name: str, entry: Any, skip: tuple[str, ...]) -> str | None:
+    """None if `entry` becomes blocks; otherwise why it stays as it is (for the log)."""
+    if not isinstance(entry, LazyTensor) or not entry.dtype.is_floating_point or not entry.dtype.exact \
+            and entry.dtype.name != "bfloat16":
+        return "not a floating-point tensor"
+    if not name.endswith("weight") or len(entry.shape) != 2:
+        return "not a 2-D weight (llama.cpp keeps those as they are)"
+    if entry.shape[-1] % BLOCK:
+        return f"rows of {entry.shape[-1]} weights are not whole {BLOCK}-weight blocks"
+    module = name.rpartition(".")[0]
+    if any(fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(name, pattern) for pattern in skip):
+        return "skipped"
+    return None
+
+
+def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | None = None) -> Checkpoint:
+    """`ckpt` with its quantizable weights as GGUF blocks of `config.scheme`, quantized on read."""
+    type_name = config.scheme
+    ggml_type = type_name.upper()
+    tensors: dict[str, Any] = {}
+    for name, entry in ckpt.tensors.items():
+        reason = _quantizable(name, entry, config.skip)
+        if reason is not None:
+            logger.info("kept %s as %s: %s", name, entry.dtype, reason)
+            tensors[name] = entry
+            continue
+        rows, cols = entry.shape
+        qdata = LazyTensor(DTYPES["uint8"], (rows, cols // BLOCK * TYPE_SIZES[type_name]),
+                           lambda entry=entry, name=name: _quantized(entry, name, type_name, threads), entry.source)
+        # dtype float32: what dequantizing GGUF blocks gives back, as the GGUF reader says
+        tensors[name] = QuantizedTensor(scheme=type_name, layout="gguf", shape=entry.shape, dtype=DTYPES["float32"],
+                                        parts={"qdata": qdata}, params={"ggml_type": ggml_type}, source=entry.source)
+    metadata = {**{k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}, QUANT_KEY: schemes.config_to_json(config)}
+    return Checkpoint(tensors, metadata, ckpt.arch)
+
+
+def _quantized(entry: LazyTensor, name: str, type_name: str, threads: int | None) -> np.ndarray:
+    try:
+        return quantize_array(_float32(entry), type_name, threads=threads)
+    except ConfigError as e:
+        raise ConfigError(f"{name}: {e}") from e
+
+
+def quantize_weights(src: PathLike, dst: PathLike, *, config: BlockConfig, source_format: str | None = None,
+                     trust: bool = False, key: str | None = None, force: bool = False, verify: bool = True,
+                     progress: ProgressFn | None = None, require_no_arch: bool = True) -> QuantizeReport | None:
+    """Quantize a weight file to a GGUF of `config`'s block type without building a model.
+
+    Returns None (nothing written) when `require_no_arch` and the file names an architecture:
+    the caller then takes the module path, which lets the model choose its layers.
+
+    Raises:
+        ConfigError: the file is already quantized, or a chosen tensor holds NaN or infinity.
+    """
+    src, dst = Path(src), Path(dst)
+    check_readable(src)
+    fmt = source_format or detect_format(src)
+    ckpt = load_format(fmt).read(src, ReadOptions(trust=trust, key=key))
+    if require_no_arch and ckpt.arch is not None:
+        return None
+    if any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
+        raise ConfigError(f"{src} is already quantized; quantize the float model instead")
+    started = time.perf_counter()
+    blocks = block_checkpoint(ckpt, config)
+    verified, size = write_checkpoint(blocks, dst, "gguf", force=force, verify=verify, progress=progress)
+    seconds = time.perf_counter() - started     # quantizing happens as the writer pulls each tensor
+    source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) if src.is_dir() else src.stat().st_size
+    stats = checkpoint_stats(blocks)
+    kept = len(blocks) - stats["quantized_tensors"]
+    notes = [f"no architecture: {stats['quantized_tensors']} 2-D weights quantized, {kept} tensors kept as they are"]
+    return QuantizeReport(scheme=config.scheme, config=schemes.config_to_dict(config),
+                          source={"path": str(src), "format": fmt, "bytes": source_bytes},
+                          target={"path": str(dst), "format": "gguf", "bytes": size}, stats=stats,
+                          seconds_quantize=round(seconds, 3), size_ratio=round(size / max(source_bytes, 1), 4),
+                          verify=verified, notes=notes)
