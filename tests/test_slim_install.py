@@ -1,0 +1,103 @@
+"""The slim install: `pip install modelkit` in a fresh virtual environment brings no torch, and the
+weight-file commands (inspect, scan, convert between weight containers, GGUF block quantization)
+work there and write the same bytes as the full install; a command that needs torch names the extra."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slim-install")]
+
+
+@pytest.fixture(scope="module")
+def slim_python(tmp_path_factory) -> Path:
+    """A new virtual environment with `pip install <this checkout>` (no extras) in it."""
+    folder = tmp_path_factory.mktemp("slim") / "venv"
+    venv.EnvBuilder(with_pip=True).create(folder)
+    python = folder / "bin" / "python"
+    # Built from a copy of the sources, so the build leaves nothing (build/, *.egg-info) in the checkout.
+    source = tmp_path_factory.mktemp("slim-src") / "modelkit"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "runs",
+                                                                "__pycache__", "*.so", "tests", "bench", "docs"))
+    env = {**os.environ, "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    result = subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(source)], capture_output=True, text=True,
+                            env=env, cwd=folder, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return python
+
+
+def _run(python: Path, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(python), "-m", "modelkit", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("slim-weights")
+    g = torch.Generator().manual_seed(0)
+    save_file({"model.layers.0.weight": torch.randn(64, 64, generator=g),
+               "model.layers.0.bias": torch.randn(64, generator=g),
+               "model.norm.weight": torch.randn(64, generator=g).to(torch.bfloat16),
+               "model.ids": torch.arange(10)}, str(folder / "w.safetensors"), metadata={"format": "pt"})
+    return folder / "w.safetensors"
+
+
+def test_the_slim_install_has_no_torch(slim_python):
+    result = subprocess.run([str(slim_python), "-c", "import torch"], capture_output=True, text=True)
+    assert result.returncode != 0 and "No module named 'torch'" in result.stderr
+    result = subprocess.run([str(slim_python), "-m", "modelkit", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "convert" in result.stdout
+
+
+# Each command, run in the slim install and in this (full) one: the same output files, byte for byte.
+COMMANDS = {
+    "to-gguf": (["convert", "{w}", "out.gguf"], ["out.gguf"]),
+    "to-hdf5": (["convert", "{w}", "out.h5"], ["out.h5"]),
+    "sharded": (["convert", "{w}", "shards", "--shard-size", "10KB"], ["shards"]),
+    "bf16": (["convert", "{w}", "half.safetensors", "--dtype", "bf16"], ["half.safetensors"]),
+    "q4_0": (["quantize", "{w}", "q.gguf", "--scheme", "q4_0"], ["q.gguf"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_weight_commands_give_the_same_bytes_in_the_slim_install(slim_python, weights, tmp_path, name):
+    args, outputs = COMMANDS[name]
+    args = [a.format(w=weights) for a in args]
+    digests = []
+    for python in (slim_python, Path(sys.executable)):
+        folder = tmp_path / python.parent.parent.name
+        folder.mkdir()
+        result = _run(python, args, folder)
+        assert result.returncode == 0, result.stderr
+        files = sorted(p for out in outputs for p in ([folder / out] if (folder / out).is_file()
+                                                      else (folder / out).rglob("*")) if p.is_file())
+        digests.append({str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files})
+    assert digests[0] == digests[1]
+
+
+def test_inspect_and_scan_in_the_slim_install(slim_python, weights, tmp_path):
+    result = _run(slim_python, ["inspect", str(weights), "--json"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert {t["name"]: t["dtype"] for t in json.loads(result.stdout)["tensors"]}["model.norm.weight"] == "bfloat16"
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    result = _run(slim_python, ["scan", str(tmp_path / "m.pt")], tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_command_that_needs_torch_names_the_extra(slim_python, weights, tmp_path):
+    result = _run(slim_python, ["convert", str(weights), "m.onnx", "--arch", "mlp"], tmp_path)
+    assert result.returncode == 2
+    assert "pip install 'modelkit[" in result.stderr and "Traceback" not in result.stderr
+    result = _run(slim_python, ["convert", str(weights), "m.onnx", "--arch", "mlp", "--json"], tmp_path)
+    assert result.returncode == 2 and json.loads(result.stdout)["ok"] is False
