@@ -45,10 +45,14 @@ def _check(name: str) -> str:
 
 
 def scheme_module(name: str) -> ModuleType:
-    """Import and return the quantizer module of scheme `name` (it defines the config and `apply`)."""
+    """Import and return the quantizer module of scheme `name`: the one that defines `apply`, which is
+    the config's own module unless that module names another in APPLY_MODULE (a torch-free home for
+    configs whose `apply` needs torch)."""
     module_name = SCHEMES[_check(name)].split(":")[0]
     try:
-        return importlib.import_module(module_name)
+        module = importlib.import_module(module_name)
+        target = getattr(module, "APPLY_MODULE", None)
+        return importlib.import_module(target) if target else module
     except ModuleNotFoundError as e:
         if (e.name or "").startswith("modelkit"):
             raise

@@ -29,6 +29,8 @@ MIN_SHARE = 2**16           # blocks per thread at least (2 MiB of float32): sma
 # Block type -> bytes per block of BLOCK weights (ggml's type sizes).
 TYPE_SIZES: dict[str, int] = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
 KERNEL_ISAS: tuple[str, ...] = tuple(_gguf_kernels.ISAS) if _gguf_kernels else ()
+# The configs live here (torch-free); `apply` to a module is torch's, in gguf_blocks (schemes.scheme_module).
+APPLY_MODULE = "modelkit.quantizers.gguf_blocks"
 
 
 def check_skip(config: Any) -> None:
@@ -98,13 +100,6 @@ class Q5_0Config(BlockConfig):
 class Q5_1Config(BlockConfig):
     __doc__ = BlockConfig.__doc__
     scheme: ClassVar[str] = "q5_1"
-
-
-def apply(model: Any, config: BlockConfig) -> Any:
-    """The scheme table's `apply` for modules: modelkit.quantizers.gguf_blocks.apply (torch)."""
-    from modelkit.quantizers.gguf_blocks import apply as apply_to_module
-
-    return apply_to_module(model, config)
 
 
 def shares(total: int, workers: int, least: int, step: int = 1) -> list[tuple[int, int]]:
