@@ -20,40 +20,43 @@ module prefix, and no module prefix is `__modelkit__` in practice.
 Quantized weights (QuantizedTensor) are stored as their parts under compressed-tensors' names
 (`N` int8, `N_packed`, `N_scale`, `N_zero_point`), described by the "modelkit.quantized" record
 in that same metadata entry: modelkit/storage/quantized_layout.py, shared with safetensors. Reading
-puts them back together, still with `weights_only=True` (the parts are plain tensors).
+puts them back together (the parts are plain tensors, read like any other).
 
-Reading never unpickles arbitrary code: `torch.load(weights_only=True)` with mmap for zip files
-(tensors stay views into the mapped file until touched). Whole-module pickles need `trust`.
+Reading never unpickles: a weights-only checkpoint (what `torch.load(weights_only=True)` accepts)
+is read by modelkit.parse.torch_format, which interprets the pickle symbolically, checks every
+storage record and view against the file, and gives each tensor as a numpy view of the mapped file
+(strided views copied, byte-for-byte what torch.load gives); no torch import on that path. Only a
+whole-module pickle (classes beyond torch's weights-only allowlist) goes to `torch.load`, and only
+with `trust`.
 """
 from __future__ import annotations
 
 import json
 import logging
-import mmap
 import re
 import sys
-import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint
-from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
+from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import PTH_LAYOUT, PTH_METADATA_ENTRY, PTH_SOURCE_KEY
-from modelkit.parse import pickle as pickle_walk
-from modelkit.parse import zipdir
-from modelkit.parse.detect import TORCH_LEGACY_HEAD, torch_save_prefix
+from modelkit.parse import torch_format
+from modelkit.parse.detect import TORCH_LEGACY_HEAD
 from modelkit.parse.detect import pth as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import quantized_layout
 from modelkit.storage import zip_records as _zip_records
-from modelkit.storage.dtypes import LEGACY_STORAGE_DTYPES
+from modelkit.storage.dtypes import DTYPES
 from modelkit.storage.mapped import FileSpan
+from modelkit.storage.tensors import LazyTensor
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +64,13 @@ logger = logging.getLogger(__name__)
 _MODELKIT_KEY = PTH_METADATA_ENTRY      # entry of state_dict._metadata holding our metadata
 _LAYOUT = PTH_LAYOUT
 SOURCE_KEY = PTH_SOURCE_KEY             # metadata: which entry or object the state_dict came from
-_PICKLE_LIMIT = 256 << 20               # bytes of pickle we walk; real ones are a few MB at most
 _FILL_MIN = 64 << 20                    # from this many copyable bytes on, storages are copied file to file
 _WELL_KNOWN = ("state_dict", "model_state_dict", "model", "module", "net", "network", "model_state", "weights")
 _WRAPPER_PREFIXES = ("module", "model", "_orig_mod")   # DDP/DeepSpeed, Lightning, torch.compile
 # The modules of torch 2.13's weights_only allowlist: a plain weights pickle names globals from
-# these only. Any other global is an object to rebuild (a whole module, argparse.Namespace, numpy
-# arrays, ...) and needs trust. torch's weights_only unpickler stays the real gate for these ones.
+# these only, and modelkit's own reader reads it (what it does not rebuild, such as a sparse or
+# quantized tensor, stays an opaque placeholder). Any other global is an object to rebuild (a whole
+# module, argparse.Namespace, numpy arrays, ...): that needs torch.load and trust.
 _DATA_MODULES = frozenset({
     "_codecs", "builtins", "collections", "torch", "torch._tensor", "torch._utils", "torch.cuda",
     "torch.cuda.sparse", "torch.nn.parameter", "torch.serialization", "torch.sparse", "torch.storage",
@@ -91,19 +94,72 @@ def _gate(path: Path, options: ReadOptions) -> str:
 
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
-    """Read the state_dict of a torch.save file (zip or legacy), lazily for zip files.
+    """Read the state_dict of a torch.save file (zip or legacy), lazily: tensors are views of the mapped file.
 
     Nested checkpoints ({"model": ..., "optimizer": ...}, Lightning's {"state_dict": ...}) give
     the state_dict under a well-known key when it is the only one; otherwise `options.key` picks
     an entry ("model", "state_dict.model" for nested dicts, "module" to strip a `module.` prefix).
+
+    A weights-only checkpoint is read by modelkit.parse.torch_format without torch; a pickle of
+    other classes (a whole module) needs `options.trust` and is loaded with torch.load.
     """
     is_zip = _layout(path)            # the zip directory or the first bytes: nothing unpickled yet
     if is_zip and not detect(path):
         raise FormatError(path, "a zip archive without data.pkl, or a TorchScript archive "
                                 "(read those with --from torchscript)")
     gate = _gate(path, options)
-    facts = _pickle_facts(path, is_zip)
-    obj = _load(path, is_zip, facts, options, gate)
+    parsed = _parse(path)
+    classes = _classes(parsed)
+    if classes:
+        return _read_with_torch(path, is_zip, parsed, classes, options, gate)
+    state, where = _choose_state_dict(path, parsed.value, options.key)
+    metadata, arch = _stored_metadata(path, state)
+    if where:
+        metadata[SOURCE_KEY] = where
+    records = _check_tensors(path, state, options.key)
+    _hint_prefix(path, records)
+    return quantized_layout.group(path, _checkpoint(path, parsed, records, arch, metadata))
+
+
+def _parse(path: Path) -> torch_format.TorchFile:
+    """The checkpoint's structure, every storage and view checked against the file (ParseError names it)."""
+    try:
+        return torch_format.read(path)
+    except OSError as e:
+        raise FormatError(path, f"cannot read the file ({e})") from e
+
+
+def _classes(parsed: torch_format.TorchFile) -> list[str]:
+    """Globals outside the modules a plain weights pickle uses: objects to rebuild."""
+    return [g for g in parsed.globals if g.rpartition(".")[0] not in _DATA_MODULES]
+
+
+def _checkpoint(path: Path, parsed: torch_format.TorchFile, records: dict[str, torch_format.TensorRecord],
+                arch: ArchSpec | None, metadata: dict[str, str]) -> Checkpoint:
+    """LazyTensors over the parsed records; tied tensors (same storage, offset, size, stride and dtype)
+    are recorded as aliases of their first name, as Checkpoint.from_state_dict records them."""
+    tensors: dict[str, LazyTensor] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for name, record in records.items():
+        if record.numel:
+            target = first.setdefault(record.identity, name)
+            if target != name:
+                aliases[name] = target
+        span = parsed.span(record)
+        tensors[name] = LazyTensor(DTYPES[record.dtype], record.size, partial(parsed.array, record), name,
+                                   FileSpan(path, *span) if span is not None else None)
+    if aliases:
+        metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    return Checkpoint(tensors, metadata, arch)
+
+
+def _read_with_torch(path: Path, is_zip: bool, parsed: torch_format.TorchFile, classes: list[str],
+                     options: ReadOptions, gate: str) -> Checkpoint:
+    """A pickle of classes beyond tensors (a whole module): torch.load, only with trust."""
+    import torch
+
+    obj = _load(path, is_zip, parsed, classes, options, gate)
     notes: dict[str, str] = {}
     if isinstance(obj, torch.nn.Module):
         notes[SOURCE_KEY] = f"whole-module pickle of {type(obj).__module__}.{type(obj).__qualname__}"
@@ -165,141 +221,26 @@ def _layout(path: Path) -> bool:
     raise FormatError(path, "not a torch.save checkpoint (neither a zip archive nor the legacy pickle stream)")
 
 
-@dataclass
-class _PickleFacts:
-    """What an opcode walk saw: the globals a pickle names and the storages it claims."""
+def _load(path: Path, is_zip: bool, parsed: torch_format.TorchFile, classes: list[str], options: ReadOptions,
+          gate: str) -> Any:
+    """torch.load with weights_only=False for a pickle of other classes; refused without options.trust."""
+    import torch
 
-    globals: list[str] = field(default_factory=list)          # "module.name", in order of appearance
-    persistent_ids: list[Any] = field(default_factory=list)
-    module_like: bool = False                                 # BUILD set '_modules' and '_parameters'
-
-    @property
-    def classes(self) -> list[str]:
-        """Globals outside the modules a plain weights pickle uses: objects to rebuild."""
-        return [g for g in self.globals if g.rpartition(".")[0] not in _DATA_MODULES]
-
-
-class _Walk(pickle_walk.Machine):
-    """modelkit.parse.pickle's symbolic walk (the scanner's too); a computed global counts as a class."""
-
-    computed = False
-
-    def unresolved_global(self, module: Any, name: Any, how: str) -> None:
-        self.computed = True
-
-
-def _walk_pickle(buf: Any, start: int, end: int, facts: _PickleFacts) -> int:
-    """Follow one pickle's opcodes from `start`; nothing is unpickled or called. Returns where it ends.
-
-    Raises ParseError on a malformed stream.
-    """
-    walk = _Walk(buf, start, end, pickle_walk.Bounds(), time.monotonic() + 60)
-    result = walk.run()
-    facts.globals += [f"{module}.{name}" for module, name in result.globals]
-    if walk.computed:
-        facts.globals.append("<computed>.<computed>")
-    facts.persistent_ids += result.persistent_ids
-    facts.module_like = facts.module_like or {"_modules", "_parameters"} <= result.build_keys
-    return result.end
-
-
-def _storage_itemsize(storage_class: str) -> int:
-    """Bytes per element of a legacy storage class, to check claimed sizes before torch allocates
-    them; 16 (the widest) for a name torch does not have, so a claim is never underestimated."""
-    if storage_class == "UntypedStorage":
-        return 1
-    dtype = LEGACY_STORAGE_DTYPES.get(storage_class)
-    return 16 if dtype is None else dtype.itemsize
-
-
-def _pickle_facts(path: Path, is_zip: bool) -> _PickleFacts:
-    """Walk the pickle bytes (never the tensor data); for legacy files check claimed sizes too."""
-    facts = _PickleFacts()
-    try:
-        if is_zip:
-            data = _data_pkl(path)
-            _walk_pickle(data, 0, len(data), facts)
-            return facts
-        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            end = min(len(buf), _PICKLE_LIMIT)
-            pos = 0
-            for _ in range(3):                      # magic number, protocol version, sys info
-                pos = _walk_pickle(buf, pos, end, _PickleFacts())
-            _walk_pickle(buf, pos, end, facts)      # the object itself
-    except ParseError as e:
-        raise FormatError(path, f"the pickle is malformed ({e})") from e
-    except FormatError:
-        raise
-    except (OSError, ValueError) as e:
-        raise FormatError(path, f"the pickle is malformed ({e})") from e
-    _check_legacy_sizes(path, facts)
-    return facts
-
-
-def _data_pkl(path: Path) -> bytes:
-    """The bytes of `<archive>/data.pkl`, found through the zip directory as the scanner finds it."""
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        try:
-            entries = zipdir.read_directory(buf)
-        except ParseError as e:
-            raise FormatError(path, f"the zip archive is malformed ({e})") from e
-        prefix = torch_save_prefix([e.filename for e in entries])
-        if prefix is None:
-            raise FormatError(path, "a zip archive without data.pkl, or a TorchScript archive "
-                                    "(read those with --from torchscript)")
-        entry = [e for e in entries if e.filename == f"{prefix}/data.pkl"][-1]   # zipfile's pick among duplicates
-        if entry.file_size > _PICKLE_LIMIT:
-            raise FormatError(path, f"data.pkl is {entry.file_size} bytes; refusing more than {_PICKLE_LIMIT}")
-        try:
-            start = zipdir.member_data(buf, entry)
-        except ParseError as e:
-            raise FormatError(path, f"the zip archive is malformed ({e})") from e
-        raw = bytes(buf[start:start + entry.compress_size])
-    if entry.compress_type == zipdir.STORED:
-        return raw
-    if entry.compress_type == zipdir.DEFLATED:
-        try:
-            return zlib.decompressobj(-15).decompress(raw, _PICKLE_LIMIT)
-        except zlib.error as e:
-            raise FormatError(path, f"data.pkl has corrupt deflate data ({e})") from e
-    raise FormatError(path, f"data.pkl uses zip compression method {entry.compress_type}, which torch does not write")
-
-
-def _check_legacy_sizes(path: Path, facts: _PickleFacts) -> None:
-    """Legacy torch.load allocates each storage at its claimed size before reading it: check first."""
-    claimed: dict[Any, int] = {}
-    for pid in facts.persistent_ids:
-        # ('storage', torch.FloatStorage, key, location, numel, view_metadata)
-        ok = (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], pickle_walk.Global)
-              and isinstance(pid[4], int) and pid[4] >= 0 and isinstance(pid[2], str))
-        if not ok:
-            raise FormatError(path, "a storage reference in the legacy pickle is not ('storage', type, key, location, size)")
-        claimed[pid[2]] = pid[4] * _storage_itemsize(pid[1].name)
-    size = path.stat().st_size
-    if sum(claimed.values()) > size:
-        raise FormatError(path, f"the pickle claims {sum(claimed.values())} bytes of tensor data but the file "
-                                f"has {size}; it is truncated or corrupt")
-
-
-def _load(path: Path, is_zip: bool, facts: _PickleFacts, options: ReadOptions, gate: str) -> Any:
-    """torch.load with weights_only=True; a whole-module pickle only with options.trust."""
-    classes = facts.classes
-    if classes and not options.trust:
-        what = "a whole module" if facts.module_like else "Python objects beyond tensors"
+    if not options.trust:
+        module_like = {"_modules", "_parameters"} <= parsed.build_keys
+        what = "a whole module" if module_like else "Python objects beyond tensors"
         raise UnsupportedConversionError(
             str(path), "a checkpoint without --trust",
             f"this file pickles {what} (class {classes[0]}); loading it runs code: pass --trust "
             "(API: trust=True) if you trust its source, or ask for a state_dict",
         )
-    weights_only = not classes
-    if not weights_only:
-        logger.warning("%s: loading a pickle of class %s with weights_only=False because trust was given: "
-                       "this runs code from the file; scanner gate: %s", path, classes[0], gate)
+    logger.warning("%s: loading a pickle of class %s with weights_only=False because trust was given: "
+                   "this runs code from the file; scanner gate: %s", path, classes[0], gate)
     try:
         # mmap only works for the zip layout; there the tensors stay views into the mapped file.
-        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=is_zip)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=is_zip)
     except Exception as e:  # torch.load raises a wide, undocumented set of types on malformed input
-        hint = "" if weights_only else f" (with trust: the module defining {classes[0]} must be importable)"
+        hint = f" (with trust: the module defining {classes[0]} must be importable)"
         raise FormatError(path, f"torch.load failed: {_short(e)}{hint}") from e
 
 
@@ -312,15 +253,41 @@ def _short(error: Exception) -> str:
     return f"{type(error).__name__}: {lines[0][:300] if lines else 'no message'}"
 
 
+def _torch() -> Any:
+    """torch when something already imported it (a whole-module read), else None: never imported here."""
+    return sys.modules.get("torch")
+
+
+def _is_tensor(value: Any) -> bool:
+    if isinstance(value, torch_format.TensorRecord):
+        return True
+    torch = _torch()
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _is_module(value: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(value, torch.nn.Module)
+
+
+def _kind(value: Any) -> str:
+    """What an entry is, for messages: 'Tensor', 'int', or what an opaque placeholder stands for."""
+    if _is_tensor(value):
+        return "Tensor"
+    if isinstance(value, torch_format.Opaque):
+        return value.what
+    return type(value).__name__
+
+
 def _choose_state_dict(path: Path, obj: Any, key: str | None) -> tuple[Mapping[Any, Any], str]:
     """The mapping holding the tensors, and where it came from ("" for the top level)."""
-    if isinstance(obj, torch.nn.Module):
+    if _is_module(obj):
         obj = obj.state_dict()
     if not isinstance(obj, Mapping):
-        raise FormatError(path, f"holds a {type(obj).__name__}, not a state_dict (a dict of tensors)")
+        raise FormatError(path, f"holds a {_kind(obj)}, not a state_dict (a dict of tensors)")
     if key is not None:
         return _resolve_key(path, obj, key), key
-    if any(isinstance(v, torch.Tensor) for v in obj.values()):
+    if any(_is_tensor(v) for v in obj.values()):
         return obj, ""
     candidates = _candidates(obj)
     if len(candidates) == 1 and candidates[0][0].rpartition(".")[2].lower() in _WELL_KNOWN:
@@ -338,12 +305,12 @@ def _candidates(obj: Mapping[Any, Any], prefix: str = "", depth: int = 0) -> lis
     """Nested str-keyed mappings that hold tensors directly (optimizer states are int-keyed)."""
     found = []
     for k, v in obj.items():
-        if isinstance(v, torch.nn.Module):
+        if _is_module(v):
             v = v.state_dict()
         if not isinstance(k, str) or not isinstance(v, Mapping) or not all(isinstance(i, str) for i in v):
             continue
         where = f"{prefix}{k}"
-        if any(isinstance(t, torch.Tensor) for t in v.values()):
+        if any(_is_tensor(t) for t in v.values()):
             found.append((where, v))
         elif depth < 3:
             found += _candidates(v, f"{where}.", depth + 1)
@@ -361,16 +328,16 @@ def _resolve_key(path: Path, obj: Mapping[Any, Any], key: str) -> Mapping[Any, A
             node, rest = node[rest], ""
             break
         head = next((k for k in node if isinstance(k, str) and rest.startswith(f"{k}.")), None)
-        if head is not None and isinstance(node[head], Mapping | torch.nn.Module):
+        if head is not None and (isinstance(node[head], Mapping) or _is_module(node[head])):
             node, rest = node[head], rest[len(head) + 1:]
-            node = node.state_dict() if isinstance(node, torch.nn.Module) else node
+            node = node.state_dict() if _is_module(node) else node
             continue
         prefix = rest if rest.endswith(".") else f"{rest}."
         picked = {k[len(prefix):]: v for k, v in node.items() if isinstance(k, str) and k.startswith(prefix)}
         if picked:
             return picked
         break
-    if isinstance(node, torch.nn.Module):
+    if _is_module(node):
         node = node.state_dict()
     if rest or not isinstance(node, Mapping):
         candidates = ", ".join(p for p, _ in _candidates(obj)) or "none"
@@ -380,25 +347,38 @@ def _resolve_key(path: Path, obj: Mapping[Any, Any], key: str) -> Mapping[Any, A
 
 
 def _listing(obj: Mapping[Any, Any]) -> str:
-    shown = [f"{k} ({type(v).__name__})" for k, v in list(obj.items())[:12]]
+    shown = [f"{k} ({_kind(v)})" for k, v in list(obj.items())[:12]]
     return ", ".join(shown) + (", ..." if len(obj) > 12 else "") if shown else "none"
 
 
 def _count(obj: Mapping[Any, Any]) -> int:
-    return sum(isinstance(v, torch.Tensor) for v in obj.values())
+    return sum(_is_tensor(v) for v in obj.values())
 
 
-def _check_tensors(path: Path, state: Mapping[Any, Any], key: str | None) -> dict[str, torch.Tensor]:
-    """Every entry must be a dense tensor with a str name."""
-    bad = [(k, v) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+def _check_tensors(path: Path, state: Mapping[Any, Any], key: str | None) -> dict[str, Any]:
+    """Every entry must be a dense tensor with a str name, of a dtype modelkit reads."""
+    stored_otherwise = [(k, v) for k, v in state.items()
+                        if isinstance(v, torch_format.Opaque) and v.what.startswith("torch._utils._rebuild_")]
+    if stored_otherwise:
+        name, value = stored_otherwise[0]
+        raise FormatError(path, f"tensor {name!r} is stored with {value.what} (a quantized, sparse or other "
+                                "non-dense tensor); only dense tensors are supported")
+    bad = [(k, v) for k, v in state.items() if not isinstance(k, str) or not _is_tensor(v)]
     if bad:
-        shown = ", ".join(f"{k!r} ({type(v).__name__})" for k, v in bad[:3])
+        shown = ", ".join(f"{k!r} ({_kind(v)})" for k, v in bad[:3])
         nested = [p for p, _ in _candidates(state)]
         hint = f"; pick one of its nested state_dicts with --key: {', '.join(nested)}" if nested else (
             "" if key else "; if the tensors sit under one entry, pass --key NAME")
         count = f"{len(bad)} entries that are not named tensors" if len(bad) > 1 else "an entry that is not a named tensor"
         raise FormatError(path, f"the state_dict{f' under {key!r}' if key else ''} has {count}: {shown}{hint}")
     for name, t in state.items():
+        if isinstance(t, torch_format.TensorRecord):
+            if t.dtype not in DTYPES:
+                raise FormatError(path, f"tensor {name!r} is {t.dtype}, which modelkit does not read "
+                                        f"(it reads {', '.join(DTYPES)})")
+            continue
+        import torch
+
         if t.layout != torch.strided or t.is_quantized or t.device.type != "cpu":
             raise FormatError(path, f"tensor {name!r} is a {t.layout} {t.dtype} tensor on {t.device}; "
                                     "only dense CPU tensors are supported")
@@ -407,7 +387,7 @@ def _check_tensors(path: Path, state: Mapping[Any, Any], key: str | None) -> dic
     return dict(state)
 
 
-def _hint_prefix(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+def _hint_prefix(path: Path, tensors: Mapping[str, Any]) -> None:
     first = {name.partition(".")[0] for name in tensors}
     if len(first) == 1 and next(iter(first)) in _WRAPPER_PREFIXES and all("." in n for n in tensors):
         prefix = next(iter(first))
@@ -442,6 +422,8 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     meanwhile on another thread: the same archive, without torch's single-threaded CRC pass and
     user-space copy (safetensors -> pt of 980 MiB: 1.36-1.41x -> 1.1-1.3x the time of a plain copy).
     """
+    import torch
+
     ckpt, _ = quantized_layout.flatten(ckpt, target="pth")   # quantized weights as their parts + a record
     aliases = _aliases(ckpt)
     state: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -484,6 +466,8 @@ def _fill_storages(path: Path, state: Mapping[str, torch.Tensor], sources: dict[
     import zlib
     from concurrent.futures import ThreadPoolExecutor
 
+    import torch
+
     from modelkit.storage.mapped import copy_span
 
     skeleton = torch.load(path, map_location="cpu", mmap=True, weights_only=True)   # our own file, just written
@@ -515,6 +499,8 @@ def _fill_storages(path: Path, state: Mapping[str, torch.Tensor], sources: dict[
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
+    import torch
+
     return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 

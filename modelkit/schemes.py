@@ -44,29 +44,34 @@ def _check(name: str) -> str:
     return name
 
 
+def _import(name: str, module_name: str) -> ModuleType:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if (e.name or "").startswith("modelkit"):
+            raise
+        extra = " (pip install 'modelkit[torch]')" if (e.name or "").startswith("torch") else ""
+        raise MissingDependencyError(f"scheme {name!r} needs the {e.name!r} package{extra}") from e
+
+
 def scheme_module(name: str) -> ModuleType:
     """Import and return the quantizer module of scheme `name`: the one that defines `apply`, which is
     the config's own module unless that module names another in APPLY_MODULE (a torch-free home for
     configs whose `apply` needs torch)."""
-    module_name = SCHEMES[_check(name)].split(":")[0]
-    try:
-        module = importlib.import_module(module_name)
-        target = getattr(module, "APPLY_MODULE", None)
-        return importlib.import_module(target) if target else module
-    except ModuleNotFoundError as e:
-        if (e.name or "").startswith("modelkit"):
-            raise
-        raise MissingDependencyError(f"scheme {name!r} needs the {e.name!r} package") from e
+    module = _import(name, SCHEMES[_check(name)].split(":")[0])
+    target = getattr(module, "APPLY_MODULE", None)
+    return _import(name, target) if target else module
 
 
 def load_scheme(name: str) -> type:
-    """The config class of scheme `name`.
+    """The config class of scheme `name` (importing its module only, never an APPLY_MODULE).
 
     Example:
         >>> load_scheme("int4")(group_size=64).group_size
         64
     """
-    return getattr(scheme_module(name), SCHEMES[name].split(":")[1])
+    module_name, _, class_name = SCHEMES[_check(name)].partition(":")
+    return getattr(_import(name, module_name), class_name)
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

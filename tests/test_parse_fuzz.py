@@ -10,6 +10,7 @@ or parsed, never loaded by anything that would run them.
 """
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 import time
@@ -26,7 +27,7 @@ from modelkit.checkpoint import Checkpoint
 from modelkit.errors import FormatError, ModelkitError, ParseError
 from modelkit.formats import FORMATS, load_format
 from modelkit.models import build
-from modelkit.parse import gguf, hdf5, keras, npy, onnx, paths, safetensors, sniff, zipdir
+from modelkit.parse import gguf, hdf5, keras, npy, onnx, paths, safetensors, sniff, torch_format, zipdir
 from modelkit.parse import pickle as pickle_parse
 from modelkit.parse.protobuf import fields, int64s, text
 from modelkit.scan import Limits, Severity, scan
@@ -84,6 +85,27 @@ SEEDS = [*_PICKLES, _ZIP, _SAFETENSORS, _ONNX, _gguf_seed(), _NPY, _HDF5,
          payloads.torchscript_zip("def f(x):\n  return x\n")]
 
 
+def _torch_save_seed(legacy: bool) -> bytes:
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"w": base, "t": base.t(), "row": base[1], "h": torch.ones(3, dtype=torch.bfloat16),
+             "f8": torch.zeros(2, dtype=torch.float8_e4m3fn), "n": 3}
+    buffer = io.BytesIO()
+    torch.save(state, buffer, _use_new_zipfile_serialization=not legacy)
+    return buffer.getvalue()
+
+
+_TORCH_SAVES = [_torch_save_seed(legacy=False), _torch_save_seed(legacy=True)]
+
+
+def _torch_file(data: bytes) -> None:
+    """Parse, then read every tensor small enough to read here (mutations may claim large expanded views)."""
+    parsed = torch_format.parse(data, source="fuzz.pt", limits=pickle_parse.Bounds(seconds=5))
+    for record in parsed.tensors:
+        if record.nbytes <= 1 << 26:
+            parsed.array(record)
+            parsed.span(record)
+
+
 def _walk_fields(data: bytes) -> None:
     for _, wire, value in fields(data, 0, len(data)):
         if wire == 2:
@@ -122,6 +144,7 @@ PARSERS = {
     "keras.configs_in": (lambda b: list(keras.configs_in(b)), [b"\x00" + payloads.keras_lambda_config() + b"\x00"]),
     "npy.read_header": (npy.read_header, [_NPY, _CORPUS["npy-header.npy"]]),
     "pickle.walk": (_pickle_stream, _PICKLES + [payloads.system_pickle(protocol=p) for p in (0, 2, 4)]),
+    "torch_format.parse": (_torch_file, _TORCH_SAVES),
 }
 # predicates: answer True or False for anything
 PREDICATES = {

@@ -67,12 +67,14 @@ class PickleError(ParseError):
 
 
 class Blob:
-    """A byte or text argument too long to copy (tensor data in plain pickles)."""
+    """A byte or text argument too long to copy (tensor data in plain pickles): its size, and where
+    it lies in the buffer and how it decodes ("str", "latin1", "bytes", "long"), for a reader that
+    needs the value after all (modelkit.parse.torch_format: long metadata strings)."""
 
-    __slots__ = ("size",)
+    __slots__ = ("size", "offset", "kind")
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, offset: int | None = None, kind: str = "bytes") -> None:
+        self.size, self.offset, self.kind = size, offset, kind
 
     def __eq__(self, other: object) -> bool:
         return type(other) is Blob and other.size == self.size
@@ -116,7 +118,7 @@ def _counted(size_fmt: str, kind: str):
         n, pos = size_reader(buf, pos, end)
         _need(pos, n, end)
         if n > _SMALL:
-            return Blob(n), pos + n
+            return Blob(n, pos, kind), pos + n
         raw = bytes(buf[pos:pos + n])
         if kind == "str":
             try:

@@ -8,9 +8,9 @@ so are malformed streams, because an unpickler runs every opcode before the one 
 """
 from __future__ import annotations
 
-import struct
 import time
 
+from modelkit.errors import ParseError
 from modelkit.parse.pickle import (
     LEGACY_MAGIC,
     MAX_PROTOCOL,
@@ -23,6 +23,7 @@ from modelkit.parse.pickle import (
     PList,
     looks_like_pickle,
 )
+from modelkit.parse.torch_format import claimed_itemsize, legacy_records, storage_claim
 from modelkit.scan.model import Finding, Record, Severity
 from modelkit.scan.policy import classify
 
@@ -158,11 +159,6 @@ def walk(buf, start: int, end: int, sink: Sink, limits: Limits = Limits(), *, de
 # ---------------------------------------------------------------------------------------------
 # Streams: several pickles back to back (legacy torch.save writes five), then maybe raw data.
 
-_ELEMENT_SIZE = {"Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
-                 "Byte": 1, "Bool": 1, "ComplexDouble": 16, "ComplexFloat": 8, "QInt8": 1, "QUInt8": 1,
-                 "QInt32": 4, "QUInt4x2": 1, "QUInt2x4": 1}
-
-
 class StreamResult:
     """The pickles of one stream, where unexplained data after the last one starts, and whether it is legacy torch."""
 
@@ -174,36 +170,24 @@ class StreamResult:
         self.legacy_torch = legacy_torch
 
 
-def _legacy_storages(pickles: list[PickleResult]) -> dict[str, tuple[int, int]] | None:
-    """key -> (numel, element size) from the data pickle's ('storage', type, key, location, numel) ids."""
-    out: dict[str, tuple[int, int]] = {}
-    for pid in pickles[3].persistent_ids:
-        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
-            return None
-        kind = pid[1].name.removesuffix("Storage")
-        size = _ELEMENT_SIZE.get(kind, 1 if kind == "Untyped" else 0)
-        if not size or not isinstance(pid[2], str) or not isinstance(pid[4], int):
-            return None
-        out[pid[2]] = (pid[4], size)
-    return out
-
-
 def _legacy_layout(buf, pos: int, end: int, pickles: list[PickleResult]) -> int | None:
-    """Skip legacy torch storage records (u64 numel, then numel * element size bytes); None if they don't fit."""
-    keys, storages = pickles[4].value, _legacy_storages(pickles)
-    if not isinstance(keys, PList) or storages is None:
+    """Skip legacy torch storage records (u64 numel, then numel * element size bytes); None if they don't fit.
+
+    The layout is modelkit.parse.torch_format's (the pth reader reads the records through it too).
+    """
+    claims: dict[str, tuple[int, int]] = {}
+    try:
+        for pid in pickles[3].persistent_ids:
+            key, storage_class, numel = storage_claim(pid)
+            size = claimed_itemsize(storage_class)
+            if size is None:
+                return None
+            claims[key] = (numel, size)
+        if not isinstance(pickles[4].value, PList):
+            return None
+        return legacy_records(buf, pos, end, pickles[4].value, claims)[1]
+    except ParseError:
         return None
-    for key in keys:
-        if key not in storages or pos + 8 > end:
-            return None
-        numel = struct.unpack_from("<Q", buf, pos)[0]
-        expected, size = storages[key]
-        if numel != expected and size != 1:
-            return None
-        pos += 8 + numel * size
-        if pos > end:
-            return None
-    return pos
 
 
 def walk_stream(buf, start: int, end: int, sink: Sink, limits: Limits = Limits(), *,
