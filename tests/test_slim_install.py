@@ -50,6 +50,8 @@ def weights(tmp_path_factory) -> Path:
                "model.layers.0.bias": torch.randn(64, generator=g),
                "model.norm.weight": torch.randn(64, generator=g).to(torch.bfloat16),
                "model.ids": torch.arange(10)}, str(folder / "w.safetensors"), metadata={"format": "pt"})
+    torch.save({"model": {"w": torch.randn(8, 32, generator=g).t(), "b": torch.ones(3, dtype=torch.bfloat16)},
+                "epoch": 1}, folder / "ckpt.pt")
     return folder / "w.safetensors"
 
 
@@ -67,13 +69,14 @@ COMMANDS = {
     "sharded": (["convert", "{w}", "shards", "--shard-size", "10KB"], ["shards"]),
     "bf16": (["convert", "{w}", "half.safetensors", "--dtype", "bf16"], ["half.safetensors"]),
     "q4_0": (["quantize", "{w}", "q.gguf", "--scheme", "q4_0"], ["q.gguf"]),
+    "from-pth": (["convert", "{p}", "from-pth.safetensors", "--key", "model"], ["from-pth.safetensors"]),
 }
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_weight_commands_give_the_same_bytes_in_the_slim_install(slim_python, weights, tmp_path, name):
     args, outputs = COMMANDS[name]
-    args = [a.format(w=weights) for a in args]
+    args = [a.format(w=weights, p=weights.with_name("ckpt.pt")) for a in args]
     digests = []
     for python in (slim_python, Path(sys.executable)):
         folder = tmp_path / python.parent.parent.name

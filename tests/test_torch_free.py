@@ -176,3 +176,36 @@ def test_quantize_a_weight_file_with_nan_names_the_tensor(tmp_path):
     assert result.returncode == 2
     assert "layer.weight" in result.stderr and "NaN" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "nan.gguf").exists()
+
+
+@pytest.fixture(scope="module")
+def training_checkpoint(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A torch.save training checkpoint: the model's state dict (bf16, a strided view, int64, a tie)
+    nested beside optimizer state and Python values."""
+    folder = tmp_path_factory.mktemp("torch-free-pth")
+    g = torch.Generator().manual_seed(2)
+    embed = torch.randn(32, 64, generator=g)
+    state = {"embed.weight": embed, "head.weight": embed, "proj.weight": torch.randn(64, 32, generator=g).t(),
+             "norm.weight": torch.randn(64, generator=g).to(torch.bfloat16), "steps": torch.arange(5)}
+    torch.save({"model": state, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}, "epoch": 3},
+               folder / "ckpt.pt")
+    return folder / "ckpt.pt", state
+
+
+def test_a_training_checkpoint_becomes_safetensors_without_torch(training_checkpoint, tmp_path):
+    """No unpickler runs and torch is not importable: the tensors equal torch.load's, bit for bit."""
+    from safetensors.torch import load_file
+
+    path, state = training_checkpoint
+    result = _modelkit(["convert", str(path), "out.safetensors", "--key", "model"], tmp_path, torch_free=True)
+    assert result.returncode == 0, result.stderr
+    got = load_file(str(tmp_path / "out.safetensors"))
+    loaded = torch.load(path, weights_only=True)["model"]
+    assert got.keys() <= loaded.keys() == state.keys()
+    for name, tensor in loaded.items():
+        back = got[name] if name in got else got["embed.weight"]         # a tie is stored once
+        assert back.dtype == tensor.dtype and back.shape == tensor.shape
+        assert torch.equal(back.contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
+    result = _modelkit(["inspect", str(path), "--key", "model", "--json"], tmp_path, torch_free=True)
+    assert result.returncode == 0, result.stderr
+    assert {t["name"] for t in json.loads(result.stdout)["tensors"]} == set(state)
