@@ -45,7 +45,7 @@ def json_object(path: Path | str, key: str, raw: str, *, what: str, limit: int |
         raise FormatError(path, f"the {key} entry is {len(raw)} bytes; refusing anything over {limit}")
     try:
         value = json.loads(raw)
-    except (json.JSONDecodeError, TypeError) as e:
+    except (json.JSONDecodeError, TypeError, RecursionError) as e:     # RecursionError: nested too deep
         raise FormatError(path, f"the {key} entry is not valid JSON ({e})") from e
     if not isinstance(value, dict):
         raise FormatError(path, f"the {key} entry must {what}")
