@@ -32,6 +32,8 @@ TORCHSCRIPT_EXPORT_KEY = "modelkit.torchscript.export"   # TorchScript, on readi
 PTH_SOURCE_KEY = "modelkit.pth.source"        # pt/pth, on reading: which entry or object the state_dict came from
 PTH_METADATA_ENTRY = "__modelkit__"           # pt/pth: the state_dict._metadata entry holding our metadata
 PTH_LAYOUT = "modelkit.pth/1"                 # pt/pth: that entry's layout version
+NPZ_MEMBER = "modelkit.json"                  # npz: the member holding metadata, ArchSpec and true dtypes
+NPZ_LAYOUT = "modelkit.npz/1"                 # npz: that member's layout version
 
 
 def json_object(path: Path | str, key: str, raw: str, *, what: str, limit: int | None = None) -> dict[str, Any]:
