@@ -37,6 +37,7 @@ class FormatInfo:
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
     FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf"),
     FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5"),
+    FormatInfo("npz",         (".npz",),                         "modelkit.converters.npz"),
     FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True,
                companions=(".data",)),
     FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", extra="torch", runs_pickle=True),

@@ -32,6 +32,8 @@ TORCHSCRIPT_EXPORT_KEY = "modelkit.torchscript.export"   # TorchScript, on readi
 PTH_SOURCE_KEY = "modelkit.pth.source"        # pt/pth, on reading: which entry or object the state_dict came from
 PTH_METADATA_ENTRY = "__modelkit__"           # pt/pth: the state_dict._metadata entry holding our metadata
 PTH_LAYOUT = "modelkit.pth/1"                 # pt/pth: that entry's layout version
+NPZ_MEMBER = "modelkit.json"                  # npz: the member holding metadata, ArchSpec and true dtypes
+NPZ_LAYOUT = "modelkit.npz/1"                 # npz: that member's layout version
 
 
 def json_object(path: Path | str, key: str, raw: str, *, what: str, limit: int | None = None) -> dict[str, Any]:
@@ -45,7 +47,7 @@ def json_object(path: Path | str, key: str, raw: str, *, what: str, limit: int |
         raise FormatError(path, f"the {key} entry is {len(raw)} bytes; refusing anything over {limit}")
     try:
         value = json.loads(raw)
-    except (json.JSONDecodeError, TypeError) as e:
+    except (json.JSONDecodeError, TypeError, RecursionError) as e:     # RecursionError: nested too deep
         raise FormatError(path, f"the {key} entry is not valid JSON ({e})") from e
     if not isinstance(value, dict):
         raise FormatError(path, f"the {key} entry must {what}")

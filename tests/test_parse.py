@@ -241,7 +241,8 @@ def test_npy_header():
     data = npy.MAGIC + b"\x01\x00" + struct.pack("<H", len(text)) + text + bytes(48)
     header = npy.read_header(data)
     assert (header.descr, header.shape, header.numel, header.itemsize, header.has_object) == ("<f8", (2, 3), 6, 8, False)
-    assert header.data_start == 10 + len(text)
+    assert header.data_start == 10 + len(text) and header.fortran_order is False
+    assert npy.read_header(data.replace(b"False", b"True ")).fortran_order is True
     assert npy.has_object([("a", "<f4"), ("b", "|O")]) and npy.itemsize("<U5") == 20 and npy.itemsize([("a", "<f4")]) is None
 
 
@@ -254,6 +255,9 @@ def test_npy_header():
     (npy.MAGIC + b"\x01\x00" + struct.pack("<H", 2) + b"{}", "header is not a valid dict literal ('descr')", 10),
     (npy.MAGIC + b"\x01\x00" + struct.pack("<H", 32) + b"{'descr': '<f4', 'shape': (-1,)}",
      "header is not a valid dict literal (bad dimension -1)", 10),
+    (b"\x93NUMPX\x01\x00" + struct.pack("<H", 2) + b"{}", "not a .npy array (no \\x93NUMPY magic)", 0),
+    (npy.MAGIC + b"\x01\x00" + struct.pack("<H", 49) + b"{'descr': '<f4', 'fortran_order': 1, 'shape': ()}",
+     "header is not a valid dict literal (fortran_order is 1, not True or False)", 10),
 ])
 def test_npy_header_bounds(data, message, offset):
     with pytest.raises(ParseError) as info:

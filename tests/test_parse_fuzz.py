@@ -27,7 +27,7 @@ from modelkit.checkpoint import Checkpoint
 from modelkit.errors import FormatError, ModelkitError, ParseError
 from modelkit.formats import FORMATS, load_format
 from modelkit.models import build
-from modelkit.parse import gguf, hdf5, keras, npy, onnx, paths, safetensors, sniff, torch_format, zipdir
+from modelkit.parse import gguf, hdf5, keras, npy, npz, onnx, paths, safetensors, sniff, torch_format, zipdir
 from modelkit.parse import pickle as pickle_parse
 from modelkit.parse.protobuf import fields, int64s, text
 from modelkit.scan import Limits, Severity, scan
@@ -80,9 +80,21 @@ _SAFETENSORS = payloads.safetensors_bytes({"w": {"dtype": "F32", "shape": [2], "
 _ONNX = payloads.onnx_external_model("w.bin")
 _NPY = b"\x93NUMPY\x01\x00v\x00{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }" + b" " * 50 + b"\n" + bytes(16)
 _CORPUS = payloads.hostile_corpus()
+
+
+def _npz_seed(compressed: bool) -> bytes:
+    """What numpy writes: C and Fortran order, big-endian, 0-d; stored or deflated."""
+    out = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(
+        out, w=np.arange(6, dtype=np.float32).reshape(2, 3), f=np.asfortranarray(np.ones((2, 2))),
+        b=np.arange(3, dtype=">i4"), s=np.float16(1.5))
+    return out.getvalue()
+
+
+_NPZ = [_npz_seed(False), _npz_seed(True)]
 _HDF5 = hdf5.SIGNATURE + bytes([0, 0, 0, 0, 0, 8, 8, 0]) + bytes(80)     # superblock v0, 8-byte offsets
 SEEDS = [*_PICKLES, _ZIP, _SAFETENSORS, _ONNX, _gguf_seed(), _NPY, _HDF5,
-         payloads.torchscript_zip("def f(x):\n  return x\n")]
+         payloads.torchscript_zip("def f(x):\n  return x\n"), *_NPZ]
 
 
 def _torch_save_seed(legacy: bool) -> bytes:
@@ -121,6 +133,13 @@ def _zip_members(data: bytes) -> None:
             pass
 
 
+def _zip_member_bytes(data: bytes) -> None:
+    for entry in zipdir.read_directory(data):
+        zipdir.read_start(data, entry, 64)
+        if entry.file_size <= 1 << 20:
+            zipdir.read_into(data, entry, bytearray(entry.file_size))
+
+
 def _safetensors_header(data: bytes) -> None:
     header = safetensors.read_header(data)
     for info in header.entries.values():
@@ -143,6 +162,8 @@ PARSERS = {
     "keras.load_json": (keras.load_json, [payloads.keras_lambda_config(), b'{"chat_template": "x"}']),
     "keras.configs_in": (lambda b: list(keras.configs_in(b)), [b"\x00" + payloads.keras_lambda_config() + b"\x00"]),
     "npy.read_header": (npy.read_header, [_NPY, _CORPUS["npy-header.npy"]]),
+    "npz.read_members": (npz.read_members, _NPZ),
+    "zipdir.read_into": (_zip_member_bytes, _NPZ),
     "pickle.walk": (_pickle_stream, _PICKLES + [payloads.system_pickle(protocol=p) for p in (0, 2, 4)]),
     "torch_format.parse": (_torch_file, _TORCH_SAVES),
 }
@@ -261,12 +282,13 @@ def samples(tmp_path_factory) -> dict[str, bytes]:
     torch.save(build("mlp", {"hidden": [3]}, seed=0).state_dict(), legacy, _use_new_zipfile_serialization=False)
     out["pth-legacy"] = legacy.read_bytes()
     out["hdf5-plain"] = _plain_h5(folder / "plain.h5").read_bytes()
+    out["npz-numpy"] = _NPZ[1]
     return out
 
 
-_VARIANTS = sorted([*FORMATS, "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain"])
+_VARIANTS = sorted([*FORMATS, "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain", "npz-numpy"])
 _PREFIXES = {"safetensors": struct.pack("<Q", 40), "gguf": b"GGUF\x03\x00\x00\x00", "onnx": b"\x08\x0a\x3a",
-             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE}
+             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE, "npz": b"PK\x03\x04"}
 
 
 @pytest.mark.parametrize("variant", _VARIANTS)

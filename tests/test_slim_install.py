@@ -66,6 +66,7 @@ def test_the_slim_install_has_no_torch(slim_python):
 COMMANDS = {
     "to-gguf": (["convert", "{w}", "out.gguf"], ["out.gguf"]),
     "to-hdf5": (["convert", "{w}", "out.h5"], ["out.h5"]),
+    "to-npz": (["convert", "{w}", "out.npz"], ["out.npz"]),
     "sharded": (["convert", "{w}", "shards", "--shard-size", "10KB"], ["shards"]),
     "bf16": (["convert", "{w}", "half.safetensors", "--dtype", "bf16"], ["half.safetensors"]),
     "q4_0": (["quantize", "{w}", "q.gguf", "--scheme", "q4_0"], ["q.gguf"]),

@@ -23,7 +23,8 @@ TORCH_FREE_MODULES = (
     "modelkit", "modelkit.parse.detect", "modelkit.storage.dtypes", "modelkit.storage.tensors",
     "modelkit.checkpoint", "modelkit.formats", "modelkit.api", "modelkit.pipeline.convert",
     "modelkit.pipeline.write", "modelkit.pipeline.verify", "modelkit.converters.safetensors",
-    "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.scan", "modelkit.cli.app",
+    "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.npz", "modelkit.parse.npz",
+    "modelkit.scan", "modelkit.cli.app",
 )
 
 
@@ -63,6 +64,8 @@ def test_torch_free_layers_import_no_torch(module):
 CONVERSIONS = [
     ("out.gguf", []),
     ("out.h5", []),
+    ("out.npz", []),
+    ("out-bf16.npz", ["--dtype", "bf16"]),
     ("out-bf16.safetensors", ["--dtype", "bf16"]),
     ("out-f16.gguf", ["--dtype", "f16"]),
     ("shards", ["--shard-size", "4KB"]),
@@ -87,7 +90,8 @@ def test_convert_without_torch_writes_the_same_bytes(weights, tmp_path, name, op
 
 
 def test_round_trip_without_torch_keeps_every_tensor(weights, tmp_path):
-    for src, dst in ((weights, "a.gguf"), ("a.gguf", "b.h5"), ("b.h5", "c.safetensors"), ("c.safetensors", "d")):
+    for src, dst in ((weights, "a.gguf"), ("a.gguf", "b.h5"), ("b.h5", "a.npz"), ("a.npz", "c.safetensors"),
+                     ("c.safetensors", "d")):
         result = _modelkit(["convert", str(src), dst, *(["--shard-size", "4KB"] if dst == "d" else [])],
                            tmp_path, torch_free=True)
         assert result.returncode == 0, result.stderr
@@ -105,11 +109,36 @@ def test_round_trip_without_torch_keeps_every_tensor(weights, tmp_path):
                            if tensor.dim() else tensor), name
 
 
-@pytest.mark.parametrize("source", ["w.safetensors", "w.gguf"])
+def test_npz_without_torch_is_what_np_load_and_safetensors_read(weights, tmp_path):
+    """safetensors -> npz -> safetensors with torch unimportable: np.load reads the npz (bfloat16 as its
+    uint16 bits), and the safetensors file that comes back holds the original tensors bit for bit."""
+    for src, dst in ((weights, "w.npz"), ("w.npz", "back.safetensors")):
+        result = _modelkit(["convert", str(src), dst], tmp_path, torch_free=True)
+        assert result.returncode == 0, result.stderr
+        assert "verified: weights bit-exact" in result.stdout
+    expected = {name: tensor.numpy() for name, tensor in _torch_bits(weights).items()}
+    with np.load(tmp_path / "w.npz") as arrays:
+        assert [f for f in arrays.files if f != "modelkit.json"] == sorted(expected)
+        for name, array in expected.items():
+            assert arrays[name].dtype == array.dtype and arrays[name].tobytes() == array.tobytes(), name
+    back = {name: tensor.numpy() for name, tensor in _torch_bits(tmp_path / "back.safetensors").items()}
+    assert sorted(back) == sorted(expected)
+    for name, array in expected.items():
+        assert back[name].dtype == array.dtype and back[name].tobytes() == array.tobytes(), name
+
+
+def _torch_bits(path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors, with bfloat16 as its uint16 bits (what numpy holds)."""
+    from safetensors.torch import load_file
+
+    return {name: t.view(torch.uint16) if t.dtype == torch.bfloat16 else t for name, t in load_file(str(path)).items()}
+
+
+@pytest.mark.parametrize("source", ["w.safetensors", "w.gguf", "w.npz"])
 def test_inspect_without_torch_matches_inspect_with_torch(weights, tmp_path, source):
-    if source == "w.gguf":
-        assert _modelkit(["convert", str(weights), "w.gguf"], tmp_path, torch_free=False).returncode == 0
-        path = tmp_path / "w.gguf"
+    if source != "w.safetensors":
+        assert _modelkit(["convert", str(weights), source], tmp_path, torch_free=False).returncode == 0
+        path = tmp_path / source
     else:
         path = weights
     docs = []

@@ -192,7 +192,7 @@ class ArchSpec:
         """Parse a spec stored in a file; refuse anything but a registered model name."""
         try:
             raw = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
+        except (json.JSONDecodeError, TypeError, RecursionError) as e:     # RecursionError: nested too deep
             raise FormatError(source, f"the {ARCH_KEY} entry is not valid JSON ({e})") from e
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(raw.get("config", {}), dict):
             raise FormatError(source, f'the {ARCH_KEY} entry must look like {{"name": ..., "config": {{...}}}}')

@@ -12,6 +12,7 @@ from pathlib import Path
 from modelkit.errors import ParseError
 from modelkit.parse import gguf as gguf_header
 from modelkit.parse import hdf5 as hdf5_header
+from modelkit.parse import npz as npz_members
 from modelkit.parse import safetensors as safetensors_header
 from modelkit.parse import zipdir
 from modelkit.parse.onnx import is_model
@@ -105,5 +106,15 @@ def torchscript(path: Path) -> bool:
     try:
         return (path.is_file() and _head(path, 4) == ZIP_MAGIC
                 and torchscript_prefix(zipdir.member_names(path)) is not None)   # the central directory only
+    except (OSError, ParseError):
+        return False
+
+
+def npz(path: Path) -> bool:
+    """A zip (numpy.savez / savez_compressed) whose members are all `<name>.npy`, plus optionally modelkit's
+    `modelkit.json`: the central directory only. torch, TorchScript and Keras zips hold other members."""
+    try:
+        return (path.is_file() and _head(path, 4) == ZIP_MAGIC
+                and npz_members.is_npz(zipdir.member_names(path)))
     except (OSError, ParseError):
         return False

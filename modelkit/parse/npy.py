@@ -24,14 +24,17 @@ _DESCR = re.compile(r"[<>|=]?([a-zA-Z?])(\d*)(\[\w+\])?")
 
 class Header:
     """A checked header: dtype descr, shape, element count, where the data starts, bytes per element
-    (None when the descr is structured or unknown) and whether the data is a pickle (object dtype)."""
+    (None when the descr is structured or unknown), whether the data is a pickle (object dtype) and
+    whether the elements are stored in Fortran (column-major) order."""
 
-    __slots__ = ("descr", "shape", "numel", "data_start", "itemsize", "has_object")
+    __slots__ = ("descr", "shape", "numel", "data_start", "itemsize", "has_object", "fortran_order")
 
-    def __init__(self, descr: Any, shape: tuple[int, ...], numel: int, data_start: int) -> None:
+    def __init__(self, descr: Any, shape: tuple[int, ...], numel: int, data_start: int,
+                 fortran_order: bool = False) -> None:
         self.descr, self.shape, self.numel, self.data_start = descr, shape, numel, data_start
         self.itemsize = itemsize(descr)
         self.has_object = has_object(descr)
+        self.fortran_order = fortran_order
 
 
 def itemsize(descr: Any) -> int | None:
@@ -61,12 +64,15 @@ def read_header(buf, start: int = 0, end: int | None = None) -> Header:
     """The header of the .npy data at buf[start:end].
 
     Raises:
-        ParseError: truncated, an unknown version, a length that does not fit, or not a dict literal
-            with a descr and a shape of non-negative integers.
+        ParseError: truncated, no magic, an unknown version, a length that does not fit, or not a
+            dict literal with a descr, a shape of non-negative integers and (if present) a boolean
+            fortran_order.
     """
     end = len(buf) if end is None else end
     if end - start < 10:
         raise ParseError("truncated .npy header", offset=0)
+    if bytes(buf[start:start + len(MAGIC)]) != MAGIC:
+        raise ParseError("not a .npy array (no \\x93NUMPY magic)", offset=0)
     major = buf[start + 6]
     if major == 1:
         length, text_start = struct.unpack_from("<H", buf, start + 8)[0], start + 10
@@ -83,6 +89,9 @@ def read_header(buf, start: int = 0, end: int | None = None) -> Header:
     try:
         header = ast.literal_eval(bytes(buf[text_start:text_start + length]).decode("latin-1"))
         descr, shape = header["descr"], tuple(header["shape"])
+        fortran_order = header.get("fortran_order", False)
+        if not isinstance(fortran_order, bool):
+            raise ValueError(f"fortran_order is {fortran_order!r}, not True or False")
         numel = 1
         for dim in shape:
             if not isinstance(dim, int) or dim < 0:
@@ -90,4 +99,4 @@ def read_header(buf, start: int = 0, end: int | None = None) -> Header:
             numel *= dim
     except (ValueError, SyntaxError, TypeError, KeyError, MemoryError, RecursionError) as e:
         raise ParseError(f"header is not a valid dict literal ({e})", offset=text_start - start) from None
-    return Header(descr, shape, numel, text_start + length)
+    return Header(descr, shape, numel, text_start + length, fortran_order)

@@ -150,6 +150,119 @@ def member_data(buf, entry: ZipEntry, end: int | None = None) -> int:
     return data
 
 
+_IN_CHUNK = 1 << 20          # compressed bytes handed to zlib at a time
+_OUT_CHUNK = 16 << 20        # decompressed bytes asked of zlib at a time (the most held beyond `out`)
+MAX_DEFLATE_RATIO = 1032     # deflate's largest possible expansion (258-byte matches in 2-bit codes), rounded up
+
+
+def _readable(entry: ZipEntry) -> None:
+    if entry.flag_bits & 0x1:
+        raise ZipDirectoryError(f"{entry.filename} is encrypted")
+    if entry.compress_type not in (STORED, DEFLATED):
+        raise ZipDirectoryError(f"{entry.filename} uses compression method {entry.compress_type}; only stored and "
+                                "deflated members are read")
+    if entry.compress_type == STORED and entry.compress_size != entry.file_size:
+        raise ZipDirectoryError(f"{entry.filename} is stored uncompressed but the directory gives it two sizes "
+                                f"({entry.compress_size} and {entry.file_size})")
+    if entry.compress_type == DEFLATED and entry.file_size > MAX_DEFLATE_RATIO * entry.compress_size + 1024:
+        raise ZipDirectoryError(f"{entry.filename} claims to expand {entry.compress_size} compressed bytes to "
+                                f"{entry.file_size}, more than deflate can (a decompression bomb or a lying directory)")
+
+
+def _inflate(buf, entry: ZipEntry, start: int, size: int, sink) -> int:
+    """Decompress the first `size` bytes of a deflated member, handing each piece to `sink`; returns how
+    many bytes came out. Never more than `entry.file_size` in all: one byte past it is an error, so a
+    member that expands beyond its declared size is found without decompressing the rest."""
+    import zlib
+
+    limit = size + 1 if size >= entry.file_size else size      # the byte after the member's size tells
+    d = zlib.decompressobj(-15)
+    done = 0
+
+    def take(piece: bytes) -> None:
+        nonlocal done
+        if done + len(piece) > entry.file_size:
+            raise ZipDirectoryError(f"{entry.filename} expands past its declared size {entry.file_size} "
+                                    "(a decompression bomb or a lying directory)")
+        sink(piece)
+        done += len(piece)
+
+    try:
+        with memoryview(buf) as whole:
+            for at in range(start, start + entry.compress_size, _IN_CHUNK):
+                with whole[at:min(at + _IN_CHUNK, start + entry.compress_size)] as chunk:
+                    pending: bytes | memoryview = chunk
+                    while pending and done < limit and not d.eof:
+                        take(d.decompress(pending, min(_OUT_CHUNK, limit - done)))
+                        pending = d.unconsumed_tail
+                if done >= limit or d.eof:
+                    return done
+        while not d.eof and done < limit:        # output zlib held back when a piece filled up
+            piece = d.decompress(b"", min(_OUT_CHUNK, limit - done))
+            if not piece:
+                break
+            take(piece)
+    except zlib.error as e:
+        raise ZipDirectoryError(f"{entry.filename} has corrupt deflate data ({e})") from None
+    return done
+
+
+def read_start(buf, entry: ZipEntry, size: int) -> bytes:
+    """The first `size` bytes of a stored or deflated member (fewer if the member is shorter), without
+    decompressing the rest: how a header at the start of a member is read. Not checked against the CRC-32.
+
+    Raises:
+        ZipDirectoryError: encrypted, an unsupported method, a local header that disagrees, corrupt data.
+    """
+    _readable(entry)
+    start = member_data(buf, entry)
+    size = min(size, entry.file_size)
+    if entry.compress_type == STORED:
+        return bytes(buf[start:start + size])
+    pieces: list[bytes] = []
+    _inflate(buf, entry, start, size, pieces.append)
+    return b"".join(pieces)
+
+
+def read_into(buf, entry: ZipEntry, out) -> None:
+    """Read a whole stored or deflated member into `out`, a writable buffer of exactly its size, and check
+    its CRC-32. A deflated member is decompressed a piece at a time straight into `out`, so nothing
+    beyond `out` and one piece is held, and never more than the directory's size is produced.
+
+    Raises:
+        ZipDirectoryError: as read_start, plus data that expands past or ends before the size the
+            directory gives, or a CRC-32 that does not match.
+        ValueError: `out` is not the member's size.
+    """
+    import zlib
+
+    _readable(entry)
+    start = member_data(buf, entry)
+    crc = 0
+    with memoryview(out) as raw, raw.cast("B") as view:
+        if len(view) != entry.file_size:
+            raise ValueError(f"a buffer of {len(view)} bytes for a member of {entry.file_size}")
+        if entry.compress_type == STORED:
+            with memoryview(buf) as whole, whole[start:start + entry.file_size] as data:
+                view[:] = data
+            done, crc = entry.file_size, zlib.crc32(view)
+        else:
+            pos = 0
+
+            def sink(piece: bytes) -> None:
+                nonlocal crc, pos
+                view[pos:pos + len(piece)] = piece
+                crc = zlib.crc32(piece, crc)
+                pos += len(piece)
+
+            done = _inflate(buf, entry, start, entry.file_size, sink)
+    if done != entry.file_size:
+        raise ZipDirectoryError(f"{entry.filename} ends after {done} of the {entry.file_size} bytes the directory "
+                                "gives it (truncated or corrupt)")
+    if crc != entry.CRC:
+        raise ZipDirectoryError(f"{entry.filename} does not match its CRC-32 in the directory (the file is corrupt)")
+
+
 def _zip64_sizes(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
     """Sizes and offset from the zip64 extra field, for those the entry marks 0xFFFFFFFF (APPNOTE 4.5.3)."""
     pos = 0
