@@ -23,7 +23,8 @@ TORCH_FREE_MODULES = (
     "modelkit", "modelkit.parse.detect", "modelkit.storage.dtypes", "modelkit.storage.tensors",
     "modelkit.checkpoint", "modelkit.formats", "modelkit.api", "modelkit.pipeline.convert",
     "modelkit.pipeline.write", "modelkit.pipeline.verify", "modelkit.converters.safetensors",
-    "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.scan", "modelkit.cli.app",
+    "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.torchscript", "modelkit.scan",
+    "modelkit.cli.app",
 )
 
 
