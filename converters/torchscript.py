@@ -16,34 +16,35 @@ Layout: a zip archive whose members sit under one folder `<archive>/`:
 extra/modelkit.json: {"format": "modelkit.torchscript/1", "export": "script" | "trace",
     "arch": ArchSpec JSON or null, "metadata": {str: str}, "state_dict": [names in order]}
 
-Reading weights runs no TorchScript: data.pkl goes through a restricted unpickler that knows
-only tensor rebuilding and stands an inert placeholder in for every `__torch__` class, and each
-tensor's bytes are read from its zip member when it is loaded. `runnable` is the one place that
-calls torch.jit.load, which compiles and runs the archive's code, so it needs trust.
+Reading weights runs no TorchScript and needs no torch: modelkit.parse.torch_format reads data.pkl
+symbolically (never unpickled; each `__torch__` object a ScriptObject of its class name and attribute
+dict), checks every storage and view against its zip record, and gives each tensor's bytes as a view of
+the mapped file when it is loaded. `runnable` is the one place that calls torch.jit.load, which compiles
+and runs the archive's code, so it needs trust; it and `write` import torch when called.
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
-import pickle
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from modelkit.checkpoint import ALIASES_KEY, ArchSpec, Checkpoint, LazyTensor
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import TORCHSCRIPT_EXPORT_KEY, TORCHSCRIPT_EXTRA
-from modelkit.parse import zipdir
+from modelkit.parse import torch_format, zipdir
 from modelkit.parse.detect import torchscript as detect  # noqa: F401  (the converter's detect)
 from modelkit.parse.detect import torchscript_prefix
-from modelkit.storage.dtypes import DTYPES, LEGACY_STORAGE_DTYPES, DType, as_dtype
+from modelkit.parse.torch_format import ScriptObject, TensorRecord
+from modelkit.storage.dtypes import DTYPES
+from modelkit.storage.mapped import FileSpan
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,6 @@ _MAX_VISITS = 1_000_000                        # module paths walked (shared sub
 # asked for this format and docs/formats/torchscript.md records the deprecation, so modelkit does
 # not repeat it on every call. Other warnings (Python 3.14 "may break") pass through.
 _DEPRECATED = r"`torch\.jit\.\w+` is deprecated"
-# Storage classes data.pkl may name -> element dtype (torch.storage._dtype_to_storage_type_map).
-
-
 
 
 
@@ -69,8 +67,8 @@ def _gate(path: Path, *, running_code: bool, trust: bool) -> str:
 
     Dangerous content (pickles that call the OS, code in code/ that reaches it) is refused with
     UnsafeFileError(path, report) even with trust. Every archive holds code, which needs trust
-    only when it will run (`runnable`): reading the weights goes through the restricted
-    unpickler below and runs nothing.
+    only when it will run (`runnable`): reading the weights goes through modelkit.parse.torch_format
+    and runs nothing.
     """
     from modelkit.scan import gate
 
@@ -80,101 +78,24 @@ def _gate(path: Path, *, running_code: bool, trust: bool) -> str:
 
 # ---- reading weights without running anything -------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class _Storage:
-    key: str
-    dtype: DType
-    numel: int                    # elements of `dtype`
+# Globals data.pkl may name beyond `__torch__.*` classes, storage classes and dtypes: what a module's
+# weights are rebuilt with. Anything else (quantized tensors, custom classes, a call of the OS) is refused.
+_ACCEPTED = frozenset({
+    "torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
+    "torch._utils._rebuild_parameter", "collections.OrderedDict", "torch.jit._pickle.restore_type_tag",
+    *(f"torch.jit._pickle.build_{kind}list" for kind in ("int", "float", "bool", "tensor", "double")),
+})
 
 
-@dataclass(frozen=True, slots=True)
-class _TensorRef:
-    storage: _Storage
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: DType
-
-
-class _ScriptObject:
-    """An inert stand-in for a `__torch__.*` object: keeps the state it is given, runs nothing."""
-
-    qualname = "__torch__.<object>"
-
-    def __init__(self, *args: Any) -> None:
-        self.state: Any = args or None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-@dataclass(frozen=True, slots=True)
-class _StorageType:
-    dtype: DType
-
-
-def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> _TensorRef:
-    return _TensorRef(storage, offset, size, stride, getattr(storage, "dtype", None))
-
-
-def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
-                *_: Any) -> _TensorRef:
-    return _TensorRef(storage, offset, size, stride, dtype)
-
-
-def _same(value: Any, *_: Any) -> Any:
-    return value
-
-
-# The only callables data.pkl can reach; each builds a reference or returns its argument.
-_ALLOWED: dict[tuple[str, str], Callable[..., Any]] = {
-    ("torch._utils", "_rebuild_tensor"): _rebuild_v2,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
-    ("torch._utils", "_rebuild_parameter"): _same,
-    ("collections", "OrderedDict"): OrderedDict,
-    ("torch.jit._pickle", "restore_type_tag"): _same,
-    **{("torch.jit._pickle", f"build_{kind}list"): _same for kind in ("int", "float", "bool", "tensor", "double")},
-}
-
-
-class _Refused(Exception):
-    """data.pkl names a global the weights reader does not accept."""
-
-
-class _WeightsUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its memo is a dict, not an array
-    """Rebuilds data.pkl as placeholders and tensor references; find_class is the only way to a callable."""
-
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
-        self._classes: dict[str, type[_ScriptObject]] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "__torch__" or module.startswith("__torch__."):
-            qualname = f"{module}.{name}"
-            if qualname not in self._classes:
-                self._classes[qualname] = type("ScriptObject", (_ScriptObject,), {"qualname": qualname})
-            return self._classes[qualname]
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[module, name]
-        if module == "torch" and name in LEGACY_STORAGE_DTYPES:
-            return _StorageType(LEGACY_STORAGE_DTYPES[name])
-        if (module, name) == ("torch.storage", "UntypedStorage"):
-            return _StorageType(DTYPES["uint8"])
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype) and name in DTYPES:
-            return as_dtype(getattr(torch, name))
-        raise _Refused(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> _Storage:
-        ok = (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
-              and isinstance(pid[2], str) and isinstance(pid[4], int) and pid[4] >= 0)
-        if not ok:
-            raise pickle.UnpicklingError(f"unexpected persistent id {str(pid)[:100]}")
-        return _Storage(pid[2], pid[1].dtype, pid[4])
+def _accepted(name: str) -> bool:
+    module, _, attr = name.rpartition(".")
+    return (name in _ACCEPTED or module == "__torch__" or module.startswith("__torch__.")
+            or (module in ("torch", "torch.storage") and attr in torch_format.STORAGE_DTYPES)
+            or (module == "torch" and attr in DTYPES))
 
 
 class _Archive:
-    """The archive's directory (modelkit.parse.zipdir, as the scanner reads it); members are read on demand."""
+    """The archive's directory (modelkit.parse.zipdir, as the scanner reads it), for its small members."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -199,14 +120,6 @@ class _Archive:
     def has(self, member: str) -> bool:
         return f"{self.prefix}/{member}" in self.zip.entries
 
-    def record_size(self, key: str) -> int | None:
-        entry = self.zip.entries.get(f"{self.prefix}/data/{key}")
-        if entry is None:
-            return None
-        if entry.compress_type != zipdir.STORED:
-            raise FormatError(self.path, f"tensor data data/{key} is compressed; torch.jit.save never does that")
-        return entry.file_size
-
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     """The archive's weights and modelkit's metadata, without running its code (no trust needed)."""
@@ -218,104 +131,112 @@ def _read(archive: _Archive) -> Checkpoint:
     path = archive.path
     if archive.has("byteorder") and archive.read("byteorder", limit=16).strip() not in (b"", b"little"):
         raise FormatError(path, "the archive was written on a big-endian machine; modelkit reads little-endian only")
-    root = _unpickle(archive)
+    parsed = _parse(path)
     info = _modelkit_info(archive)
-    refs = _tensor_refs(path, root)
+    records = _tensor_records(path, parsed.value)
     names = info.get("state_dict")
     if names is None:                               # not written by modelkit: every tensor attribute
-        names = list(refs)
-    missing = [n for n in names if n not in refs]
+        names = list(records)
+    missing = [n for n in names if n not in records]
     if missing:
         raise FormatError(path, f"tensor {missing[0]!r} listed in extra/{EXTRA_NAME} is not in data.pkl")
-    tensors = {name: _lazy(archive, name, refs[name]) for name in names}
+    tensors = {name: _lazy(path, parsed, name, records[name]) for name in names}
     metadata = dict(info.get("metadata", {}))
     if "export" in info:
         metadata[EXPORT_KEY] = info["export"]
-    ties = _ties({n: refs[n] for n in names})
+    ties = _ties({n: records[n] for n in names})
     if ties and ALIASES_KEY not in metadata:
         metadata[ALIASES_KEY] = json.dumps(ties, sort_keys=True)
     arch = ArchSpec.from_json(info["arch"], source=path) if info.get("arch") is not None else None
     return Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
 
 
-def _unpickle(archive: _Archive) -> _ScriptObject:
-    data = archive.read("data.pkl", limit=_PICKLE_LIMIT)
+def _parse(path: Path) -> torch_format.TorchFile:
+    """data.pkl's module tree, every storage and view checked against its record (ParseError names the file)."""
     try:
-        root = _WeightsUnpickler(data).load()
-    except _Refused as e:
-        raise FormatError(archive.path, f"data.pkl names {e}, which the weights-only reader does not accept "
-                                        "(quantized or custom-class attributes are not supported)") from e
-    except Exception as e:  # the unpickler raises many types on malformed input; none may escape
-        raise FormatError(archive.path, f"data.pkl is malformed ({type(e).__name__}: {_first_line(e)})") from e
-    if not isinstance(root, _ScriptObject) or not isinstance(root.state, dict):
-        raise FormatError(archive.path, "data.pkl does not hold a module")
-    return root
+        parsed = torch_format.read_script(path)
+    except OSError as e:
+        raise FormatError(path, f"cannot read the file ({e})") from e
+    refused = [name for name in parsed.globals if not _accepted(name)]
+    if refused:
+        raise FormatError(path, f"data.pkl names {refused[0]}, which the weights-only reader does not accept "
+                                "(quantized or custom-class attributes are not supported)")
+    if not isinstance(parsed.value, ScriptObject) or not isinstance(parsed.value.state, dict):
+        raise FormatError(path, "data.pkl does not hold a module (a __torch__ object with an attribute dict)")
+    return parsed
 
 
-def _tensor_refs(path: Path, root: _ScriptObject) -> dict[str, _TensorRef]:
+def _tensor_records(path: Path, root: ScriptObject) -> dict[str, TensorRecord]:
     """Dotted attribute path -> tensor, through the module tree (the state_dict's names)."""
-    refs: dict[str, _TensorRef] = {}
+    records: dict[str, TensorRecord] = {}
     # (object, name prefix, ancestors): shared submodules appear under each name, as in state_dict
-    todo: list[tuple[_ScriptObject, str, frozenset[int]]] = [(root, "", frozenset())]
+    todo: list[tuple[ScriptObject, str, frozenset[int]]] = [(root, "", frozenset())]
     visits = 0
+    opaque: set[int] = set()                        # objects without an attribute dict, looked into once
     while todo:
         obj, prefix, ancestors = todo.pop()
         visits += 1
         if len(ancestors) > _MAX_DEPTH or visits > _MAX_VISITS:   # a crafted tree of shared modules could
             raise FormatError(path, f"the module tree is deeper than {_MAX_DEPTH} levels or has more than "
                                     f"{_MAX_VISITS} module paths")   # multiply paths exponentially
-        state = obj.state if isinstance(obj.state, dict) else {}
+        if not isinstance(obj.state, dict):
+            if id(obj) not in opaque and _holds_tensor(obj.state):
+                raise FormatError(path, f"module {prefix[:-1]!r} ({obj.qualname}) keeps its tensors in a "
+                                        f"{type(obj.state).__name__} state of its own __getstate__, not in "
+                                        "attributes; the weights-only reader reads attributes only")
+            opaque.add(id(obj))
+            continue
         children = []
-        for key, value in state.items():
+        for key, value in obj.state.items():
             if not isinstance(key, str):
                 continue
-            if isinstance(value, _TensorRef):
-                refs[f"{prefix}{key}"] = value
-            elif isinstance(value, _ScriptObject) and id(value) not in ancestors:
+            if isinstance(value, TensorRecord):
+                records[f"{prefix}{key}"] = value
+            elif isinstance(value, ScriptObject) and id(value) not in ancestors:
                 children.append((value, f"{prefix}{key}.", ancestors | {id(obj)}))
         todo.extend(reversed(children))             # depth first, in attribute order
-    return refs
+    return records
 
 
-def _lazy(archive: _Archive, name: str, ref: _TensorRef) -> LazyTensor:
-    """Check a reference against its zip member, then read the bytes only when loaded."""
-    path = archive.path
-    storage = ref.storage
-    ok = (isinstance(storage, _Storage) and isinstance(ref.dtype, DType) and isinstance(ref.offset, int)
-          and isinstance(ref.size, tuple) and isinstance(ref.stride, tuple) and len(ref.size) == len(ref.stride)
-          and all(isinstance(v, int) and v >= 0 for v in (ref.offset, *ref.size, *ref.stride)))
-    if not ok:
-        raise FormatError(path, f"tensor {name!r} has a malformed reference in data.pkl")
-    nbytes = storage.numel * storage.dtype.itemsize
-    if archive.record_size(storage.key) != nbytes:
-        raise FormatError(path, f"tensor {name!r}: storage data/{storage.key} is missing or not {nbytes} bytes")
-    if nbytes % ref.dtype.itemsize:
-        raise FormatError(path, f"tensor {name!r}: {nbytes} storage bytes do not hold whole {ref.dtype} elements")
-    elements = nbytes // ref.dtype.itemsize
-    numel = 1
-    for s in ref.size:
-        numel *= s
-    extent = ref.offset + sum((s - 1) * st for s, st in zip(ref.size, ref.stride, strict=True)) + 1
-    if numel and extent > elements:
-        raise FormatError(path, f"tensor {name!r} reaches element {extent} of a storage of {elements}")
-
-    def load() -> torch.Tensor:
-        data = archive.read(f"data/{storage.key}")
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        return flat.view(ref.dtype.torch).as_strided(ref.size, ref.stride, ref.offset)
-
-    return LazyTensor(ref.dtype, ref.size, load, f"{path}:{name}")
+def _holds_tensor(value: Any) -> bool:
+    """Whether a plain value reaches a tensor; shared values are looked at once."""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, TensorRecord):
+            return True
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple, set)):
+            todo.extend(value)
+        elif isinstance(value, ScriptObject):
+            todo.append(value.state)
+    return False
 
 
-def _ties(refs: dict[str, _TensorRef]) -> dict[str, str]:
+def _lazy(path: Path, parsed: torch_format.TorchFile, name: str, record: TensorRecord) -> LazyTensor:
+    """The tensor's bytes read when loaded (a view of the mapped file), and where they lie in it."""
+    if record.dtype not in DTYPES:
+        raise FormatError(path, f"tensor {name!r} is {record.dtype}, which modelkit does not read "
+                                f"(it reads {', '.join(DTYPES)})")
+    span = parsed.span(record)
+    return LazyTensor(DTYPES[record.dtype], record.size, partial(parsed.array, record), f"{path}:{name}",
+                      FileSpan(path, *span) if span is not None else None)
+
+
+def _ties(records: dict[str, TensorRecord]) -> dict[str, str]:
     """Names that are the very same view of one storage as an earlier name (tied weights)."""
     first: dict[tuple[Any, ...], str] = {}
     ties = {}
-    for name, ref in refs.items():
-        identity = (ref.storage.key, ref.offset, ref.size, ref.stride, ref.dtype)
-        if identity in first and all(ref.size):
-            ties[name] = first[identity]
-        first.setdefault(identity, name)
+    for name, record in records.items():
+        if record.numel:
+            target = first.setdefault(record.identity, name)
+            if target != name:
+                ties[name] = target
     return ties
 
 
@@ -348,6 +269,8 @@ def runnable(path: Path, options: ReadOptions = ReadOptions()) -> Callable[..., 
             "trust its source (its weights read without trust: modelkit.load, or modelkit.load_module to rebuild "
             "the model from its ArchSpec)",
         )
+    import torch
+
     gate = _gate(path, running_code=True, trust=options.trust)
     logger.info("%s: running the archive's code with torch.jit.load because trust was given; scanner gate: %s",
                 path, gate)
@@ -368,6 +291,8 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     The module is `options.module`, else rebuilt from the checkpoint's ArchSpec. torch.jit.save
     needs the whole module in memory and builds the archive in memory before writing it.
     """
+    import torch
+
     from modelkit.checkpoint import instantiate
 
     module = options.module
@@ -391,6 +316,8 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
 
 def _compile(module: torch.nn.Module, options: WriteOptions) -> tuple[torch.jit.ScriptModule, str]:
     """(compiled module, "script" | "trace"): script first; trace when the compiler refuses."""
+    import torch
+
     name = type(module).__name__
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_DEPRECATED, category=DeprecationWarning)

@@ -109,9 +109,36 @@ def _torch_save_seed(legacy: bool) -> bytes:
 _TORCH_SAVES = [_torch_save_seed(legacy=False), _torch_save_seed(legacy=True)]
 
 
+def _torch_script_seed(how: str) -> bytes:
+    """A small torch.jit.save archive: float32 and bf16 parameters, a tie, a strided buffer, a List[int]."""
+    import warnings
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 3), torch.nn.LayerNorm(3).bfloat16())
+    net[1].weight = torch.nn.Parameter(net[0].weight.t())
+    net.register_buffer("mix", torch.arange(6.0).reshape(2, 3).t())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        compiled = torch.jit.script(net) if how == "script" else torch.jit.trace(net[:2], torch.ones(1, 3))
+        buffer = io.BytesIO()
+        torch.jit.save(compiled, buffer)
+    return buffer.getvalue()
+
+
+_TORCH_SCRIPTS = [_torch_script_seed("script"), _torch_script_seed("trace")]
+
+
 def _torch_file(data: bytes) -> None:
     """Parse, then read every tensor small enough to read here (mutations may claim large expanded views)."""
     parsed = torch_format.parse(data, source="fuzz.pt", limits=pickle_parse.Bounds(seconds=5))
+    for record in parsed.tensors:
+        if record.nbytes <= 1 << 26:
+            parsed.array(record)
+            parsed.span(record)
+
+
+def _torch_script(data: bytes) -> None:
+    """Parse a TorchScript archive, then read every tensor small enough to read here."""
+    parsed = torch_format.parse_script(data, source="fuzz.pt", limits=pickle_parse.Bounds(seconds=5))
     for record in parsed.tensors:
         if record.nbytes <= 1 << 26:
             parsed.array(record)
@@ -166,6 +193,7 @@ PARSERS = {
     "zipdir.read_into": (_zip_member_bytes, _NPZ),
     "pickle.walk": (_pickle_stream, _PICKLES + [payloads.system_pickle(protocol=p) for p in (0, 2, 4)]),
     "torch_format.parse": (_torch_file, _TORCH_SAVES),
+    "torch_format.parse_script": (_torch_script, _TORCH_SCRIPTS),
 }
 # predicates: answer True or False for anything
 PREDICATES = {

@@ -269,6 +269,20 @@ def test_crafted_archive_reads_like_torch(tmp_path):
     assert parsed.array(parsed.value["w"]).tolist() == [1.0, 3.0]
 
 
+class _TensorV1(_Tensor):
+    """torch._utils._rebuild_tensor(storage, offset, size, stride): what torch before 1.0 wrote."""
+
+    def __reduce__(self):
+        return torch._utils._rebuild_tensor, self.args[:4]
+
+
+def test_first_rebuild_function_reads_like_torch(tmp_path):
+    path = _crafted(tmp_path, {"w": _TensorV1(_Storage("0", 4), 1, (3,), (1,))}, {"0": _FOUR})
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.tensor([1.0, 2.0, 3.0]))
+    parsed = torch_format.read(path)
+    assert parsed.array(parsed.value["w"]).tolist() == [1.0, 2.0, 3.0]
+
+
 @pytest.mark.parametrize(("tensor", "records", "message"), [
     (_Tensor(_Storage("0", 4), 0, (3,), (2,)), {"0": _FOUR}, r"reaches element 4 of storage '0', which holds 4"),
     (_Tensor(_Storage("0", 4), 3, (2,), (1,)), {"0": _FOUR}, r"at offset 3 reaches element 4 of storage '0'"),
@@ -345,3 +359,54 @@ def test_a_zip_without_storages_is_just_its_value(tmp_path):
     path = tmp_path / "x.pt"
     path.write_bytes(payloads.torch_zip(pickle.dumps({"a": [1, 2.5, "x"]}, protocol=2)))
     assert torch_format.read(path).value == {"a": [1, 2.5, "x"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# TorchScript archives (read_script): the module tree as ScriptObjects, nothing imported or called.
+
+def _script_archive(path: Path) -> Path:
+    import warnings
+
+    class Holder(torch.nn.Module):     # attribute types inferred: List[int], Dict[str, Tensor], List[float]
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 3)
+            self.sizes, self.table, self.scale = [1, 2], {"a": torch.ones(2)}, [1.5]
+
+        def forward(self, x):
+            return self.inner(x) * self.sizes[0] * self.scale[0] + self.table["a"].sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(Holder()), str(path))
+    return path
+
+
+def test_script_archive_is_a_tree_of_script_objects(tmp_path):
+    parsed = torch_format.read_script(_script_archive(tmp_path / "s.pt"))
+    root = parsed.value
+    assert parsed.layout == "torchscript" and isinstance(root, torch_format.ScriptObject)
+    assert root.qualname.startswith("__torch__.") and root.qualname.endswith("Holder")
+    assert root.state["sizes"] == [1, 2] and root.state["scale"] == [1.5] and root.state["training"] is True
+    assert isinstance(root.state["table"]["a"], torch_format.TensorRecord)               # restore_type_tag's value
+    inner = root.state["inner"]
+    assert inner.qualname.startswith("__torch__.torch.nn.modules.linear.") and inner.qualname.endswith(".Linear")
+    assert parsed.array(inner.state["weight"]).shape == (3, 2)
+    assert "torch.jit._pickle.build_intlist" in parsed.globals
+
+
+@pytest.mark.parametrize(("layout", "message"), [("zip", "not a TorchScript archive"), ("legacy", "not a zip archive")])
+def test_read_script_refuses_torch_save_files(tmp_path, layout, message):
+    path = _save({"w": torch.ones(2)}, tmp_path / "x.pt", layout)
+    with pytest.raises(ParseError, match=message) as error:
+        torch_format.read_script(path)
+    assert str(path) in str(error.value)
+
+
+def test_torch_save_reader_sees_script_classes_as_opaque():
+    """Outside read_script a `__torch__` object is Opaque, as any other class."""
+    data = b"\x80\x02c__torch__.m\nM\n)\x81}X\x01\x00\x00\x00aK\x01sb."    # NEWOBJ, BUILD {'a': 1}
+    parsed = torch_format.parse(payloads.torch_zip(data))
+    assert isinstance(parsed.value, torch_format.Opaque) and parsed.value.what == "__torch__.m.M"
+    script = torch_format.parse_script(payloads.torchscript_zip("x = 1\n", data_pkl=data))
+    assert script.value.qualname == "__torch__.m.M" and script.value.state == {"a": 1}

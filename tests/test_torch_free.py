@@ -24,7 +24,7 @@ TORCH_FREE_MODULES = (
     "modelkit.checkpoint", "modelkit.formats", "modelkit.api", "modelkit.pipeline.convert",
     "modelkit.pipeline.write", "modelkit.pipeline.verify", "modelkit.converters.safetensors",
     "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.npz", "modelkit.parse.npz",
-    "modelkit.scan", "modelkit.cli.app",
+    "modelkit.converters.pth", "modelkit.converters.torchscript", "modelkit.scan", "modelkit.cli.app",
 )
 
 

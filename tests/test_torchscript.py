@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 import pickle
+import subprocess
+import sys
+import types
 import warnings
 import zipfile
+from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +23,7 @@ from modelkit.checkpoint import Checkpoint
 from modelkit.errors import ConfigError, FormatError, UnsafeFileError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions, detect_format, load_format
 from modelkit.models import build, load_model_module
+from modelkit.storage.dtypes import to_numpy
 
 ts = load_format("torchscript")     # modelkit.converters.torchscript
 pth = load_format("pth")
@@ -130,13 +137,15 @@ def test_tied_weights_come_back_as_aliases(tmp_path):
     assert json.loads(modelkit.load(path).metadata["modelkit.aliases"]) == {"1.weight": "0.weight"}
 
 
-def _zip_archive(path, data_pkl: bytes) -> None:
-    """A TorchScript-shaped zip around a given data.pkl."""
+def _zip_archive(path, data_pkl: bytes, records: dict[str, bytes] | None = None) -> None:
+    """A TorchScript-shaped zip around a given data.pkl (and storage records data/<key>)."""
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("archive/data.pkl", data_pkl)
         zf.writestr("archive/constants.pkl", pickle.dumps((), protocol=2))
         zf.writestr("archive/code/__torch__/m.py", "class M(Module):\n  pass\n")
         zf.writestr("archive/version", "3\n")
+        for key, data in (records or {}).items():
+            zf.writestr(f"archive/data/{key}", data)
 
 
 class _Payload:
@@ -232,3 +241,162 @@ def test_weights_that_do_not_fit_the_arch_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="do not fit"):
         modelkit.save(wrong, tmp_path / "m.ts")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The weights reader (modelkit.parse.torch_format.read_script) against torch.jit.load, and without torch.
+
+class _Tied(torch.nn.Module):
+    """float32 and bf16 parameters, a strided buffer and a tied weight."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.embed = torch.nn.Linear(4, 6)
+        self.head = torch.nn.Linear(6, 4, bias=False)
+        self.head.weight = torch.nn.Parameter(torch.randn(4, 6, generator=g))
+        self.tail = torch.nn.Linear(6, 4, bias=False)
+        self.tail.weight = self.head.weight                                    # tied
+        self.norm = torch.nn.LayerNorm(4).to(torch.bfloat16)
+        self.register_buffer("mix", torch.randn(3, 5, generator=g).t())       # a strided view
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.norm((self.head(h) + self.tail(h)).to(torch.bfloat16)).float() + self.mix.sum()
+
+
+def _jit_archive(path, how: str):
+    module = _Tied().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        compiled = torch.jit.script(module) if how == "script" else torch.jit.trace(module, torch.randn(2, 4))
+        torch.jit.save(compiled, str(path))
+        loaded = torch.jit.load(str(path)).state_dict()                  # our own benign archive
+    return loaded
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_weights_equal_torch_jit_load_bit_for_bit(tmp_path, how):
+    path = tmp_path / f"{how}.pt"
+    expected = _jit_archive(path, how)
+    ckpt = ts.read(path)
+    assert sorted(ckpt.tensors) == sorted(expected)
+    for name, tensor in expected.items():
+        got = ckpt.tensors[name]
+        assert got.dtype.torch == tensor.dtype and got.shape == tuple(tensor.shape), name
+        assert np.array_equal(got.array(), to_numpy(tensor.contiguous())), name
+        assert torch.equal(got.load(), tensor), name
+    assert {n for n in expected if expected[n].dtype == torch.bfloat16} == {"norm.weight", "norm.bias"}
+    assert json.loads(ckpt.metadata["modelkit.aliases"]) == {"tail.weight": "head.weight"}
+    assert ckpt.tensors["mix"].span is None and ckpt.tensors["embed.weight"].span is not None
+    span = ckpt.tensors["embed.weight"].span                              # the bytes as they lie in the file
+    with open(path, "rb") as f:
+        f.seek(span.offset)
+        assert f.read(span.nbytes) == to_numpy(expected["embed.weight"]).tobytes()
+
+
+_READ_WITHOUT_TORCH = """
+import hashlib, json, sys
+sys.modules["torch"] = None
+from pathlib import Path
+import modelkit.converters.torchscript as ts
+ckpt = ts.read(Path(sys.argv[1]))
+assert "torch" not in sys.modules or sys.modules["torch"] is None
+print(json.dumps({name: hashlib.sha256(t.array().tobytes()).hexdigest() for name, t in ckpt.tensors.items()}))
+"""
+
+
+def test_read_needs_no_torch(tmp_path):
+    path = tmp_path / "m.pt"
+    expected = _jit_archive(path, "script")
+    result = subprocess.run([sys.executable, "-c", _READ_WITHOUT_TORCH, str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {name: hashlib.sha256(to_numpy(t.contiguous()).tobytes()).hexdigest()
+                                         for name, t in expected.items()}
+
+
+# Crafted data.pkl: objects of `__torch__.m` classes (importable only while a test pickles them, never
+# unpickled) with tensors pickled as torch writes them.
+
+class _Module:
+    """Pickles as TorchScript writes a module: NEWOBJ of __torch__.m.Module, BUILD with its attributes."""
+
+    __module__ = "__torch__.m"
+    __qualname__ = "Module"
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
+class _Stateful(_Module):
+    """A TorchScript class with its own __getstate__: its BUILD state is a tuple."""
+
+    __module__ = "__torch__.m"
+    __qualname__ = "Stateful"
+
+    def __getstate__(self):
+        return tuple(self.__dict__.values())
+
+
+class _Storage:
+    def __init__(self, key: str, numel: int) -> None:
+        self.key, self.numel = key, numel
+
+
+class _Tensor:
+    def __init__(self, storage: _Storage, size: tuple, stride: tuple) -> None:
+        self.args = (storage, 0, size, stride, False, OrderedDict())
+
+    def __reduce__(self):
+        return torch._utils._rebuild_tensor_v2, self.args
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        return ("storage", torch.FloatStorage, obj.key, "cpu", obj.numel) if isinstance(obj, _Storage) else None
+
+
+@pytest.fixture
+def crafted(tmp_path, monkeypatch):
+    """Writes a TorchScript-shaped archive around a crafted module tree and returns its path."""
+    package, module = types.ModuleType("__torch__"), types.ModuleType("__torch__.m")
+    module.Module, module.Stateful = _Module, _Stateful
+    monkeypatch.setitem(sys.modules, "__torch__", package)
+    monkeypatch.setitem(sys.modules, "__torch__.m", module)
+
+    def write(root, records):
+        buffer = io.BytesIO()
+        _Pickler(buffer, protocol=2).dump(root)
+        path = tmp_path / "crafted.pt"
+        _zip_archive(path, buffer.getvalue(), records)
+        return path
+
+    return write
+
+
+_SIX = np.arange(6, dtype="<f4").tobytes()
+
+
+def test_crafted_module_tree_reads(crafted):
+    path = crafted(_Module(w=_Tensor(_Storage("0", 6), (2, 3), (3, 1)), sub=_Module(b=_Tensor(_Storage("0", 6),
+                                                                                              (3,), (2,)))), {"0": _SIX})
+    state = ts.read(path).materialize()
+    assert list(state) == ["w", "sub.b"]
+    assert state["w"].tolist() == [[0, 1, 2], [3, 4, 5]] and state["sub.b"].tolist() == [0, 2, 4]
+
+
+@pytest.mark.parametrize(("root", "records", "message"), [
+    (_Stateful(w=_Tensor(_Storage("0", 6), (6,), (1,))), {"0": _SIX}, "data.pkl does not hold a module"),
+    (_Module(sub=_Stateful(w=_Tensor(_Storage("0", 6), (6,), (1,)))), {"0": _SIX},
+     r"module 'sub' \(__torch__.m.Stateful\) keeps its tensors in a tuple state"),
+    (_Module(w=_Tensor(_Storage("0", 8), (8,), (1,))), {"0": _SIX},
+     r"storage '0' claims 8 float32 elements \(32 bytes\) but its record holds 24 bytes"),
+    (_Module(w=_Tensor(_Storage("0", 6), (4,), (2,))), {"0": _SIX}, r"reaches element 6 of storage '0'"),
+    (_Module(w=_Tensor(_Storage("0", 6), (2, 3), (3,))), {"0": _SIX}, r"size \[2, 3\] and stride \[3\] differ"),
+    (_Module(w=_Tensor(_Storage("1", 6), (6,), (1,))), {"0": _SIX}, r"storage '1' has no record archive/data/1"),
+])
+def test_crafted_archives_are_format_errors_naming_the_file(crafted, root, records, message):
+    path = crafted(root, records)
+    with pytest.raises(FormatError, match=message) as error:
+        ts.read(path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)

@@ -11,11 +11,18 @@ Layouts (torch/serialization.py `_save`, `_legacy_save`, `_load`, `_legacy_load`
 The object pickle is walked by modelkit.parse.pickle's symbolic Machine. Only what a weights-only
 checkpoint holds is given a value: dicts and `collections.OrderedDict` (keeping the `_metadata` a
 state_dict carries), lists, tuples, sets, str/bytes/int/float/bool/None, `torch.Size`, `torch.device`,
-and tensors: `torch._utils._rebuild_tensor_v2`, `_rebuild_tensor_v3` (dtype argument),
+and tensors: `torch._utils._rebuild_tensor`, `_rebuild_tensor_v2`, `_rebuild_tensor_v3` (dtype argument),
 `_rebuild_parameter`, `_rebuild_parameter_with_state`, `torch._tensor._rebuild_from_type_v2` around a
 plain tensor, over storages named by persistent ids ('storage', <storage class>, key, location, numel).
 Anything else a pickle names (a module's class, numpy scalars, argparse.Namespace, quantized or sparse
 tensors) becomes an `Opaque` placeholder that says what it was; nothing is ever imported or called.
+
+TorchScript archives (torch.jit.save: `<prefix>/data.pkl`, `constants.pkl`, `code/`, `data/<key>`) are read
+by `read_script`/`parse_script`: their data.pkl is the module tree, each object made from a `__torch__.<class>`
+global (GLOBAL, EMPTY_TUPLE, NEWOBJ, then BUILD with its attribute dict; torch/csrc/jit/serialization/pickler.cpp)
+and given as a `ScriptObject(qualname, state)`; `torch.jit._pickle`'s type-tag and list wrappers give their
+argument. Tensors and storages are the same records as torch.save's (`data/<key>`); constants.pkl and its
+`constants/<key>` records belong to the code and are not read.
 
 Every storage record is found inside the file and every view inside its storage (offset + the last
 element its sizes and strides reach) before anything is mapped or allocated; errors are ParseError
@@ -40,8 +47,8 @@ TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["DTYPE_BITS", "STORAGE_DTYPES", "Device", "Opaque", "StorageRef", "TensorRecord", "TorchFile",
-           "legacy_records", "parse", "read", "storage_claim"]
+__all__ = ["DTYPE_BITS", "STORAGE_DTYPES", "Device", "Opaque", "ScriptObject", "StorageRef", "TensorRecord",
+           "TorchFile", "legacy_records", "parse", "parse_script", "read", "read_script", "storage_claim"]
 
 # torch dtype name -> numpy type of the stored bits (little-endian). bfloat16 and the 8-bit floats have
 # no numpy type: their bits are kept as unsigned integers, never widened. modelkit.storage.dtypes maps
@@ -116,6 +123,22 @@ class Device:
 
     def __repr__(self) -> str:
         return f"device({self.type!r})" if self.index is None else f"device({self.type!r}, {self.index})"
+
+
+class ScriptObject:
+    """An object of a TorchScript archive's data.pkl (a module, or a TorchScript class): `qualname` is
+    the `__torch__.<class>` it was made from (never imported or called) and `state` what BUILD gave it,
+    as plain values. A module's state is its attribute dict: parameters and buffers (TensorRecord),
+    submodules (ScriptObject), `training` and other attributes. A class with its own `__getstate__`
+    may have any other state; `state` is None when the pickle never BUILDs the object."""
+
+    __slots__ = ("qualname", "state")
+
+    def __init__(self, qualname: str, state: Any = None) -> None:
+        self.qualname, self.state = qualname, state
+
+    def __repr__(self) -> str:
+        return f"<script object {self.qualname}>"
 
 
 class StorageRef:
@@ -206,6 +229,20 @@ class _ODict(PDict):
     has_metadata = False
 
 
+class _Script:
+    """A `__torch__` object during the walk: its class's name and the state of its last BUILD."""
+
+    __slots__ = ("qualname", "state")
+
+    def __init__(self, qualname: str) -> None:
+        self.qualname, self.state = qualname, None
+
+
+def _is_script_class(module: str) -> bool:
+    """TorchScript's own namespace: every class compiled into an archive is `__torch__.<...>`."""
+    return module == "__torch__" or module.startswith("__torch__.")
+
+
 # ---------------------------------------------------------------------------------------------
 # The legacy stream's storage records (shared with the scanner, which skips them the same way).
 
@@ -279,13 +316,15 @@ def _ints(value: Any, what: str, at: int) -> tuple[int, ...]:
 
 
 class _Rebuilder(Machine):
-    """parse.pickle's machine with values: containers, storages and tensors; every other call is Opaque."""
+    """parse.pickle's machine with values: containers, storages and tensors; every other call is Opaque.
+    With `script`, `__torch__` objects and torch.jit._pickle's wrappers too (a TorchScript data.pkl)."""
 
-    def __init__(self, buf, start: int, end: int, limits: Any, deadline: float) -> None:
+    def __init__(self, buf, start: int, end: int, limits: Any, deadline: float, script: bool = False) -> None:
         super().__init__(buf, start, end, limits, deadline)
         self.tensors: list[TensorRecord] = []
         self.storages: dict[str, StorageRef] = {}        # key -> the first reference (torch uses the first)
         self.computed = False
+        self.script = script
 
     def unresolved_global(self, module: Any, name: Any, how: str) -> None:
         self.computed = True
@@ -330,14 +369,20 @@ class _Rebuilder(Machine):
             self.dynamic_call(callee, how)
             return Opaque("<computed callable>", how)
         qualname = f"{callee.module}.{callee.name}"
-        handler = _CALLS.get(qualname) if how == "REDUCE" else None
+        if self.script and _is_script_class(callee.module):    # NEWOBJ, NEWOBJ_EX, REDUCE, OBJ or INST
+            return _Script(qualname)
+        handler = None
+        if how == "REDUCE":
+            handler = _CALLS.get(qualname) or (_SCRIPT_CALLS.get(qualname) if self.script else None)
         if handler is None:
             return Opaque(qualname, how)
         return handler(self, args if isinstance(args, tuple) else ())
 
     def build(self, state: Any, target: Any) -> None:
         super().build(state, target)
-        if isinstance(target, _ODict):
+        if isinstance(target, _Script):
+            target.state = state
+        elif isinstance(target, _ODict):
             parts = state if isinstance(state, tuple) else (state,)
             for part in parts:
                 if isinstance(part, PDict):
@@ -371,6 +416,9 @@ class _Rebuilder(Machine):
         record = TensorRecord(storage, dtype, offset, size, stride, len(args) > 4 and args[4] is True)
         self.tensors.append(record)
         return record
+
+    def rebuild_v1(self, args: tuple) -> TensorRecord:
+        return self.tensor(args, "_rebuild_tensor")
 
     def rebuild_v2(self, args: tuple) -> TensorRecord:
         return self.tensor(args, "_rebuild_tensor_v2")
@@ -438,8 +486,13 @@ class _Rebuilder(Machine):
                 pass
         return Opaque("_codecs.encode", "REDUCE")
 
+    def first_argument(self, args: tuple) -> Any:
+        """torch.jit._pickle's wrappers: restore_type_tag(value, type_str), build_intlist(list), ..."""
+        return args[0] if args else Opaque("torch.jit._pickle", "REDUCE")
+
 
 _CALLS = {
+    "torch._utils._rebuild_tensor": _Rebuilder.rebuild_v1,
     "torch._utils._rebuild_tensor_v2": _Rebuilder.rebuild_v2,
     "torch._utils._rebuild_tensor_v3": _Rebuilder.rebuild_v3,
     "torch._utils._rebuild_parameter": _Rebuilder.parameter,
@@ -456,6 +509,11 @@ _CALLS = {
 }
 
 
+# TorchScript's wrappers (torch/jit/_pickle.py): each returns its first argument, tagged for the C++ loader.
+_SCRIPT_CALLS = {f"torch.jit._pickle.{name}": _Rebuilder.first_argument for name in (
+    "restore_type_tag", "build_intlist", "build_floatlist", "build_boollist", "build_tensorlist", "build_doublelist")}
+
+
 # How a long argument (parse.pickle's Blob) decodes, by its kind: what the unpickler would make of it.
 _TEXT_DECODERS = {"str": lambda raw: raw.decode("utf-8", "surrogatepass"), "latin1": lambda raw: raw.decode("latin-1"),
                   "bytes": bytes}
@@ -469,6 +527,10 @@ def _plain(value: Any, seen: dict[int, Any], depth: int = 0, buf: Any = None) ->
         return seen[id(value)]
     if depth > _MAX_DEPTH:
         raise ParseError(f"the pickled object nests containers deeper than {_MAX_DEPTH} levels")
+    if isinstance(value, _Script):    # registered before its state: a state may reach its own object
+        out = seen[id(value)] = ScriptObject(value.qualname)
+        out.state = _plain(value.state, seen, depth + 1, buf)
+        return out
     if isinstance(value, PDict):
         out: Any = OrderedDict() if isinstance(value, _ODict) else {}
         seen[id(value)] = out
@@ -528,13 +590,15 @@ class _Record:
 
 
 class TorchFile:
-    """A parsed torch.save checkpoint. Build it with `read(path)` (or `parse(buf)` for bytes in memory).
+    """A parsed torch.save checkpoint or TorchScript archive. Build it with `read(path)` (or `parse(buf)`
+    for bytes in memory), `read_script(path)` (or `parse_script(buf)`) for TorchScript.
 
     Attributes:
         source: the file's path (or the name given to `parse`), for messages.
-        layout: "zip" or "legacy".
+        layout: "zip", "legacy" or "torchscript".
         value: the checkpoint's object: dicts, OrderedDicts (with `_metadata` when the file has one),
-            lists, tuples, sets, scalars, bytes, TensorRecord, Device and Opaque.
+            lists, tuples, sets, scalars, bytes, TensorRecord, Device and Opaque; for TorchScript, the
+            root module as a ScriptObject (or whatever else data.pkl holds).
         tensors: every TensorRecord of the object, in pickle order.
         globals: "module.name" of every global the object pickle names, in order of first appearance
             (Python 2 names mapped as the unpickler maps them); "<computed>.<computed>" for a computed one.
@@ -622,11 +686,28 @@ def read(path: str | os.PathLike[str], *, limits: Any = None) -> TorchFile:
         ParseError: the file is not a torch.save checkpoint, or its structure does not hold
             (naming the file; OSError when it cannot be opened).
     """
+    return parse(_map(path, "a torch.save checkpoint"), source=os.fspath(path), limits=limits)
+
+
+def read_script(path: str | os.PathLike[str], *, limits: Any = None) -> TorchFile:
+    """Parse the TorchScript archive (torch.jit.save) at `path`: its data.pkl's module tree and storage
+    records, mapped as `read` maps a checkpoint; no code is compiled or run and nothing is imported.
+
+    Returns:
+        A TorchFile of layout "torchscript" whose `value` is the root module, a ScriptObject.
+
+    Raises:
+        ParseError: not a zip archive with data.pkl, constants.pkl and code/ in one folder, or a
+            structure that does not hold (every storage and view is checked as `read` checks them).
+    """
+    return parse_script(_map(path, "a TorchScript archive"), source=os.fspath(path), limits=limits)
+
+
+def _map(path: str | os.PathLike[str], what: str) -> Any:
     with open(path, "rb") as f:
         if not os.fstat(f.fileno()).st_size:
-            raise ParseError("an empty file, not a torch.save checkpoint", source=os.fspath(path))
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return parse(buf, source=os.fspath(path), limits=limits)
+            raise ParseError(f"an empty file, not {what}", source=os.fspath(path))
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
 def parse(buf, *, source: str = "<bytes>", limits: Any = None) -> TorchFile:
@@ -637,14 +718,29 @@ def parse(buf, *, source: str = "<bytes>", limits: Any = None) -> TorchFile:
             return _parse_zip(buf, source, limits)
         return _parse_legacy(buf, source, limits)
     except ParseError as e:
-        if e.source:
-            raise
-        where = f" (at byte {e.offset})" if e.offset is not None else ""
-        raise ParseError(f"{e.reason}{where}", source=source) from None
+        raise _named(e, source) from None
 
 
-def _walk(buf, start: int, end: int, limits: Any) -> _Rebuilder:
-    machine = _Rebuilder(buf, start, end, limits, time.monotonic() + limits.seconds)
+def parse_script(buf, *, source: str = "<bytes>", limits: Any = None) -> TorchFile:
+    """Parse a TorchScript archive held in `buf` (bytes or an mmap); see `read_script`."""
+    limits = limits or Bounds()
+    try:
+        if bytes(buf[:4]) != b"PK\x03\x04":
+            raise ParseError("not a zip archive, so not a TorchScript archive")
+        return _parse_zip(buf, source, limits, script=True)
+    except ParseError as e:
+        raise _named(e, source) from None
+
+
+def _named(error: ParseError, source: str) -> ParseError:
+    if error.source:
+        return error
+    where = f" (at byte {error.offset})" if error.offset is not None else ""
+    return ParseError(f"{error.reason}{where}", source=source)
+
+
+def _walk(buf, start: int, end: int, limits: Any, script: bool = False) -> _Rebuilder:
+    machine = _Rebuilder(buf, start, end, limits, time.monotonic() + limits.seconds, script)
     try:
         machine.run()
     except ParseError as e:
@@ -706,16 +802,21 @@ def _small_member(buf, entry: zipdir.ZipEntry, limit: int) -> bytes:
         raise ParseError(f"{entry.filename} has corrupt deflate data ({e})") from None
 
 
-def _parse_zip(buf, source: str, limits: Any) -> TorchFile:
+def _parse_zip(buf, source: str, limits: Any, script: bool = False) -> TorchFile:
     entries = zipdir.read_directory(buf)
     by_name = {e.filename: e for e in entries}            # zipfile's pick among duplicate names: the last
     names = [e.filename for e in entries]
     roots = list(torch_zip_roots(names))
-    if not roots:
+    if script:     # the folder holding data.pkl, constants.pkl and code/, as parse.detect.torchscript_prefix
+        prefix = next((folder for folder, constants, code in roots if constants and code), None)
+        if prefix is None:
+            raise ParseError("not a TorchScript archive (needs data.pkl, constants.pkl and code/ in one folder)")
+    elif not roots:
         raise ParseError("a zip archive without <folder>/data.pkl: not a torch.save checkpoint")
-    prefix, constants, code = roots[0]
-    if constants or code:
-        raise ParseError("a TorchScript archive, not a torch.save checkpoint (read it with --from torchscript)")
+    else:
+        prefix, constants, code = roots[0]
+        if constants or code:
+            raise ParseError("a TorchScript archive, not a torch.save checkpoint (read it with --from torchscript)")
     byteorder = "little"
     if f"{prefix}/byteorder" in by_name:
         mark = _small_member(buf, by_name[f"{prefix}/byteorder"], _SMALL_RECORD)
@@ -725,10 +826,10 @@ def _parse_zip(buf, source: str, limits: Any) -> TorchFile:
     pkl = by_name[f"{prefix}/data.pkl"]
     if pkl.compress_type == zipdir.STORED:
         start = _member(buf, pkl, "data.pkl")
-        machine = _walk(buf, start, start + pkl.compress_size, limits)
+        machine = _walk(buf, start, start + pkl.compress_size, limits, script)
     else:
         data = _small_member(buf, pkl, _PICKLE_LIMIT)
-        machine = _walk(data, 0, len(data), limits)
+        machine = _walk(data, 0, len(data), limits, script)
     records: dict[str, _Record] = {}
     for key in machine.storages:
         entry = by_name.get(f"{prefix}/data/{key}")
@@ -745,7 +846,8 @@ def _parse_zip(buf, source: str, limits: Any) -> TorchFile:
             raise ParseError(f"storage record data/{key} uses zip compression method {entry.compress_type}, which "
                              "torch does not write")
     _check_views(machine, records)
-    return TorchFile(buf, source, "zip", _plain_value(machine), machine, records, byteorder)
+    return TorchFile(buf, source, "torchscript" if script else "zip", _plain_value(machine), machine, records,
+                     byteorder)
 
 
 def _parse_legacy(buf, source: str, limits: Any) -> TorchFile:
