@@ -79,7 +79,7 @@ def test_buffered_position_is_kept_for_io_objects_without_a_descriptor():
 
 
 def test_torch_zip_checkpoints_give_spans_for_mapped_tensors(tmp_path):
-    """torch.load(mmap=True) views: spans found from the zip records; views and transposes handled."""
+    """Spans found from the zip (and legacy) records; views and transposes handled."""
     state = build("cnn", {"channels": [4, 8], "hidden": 16}, seed=0).state_dict()
     state["view"] = state["fc1.weight"][2:5]                  # storage offset inside a shared record
     state["transposed"] = state["fc1.weight"].t()             # not contiguous: no span, still exact
@@ -93,7 +93,12 @@ def test_torch_zip_checkpoints_give_spans_for_mapped_tensors(tmp_path):
     for name, tensor in state.items():
         assert torch.equal(back.tensors[name].load(), tensor), name
     torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
-    assert all(t.span is None for t in modelkit.load(tmp_path / "legacy.pt").tensors.values())
+    legacy = modelkit.load(tmp_path / "legacy.pt")      # legacy storages are raw records too: the same spans
+    assert {name for name, t in legacy.tensors.items() if t.span is not None} == spans
+    modelkit.convert(tmp_path / "legacy.pt", tmp_path / "legacy.safetensors")
+    back = modelkit.load(tmp_path / "legacy.safetensors")
+    for name, tensor in state.items():
+        assert torch.equal(back.tensors[name].load(), tensor), name
 
 
 @pytest.mark.parametrize("offset", [0, 1, 8])
