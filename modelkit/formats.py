@@ -96,9 +96,8 @@ def load_format(name: str) -> ModuleType:
     except ModuleNotFoundError as e:
         if info.extra is None or (e.name or "").startswith("modelkit"):
             raise
-        extra = "torch" if (e.name or "").partition(".")[0] == "torch" else info.extra
-        raise MissingDependencyError(
-            f"format {name!r} needs the {e.name!r} package: pip install 'modelkit[{extra}]'"
+        raise MissingDependencyError(     # the format's extra brings all it needs ([onnx] includes torch)
+            f"format {name!r} needs the {e.name!r} package: pip install 'modelkit[{info.extra}]'"
         ) from e
 
 

@@ -22,10 +22,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.hookimpl(trylast=True)        # after xdist's own hook, which adds group suffixes on pytest < 9
 def pytest_collection_modifyitems(config, items):
-    """Start the long tests first, so under xdist they overlap the many short ones; keep xdist groups."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Start the long tests first, the longest of all (the shared tinylm training, most of the suite's
+    wall time) before every other, so under xdist one worker trains while the other runs the rest; keep
+    xdist groups."""
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, not _in_group(item, LONGEST_GROUP)))
     if getattr(config.option, "loadgroup", False):      # set on xdist workers under --dist loadgroup
         _tag_xdist_groups(items)
+
+
+LONGEST_GROUP = "tinylm-recipe"
+
+
+def _in_group(item, group: str) -> bool:
+    return any((m.args[0] if m.args else m.kwargs.get("name")) == group for m in item.iter_markers("xdist_group"))
 
 
 def _tag_xdist_groups(items) -> None:
