@@ -318,7 +318,7 @@ def quantize(tensor: torch.Tensor, type_name: str, *, threads: int | None = None
     _check_rows(shape, kind)
     rows = math.prod(shape[:-1])
     blocks = tensor.detach().to("cpu", torch.float32).contiguous().view(-1, BLOCK)   # (rows * nb, 32)
-    out = empty_bytes(blocks.shape[0] * kind.type_size).view(blocks.shape[0], kind.type_size)   # huge pages: few faults
+    out = torch.from_numpy(empty_bytes(blocks.shape[0] * kind.type_size)).view(blocks.shape[0], kind.type_size)   # huge pages
     workers = threads or torch.get_num_threads()
     run = _run_torch if implementation == "torch" else _run_kernels
     if not run(kind, blocks, out, workers, implementation):

@@ -26,6 +26,35 @@ def test_import_modelkit_does_not_import_torch():
     assert result.stdout.strip() == "False False"
 
 
+# Which modules may import torch (docs/architecture.md, "Which layers may import torch"): every module of
+# these folders and these modules never does at import; the weight-file commands run on them alone.
+TORCH_FREE_FOLDERS = ("parse", "scan", "storage", "cli")
+TORCH_USERS = {"modelkit.storage.qdq"}      # ONNX's QDQ layouts, in torch ops: only the ONNX converter uses them
+TORCH_FREE = (
+    "modelkit", "modelkit.errors", "modelkit.metadata", "modelkit.checkpoint", "modelkit.formats", "modelkit.schemes",
+    "modelkit.api", "modelkit.models", "modelkit.models.plugin",
+    "modelkit.pipeline.convert", "modelkit.pipeline.load", "modelkit.pipeline.quantize", "modelkit.pipeline.quantize_weights",
+    "modelkit.pipeline.reports", "modelkit.pipeline.verify", "modelkit.pipeline.write",
+    "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.npz", "modelkit.converters.pth",
+    "modelkit.converters.safetensors", "modelkit.converters.torchscript", "modelkit.quantizers.gguf_arrays",
+)
+
+
+def test_torch_free_layers_import_no_torch():
+    modules = [*TORCH_FREE, *(f"modelkit.{folder}.{p.stem}" for folder in TORCH_FREE_FOLDERS
+                              for p in sorted((ROOT / "modelkit" / folder).glob("*.py"))
+                              if p.stem != "__init__" and f"modelkit.{folder}.{p.stem}" not in TORCH_USERS)]
+    code = ("import importlib, sys\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n"
+            "    if 'torch' in sys.modules:\n"
+            "        print(name)\n"
+            "        break\n")
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", f"importing {result.stdout.strip()} imports torch"
+
+
 def test_cli_help_does_not_import_torch():
     code = ("import sys\nfrom click.testing import CliRunner\nfrom modelkit.cli import main\n"
             "for args in ([], ['--help'], ['train', '--help'], ['inspect', '--help'], ['models']):\n"

@@ -1,10 +1,11 @@
-"""modelkit.storage.memory.empty_bytes: big output buffers (huge pages, populated up front) behave as tensors."""
+"""modelkit.storage.memory.empty_bytes: big output buffers (huge pages, populated up front) behave as arrays and tensors."""
 from __future__ import annotations
 
 import platform
 import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,9 +15,12 @@ from modelkit.storage.memory import HUGE_PAGE, empty_bytes
 @pytest.mark.parametrize("nbytes", [0, 1, 4096, 4 * HUGE_PAGE - 1, 4 * HUGE_PAGE, 9 * HUGE_PAGE + 12345])
 def test_sizes_and_writes(nbytes):
     buffer = empty_bytes(nbytes)
-    assert buffer.shape == (nbytes,) and buffer.dtype == torch.uint8 and buffer.is_contiguous()
-    buffer.fill_(7)
-    assert int(buffer.sum()) == 7 * nbytes
+    assert buffer.shape == (nbytes,) and buffer.dtype == np.uint8 and buffer.flags.c_contiguous
+    buffer.fill(7)
+    assert int(buffer.sum(dtype=np.int64)) == 7 * nbytes
+    shared = torch.from_numpy(buffer)                          # gguf_blocks' output: a tensor on the same memory
+    shared.fill_(3)
+    assert int(buffer.sum(dtype=np.int64)) == 3 * nbytes
 
 
 def _linux_at_least(major: int, minor: int) -> bool:
@@ -34,5 +38,5 @@ def test_large_buffers_start_resident_and_aligned():
     before = resident_bytes()
     buffer = empty_bytes(32 * HUGE_PAGE)
     grown = resident_bytes() - before
-    assert buffer.data_ptr() % HUGE_PAGE == 0                 # 2 MiB-aligned: eligible for huge pages
+    assert buffer.ctypes.data % HUGE_PAGE == 0                 # 2 MiB-aligned: eligible for huge pages
     assert grown >= 0.9 * 32 * HUGE_PAGE, f"only {grown} bytes resident"

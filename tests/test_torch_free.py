@@ -18,16 +18,6 @@ from safetensors.torch import save_file
 _NO_TORCH = ("import sys\nsys.modules['torch'] = None\nfrom modelkit.cli import run\n"
              "run(sys.argv[1:])\nassert 'torch' not in sys.modules or sys.modules['torch'] is None\n")
 
-# Modules on the torch-free path: importing each must not import torch.
-TORCH_FREE_MODULES = (
-    "modelkit", "modelkit.parse.detect", "modelkit.storage.dtypes", "modelkit.storage.tensors",
-    "modelkit.checkpoint", "modelkit.formats", "modelkit.api", "modelkit.pipeline.convert",
-    "modelkit.pipeline.write", "modelkit.pipeline.verify", "modelkit.converters.safetensors",
-    "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.npz", "modelkit.parse.npz",
-    "modelkit.converters.pth", "modelkit.converters.torchscript", "modelkit.scan", "modelkit.cli.app",
-)
-
-
 def _modelkit(args: list[str], cwd: Path, *, torch_free: bool) -> subprocess.CompletedProcess:
     command = [sys.executable, "-c", _NO_TORCH, *args] if torch_free else [sys.executable, "-m", "modelkit", *args]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
@@ -50,14 +40,6 @@ def weights(tmp_path_factory) -> Path:
     }
     save_file(tensors, str(folder / "w.safetensors"), metadata={"format": "pt"})
     return folder / "w.safetensors"
-
-
-@pytest.mark.parametrize("module", TORCH_FREE_MODULES)
-def test_torch_free_layers_import_no_torch(module):
-    code = f"import sys\nimport {module}\nprint('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False", f"importing {module} imports torch"
 
 
 # (output name, extra options): each conversion run with and without torch must give the same bytes.

@@ -17,7 +17,7 @@ import ctypes
 import mmap
 import sys
 
-import torch
+import numpy as np
 
 HUGE_PAGE = 2 * 2**20
 _MIN_BYTES = 4 * HUGE_PAGE          # below this the saving is too small to be worth an mmap
@@ -25,14 +25,14 @@ _MIN_BYTES = 4 * HUGE_PAGE          # below this the saving is too small to be w
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
-def empty_bytes(nbytes: int) -> torch.Tensor:
-    """An uninitialized uint8 tensor of `nbytes`, on huge pages where the system allows it, populated.
+def empty_bytes(nbytes: int) -> np.ndarray:
+    """An uninitialized uint8 array of `nbytes`, on huge pages where the system allows it, populated.
 
-    The tensor owns its memory (an anonymous mmap kept alive by the tensor's storage); falls back
-    to torch.empty for small sizes and where madvise or MADV_HUGEPAGE is not available.
+    The array owns its memory (an anonymous mmap kept alive as the array's base; torch.from_numpy
+    shares it); falls back to np.empty for small sizes and where madvise or MADV_HUGEPAGE is not available.
     """
     if nbytes < _MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return np.empty(nbytes, dtype=np.uint8)
     # MAP_PRIVATE: an anonymous shared mapping is shmem, whose huge pages follow other settings
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     address = ctypes.addressof(ctypes.c_char.from_buffer(region))
@@ -46,4 +46,4 @@ def empty_bytes(nbytes: int) -> torch.Tensor:
             region.madvise(_POPULATE_WRITE, offset, nbytes)
         except OSError:                                             # before Linux 5.14: faults on first touch
             pass
-    return torch.frombuffer(region, dtype=torch.uint8, offset=offset, count=nbytes)
+    return np.frombuffer(region, dtype=np.uint8, offset=offset, count=nbytes)
