@@ -29,10 +29,12 @@ def test_cnn_reaches_its_bar(tmp_path):
 
 @pytest.fixture(scope="module")
 def tinylm_recipe_run(tmp_path_factory):
-    """tinylm trained once with the recipe `make demo` runs (its defaults), on both cores: the one long
-    training of the suite, shared by the tests that need a trained tinylm's figures."""
+    """tinylm trained once with the recipe `make demo` runs (its defaults): the one long training of the
+    suite, shared by the tests that need a trained tinylm's figures. Under xdist on one thread, while the
+    other worker runs the rest of the suite on the other core: 242 s alone on one thread here against
+    273 s on two threads that shared the cores with the other worker (2026-11-25, 2 cores)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else os.cpu_count() or 1)
     try:
         return train("tinylm", tmp_path_factory.mktemp("tinylm-recipe"), config=TrainConfig(device="cpu"))
     finally:
