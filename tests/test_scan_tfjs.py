@@ -312,3 +312,10 @@ def test_scanning_model_json_imports_neither_torch_nor_numpy(tmp_path):
             "print('torch' in sys.modules, 'numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_large_graph_model_is_not_a_limit_finding(tmp_path):
+    nodes = [{"name": f"n{i}", "op": "Identity", "input": [f"n{i - 1}"], "attr": {"T": {"type": "DT_FLOAT"}}}
+             for i in range(250_000)]                              # > 1M JSON values: the Keras walk's limit
+    (tmp_path / "model.json").write_bytes(payloads.tfjs_model_json({"node": nodes}, fmt="graph-model"))
+    _clean(scan(tmp_path / "model.json"))

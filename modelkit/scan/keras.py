@@ -111,8 +111,7 @@ def scan_json(buf, start: int, end: int, ctx: Context, label: str, *, keras_arch
     is_tfjs = tfjs_json.looks_like_model(doc)
     if isinstance(doc, dict) and ("class_name" in doc or keras_archive or is_tfjs
                                   or keras_json.model_config(doc) is not None):
-        # A TF.js model.json is walked whole: its modelTopology (wrapped or not), and anything beside it.
-        objects = analyse_config(doc, ctx, label)
+        objects = analyse_config(_config_part(doc) if is_tfjs else doc, ctx, label)
         if objects or not is_tfjs:
             what.append(f"Keras config, {objects} objects")
     if is_tfjs:
@@ -130,6 +129,17 @@ def scan_json(buf, start: int, end: int, ctx: Context, label: str, *, keras_arch
         what.append("chat template")
     ctx.examined.append(f"{label}: JSON" + (f" ({', '.join(what)})" if what else ""))
     return fmt
+
+
+def _config_part(doc: dict) -> dict:
+    """What of a TF.js model.json may hold Keras objects: all of it but the weights manifest and a graph
+    model's nodes, which scan.tfjs checks with their own bounds (a large graph would otherwise reach
+    this walk's node limit)."""
+    part = {key: value for key, value in doc.items() if key != "weightsManifest"}
+    topology = doc.get("modelTopology")
+    if isinstance(topology, dict) and "node" in topology:
+        part["modelTopology"] = {key: value for key, value in topology.items() if key not in ("node", "library")}
+    return part
 
 
 def scan_hdf5(buf, start: int, end: int, ctx: Context, label: str) -> None:
