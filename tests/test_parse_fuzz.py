@@ -27,7 +27,7 @@ from modelkit.checkpoint import Checkpoint
 from modelkit.errors import FormatError, ModelkitError, ParseError
 from modelkit.formats import FORMATS, load_format
 from modelkit.models import build
-from modelkit.parse import gguf, hdf5, keras, npy, npz, onnx, paths, safetensors, sniff, torch_format, zipdir
+from modelkit.parse import gguf, hdf5, keras, npy, npz, onnx, paths, safetensors, sniff, tfjs, torch_format, zipdir
 from modelkit.parse import pickle as pickle_parse
 from modelkit.parse.protobuf import fields, int64s, text
 from modelkit.scan import Limits, Severity, scan
@@ -173,6 +173,19 @@ def _safetensors_header(data: bytes) -> None:
         safetensors.tensor_problem(info, len(data) - header.data_start)
 
 
+def _tfjs_model(data: bytes) -> None:
+    """Parse a model.json, then check its shards against an empty folder (sizes only; nothing is read)."""
+    model = tfjs.read_model(data)
+    tfjs.declared_paths(model.document)
+    tfjs.shard_problems(model, "/nonexistent-modelkit-fuzz")
+
+
+_TFJS = [payloads.tfjs_model_json(payloads.keras_sequential([{"class_name": "Dense", "config": {"name": "d"}}]),
+                                  [payloads.tfjs_group(["g1-s1of2.bin", "g1-s2of2.bin"],
+                                                       [("d/kernel", [3, 2], "float32"), ("d/bias", [2], "float16")])]),
+         payloads.tfjs_lambda(wrapped=True), payloads.tfjs_graph("PyFunc")]
+
+
 def _pickle_stream(data: bytes) -> None:
     pos = 0
     while pos < len(data):
@@ -188,6 +201,7 @@ PARSERS = {
     "zipdir": (_zip_members, [_ZIP, payloads.torchscript_zip("x = 1\n"), payloads.keras_zip(b"{}")]),
     "keras.load_json": (keras.load_json, [payloads.keras_lambda_config(), b'{"chat_template": "x"}']),
     "keras.configs_in": (lambda b: list(keras.configs_in(b)), [b"\x00" + payloads.keras_lambda_config() + b"\x00"]),
+    "tfjs.read_model": (_tfjs_model, _TFJS),
     "npy.read_header": (npy.read_header, [_NPY, _CORPUS["npy-header.npy"]]),
     "npz.read_members": (npz.read_members, _NPZ),
     "zipdir.read_into": (_zip_member_bytes, _NPZ),
@@ -208,6 +222,7 @@ PREDICATES = {
     "hdf5.plausible_superblock": lambda b: hdf5.plausible_superblock(b) in (True, False),
     "zipdir.has_directory": lambda b: zipdir.has_directory(b) in (True, False),
     "pickle.looks_like_pickle": lambda b: pickle_parse.looks_like_pickle(b) in (True, False),
+    "tfjs.looks_like_model": lambda b: tfjs.looks_like_model(b) in (True, False),
 }
 
 

@@ -4,17 +4,24 @@ the JSON of a legacy .h5 file's `model_config` attribute, found in the HDF5 byte
 HDF5 stores a string attribute's bytes contiguously, so a config is found by searching for where a
 Keras config starts (`{"class_name"` / `{"module"`), bounded by the NUL that ends the attribute, and
 decoded with json. Sizes and the number of candidates are capped before anything is decoded.
+`model_config` unwraps the ways a config is stored; `marshalled_code` tells a string that holds a
+marshalled Python code object (what Keras's `func_dump` writes for a Lambda's function).
 Standard library only.
 """
 from __future__ import annotations
 
+import binascii
 import json
+import re
 
 from modelkit.errors import ParseError
 
 MAX_JSON = 64 << 20
 MAX_CANDIDATES = 10_000
 CONFIG_STARTS = (b'{"class_name"', b'{"module"')
+_BASE64 = re.compile(r"[A-Za-z0-9+/=\s]+")
+# marshal's TYPE_CODE ('c'), with and without FLAG_REF (0x80): the first byte of marshal.dumps(code)
+_CODE_TYPES = (0x63, 0xE3)
 
 
 def load_json(buf, start: int = 0, end: int | None = None):
@@ -54,3 +61,33 @@ def configs_in(buf, start: int = 0, end: int | None = None):
             continue
         yield at, doc
         pos = at + max(used, 1)
+
+
+def model_config(doc):
+    """The Keras model config a decoded JSON document holds, however it is wrapped, or None.
+
+    Accepted: a bare config or a `model.to_json()` document (`{"class_name", "config", ...}`), and the
+    `{"model_config": {...}, "training_config": ...}` wrapper (a TF.js modelTopology, a legacy .h5's
+    attributes).
+    """
+    if not isinstance(doc, dict):
+        return None
+    inner = doc.get("model_config")
+    if isinstance(inner, dict) and isinstance(inner.get("class_name"), str):
+        return inner
+    if isinstance(doc.get("class_name"), str):
+        return doc
+    return None
+
+
+def marshalled_code(text: str) -> bool:
+    """`text` is a marshalled Python code object as Keras's func_dump stores it: base64 (line breaks
+    allowed) whose first byte is marshal's code type, followed by a small argument count."""
+    if len(text) < 12 or text[:2] not in ("4w", "Yw") or not _BASE64.fullmatch(text[:4096]):
+        return False
+    head = "".join(text[:64].split())[:12]
+    try:
+        raw = binascii.a2b_base64(head)
+    except binascii.Error:
+        return False
+    return len(raw) >= 5 and raw[0] in _CODE_TYPES and int.from_bytes(raw[1:5], "little") < 256

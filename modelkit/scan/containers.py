@@ -109,8 +109,7 @@ def _sniff_text(buf, start: int, end: int, ctx: Context, label: str, hint: str) 
     stripped = head.lstrip()
     if stripped[:1] in (b"{", b"["):
         from modelkit.scan import keras
-        keras.scan_json(buf, start, end, ctx, label)
-        return "json"
+        return keras.scan_json(buf, start, end, ctx, label)
     if hint.endswith(".py"):
         ctx.sink(label).add(Severity.SUSPICIOUS, "code.python_source",
                             "Python source shipped with a model runs when a loader trusts remote code")

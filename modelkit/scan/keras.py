@@ -33,31 +33,45 @@ def _module_ok(module: str) -> bool:
 
 
 def analyse_config(config: Any, ctx: Context, label: str) -> int:
-    """Walk a Keras config tree; returns the number of layers/objects seen."""
+    """Walk a Keras config tree (any JSON value: a bare config, a wrapper, a whole TF.js model.json);
+    returns the number of layers/objects seen.
+
+    Code is found three ways: a Lambda (or Keras 3 `__lambda__`) object; any object whose
+    `function_type` is "lambda" (Keras 2 unmarshals its function, whatever the class); and any string
+    that is a marshalled code object (parse.keras.marshalled_code) outside an object already reported.
+    """
     sink = ctx.sink(label)
-    stack, seen, objects = [(config, 0)], 0, 0
+    stack, seen, objects = [(config, 0, False)], 0, 0
     while stack:
-        node, depth = stack.pop()
+        node, depth, reported = stack.pop()
         seen += 1
         if seen > MAX_NODES or depth > 500:
             sink.add(Severity.DANGEROUS, "scan.limit.json", "the Keras config is too large or deep to examine")
             return objects
+        if isinstance(node, str):
+            if not reported and keras_json.marshalled_code(node):
+                sink.add(Severity.DANGEROUS, "keras.lambda",
+                         "the config holds marshalled Python bytecode, which Keras runs when it loads the model",
+                         name="marshal")
+            continue
         if isinstance(node, list):
-            stack.extend((item, depth + 1) for item in node)
+            stack.extend((item, depth + 1, reported) for item in node)
             continue
         if not isinstance(node, dict):
             continue
-        stack.extend((value, depth + 1) for value in node.values())
         class_name = node.get("class_name")
+        layer = (node.get("config") or {}).get("name", "") if isinstance(node.get("config"), dict) else ""
+        code = class_name in ("Lambda", "__lambda__") or node.get("function_type") == "lambda"
+        if code and not reported:
+            what = f"Lambda layer {layer!r}" if class_name in ("Lambda", "__lambda__") else \
+                f"{str(class_name)[:80]} object {layer!r} (function_type 'lambda')"
+            sink.add(Severity.DANGEROUS, "keras.lambda",
+                     f"{what} carries Python bytecode that runs when the model is loaded", name="Lambda")
+        stack.extend((value, depth + 1, reported or code) for value in node.values())
         if not isinstance(class_name, str):
             continue
         objects += 1
-        layer = (node.get("config") or {}).get("name", "") if isinstance(node.get("config"), dict) else ""
-        if class_name in ("Lambda", "__lambda__"):
-            sink.add(Severity.DANGEROUS, "keras.lambda",
-                     f"Lambda layer {layer!r} carries Python bytecode that runs when the model is loaded",
-                     name="Lambda")
-        elif class_name in _OP_LAMBDAS:
+        if class_name in _OP_LAMBDAS:
             sink.add(Severity.SUSPICIOUS, "keras.config.op_lambda",
                      f"{class_name} layer {layer!r} calls a TensorFlow function named in the file", name=layer)
         module = node.get("module")
@@ -78,21 +92,33 @@ def analyse_config(config: Any, ctx: Context, label: str) -> int:
     return objects
 
 
-def scan_json(buf, start: int, end: int, ctx: Context, label: str, *, keras_archive: bool = False) -> None:
-    """A JSON file: Keras configs, and chat templates in tokenizer configs."""
+def scan_json(buf, start: int, end: int, ctx: Context, label: str, *, keras_archive: bool = False) -> str:
+    """A JSON file: Keras configs however wrapped, TF.js model.json files, chat templates in tokenizer
+    configs. Returns the format name: "tfjs" for a TF.js model, else "json"."""
     sink = ctx.sink(label)
     if end - start > keras_json.MAX_JSON:
         sink.add(Severity.SUSPICIOUS, "scan.limit.json", f"JSON larger than {keras_json.MAX_JSON} bytes was not examined")
-        return
+        return "json"
     try:
         doc = keras_json.load_json(buf, start, end)
     except ParseError as e:
         severity = Severity.DANGEROUS if keras_archive else Severity.SUSPICIOUS
         sink.add(severity, "json.malformed", e.reason)
-        return
-    what = []
-    if isinstance(doc, dict) and ("class_name" in doc or keras_archive):
-        what.append(f"Keras config, {analyse_config(doc, ctx, label)} objects")
+        return "json"
+    from modelkit.parse import tfjs as tfjs_json  # here: only JSON files need it (start-up time)
+
+    what, fmt = [], "json"
+    is_tfjs = tfjs_json.looks_like_model(doc)
+    if isinstance(doc, dict) and ("class_name" in doc or keras_archive or is_tfjs
+                                  or keras_json.model_config(doc) is not None):
+        objects = analyse_config(_config_part(doc) if is_tfjs else doc, ctx, label)
+        if objects or not is_tfjs:
+            what.append(f"Keras config, {objects} objects")
+    if is_tfjs:
+        from modelkit.scan import tfjs
+
+        what.append(tfjs.scan_model(doc, ctx, label))
+        fmt = "tfjs"
     if isinstance(doc, dict) and "chat_template" in doc:
         templates = doc["chat_template"]
         if isinstance(templates, str):
@@ -102,6 +128,18 @@ def scan_json(buf, start: int, end: int, ctx: Context, label: str, *, keras_arch
                 headers.check_template(item["template"], f"chat_template[{item.get('name')}]", ctx, label)
         what.append("chat template")
     ctx.examined.append(f"{label}: JSON" + (f" ({', '.join(what)})" if what else ""))
+    return fmt
+
+
+def _config_part(doc: dict) -> dict:
+    """What of a TF.js model.json may hold Keras objects: all of it but the weights manifest and a graph
+    model's nodes, which scan.tfjs checks with their own bounds (a large graph would otherwise reach
+    this walk's node limit)."""
+    part = {key: value for key, value in doc.items() if key != "weightsManifest"}
+    topology = doc.get("modelTopology")
+    if isinstance(topology, dict) and "node" in topology:
+        part["modelTopology"] = {key: value for key, value in topology.items() if key not in ("node", "library")}
+    return part
 
 
 def scan_hdf5(buf, start: int, end: int, ctx: Context, label: str) -> None:

@@ -7,8 +7,10 @@ builds the same ones. Standard library only.
 """
 from __future__ import annotations
 
+import base64
 import io
 import json
+import marshal
 import os
 import pickle
 import struct
@@ -110,6 +112,58 @@ def keras_zip(config: bytes) -> bytes:
     return zip_bytes({"config.json": config, "metadata.json": b"{}", "model.weights.h5": b""})
 
 
+def keras_marshal_lambda(name: str = "lambda") -> dict:
+    """A Keras 2 Lambda layer config whose function is marshalled bytecode (base64, as func_dump writes it).
+
+    The code object is a harmless `lambda x: x`, marshalled (never run); Keras would unmarshal and call it.
+    """
+    code = base64.encodebytes(marshal.dumps((lambda x: x).__code__)).decode("ascii")
+    return {"class_name": "Lambda", "config": {"name": name, "trainable": True, "dtype": "float32",
+                                               "function": [code, None, None], "function_type": "lambda",
+                                               "output_shape": None, "output_shape_type": "raw",
+                                               "arguments": {}}}
+
+
+def keras_sequential(layers: list[dict], *, input_shape: tuple[int, ...] = (3,)) -> dict:
+    """A Keras Sequential config (`model.to_json()`'s shape) of the given layer configs."""
+    first = [dict(layers[0], config=dict(layers[0]["config"], batch_input_shape=[None, *input_shape]))] if layers else []
+    return {"class_name": "Sequential", "config": {"name": "sequential", "layers": first + layers[1:]},
+            "keras_version": "2.15.0", "backend": "tensorflow"}
+
+
+def tfjs_model_json(topology, manifest: list[dict] | None = None, *, fmt: str = "layers-model",
+                    **extra) -> bytes:
+    """A TensorFlow.js model.json: format, modelTopology, weightsManifest (empty unless given)."""
+    doc = {"format": fmt, "generatedBy": "keras v2.15.0", "convertedBy": "TensorFlow.js Converter v4.22.0",
+           "modelTopology": topology, "weightsManifest": manifest if manifest is not None else [], **extra}
+    return json.dumps(doc).encode()
+
+
+def tfjs_group(paths: list[str], weights: list[tuple[str, list[int], str]]) -> dict:
+    """A weightsManifest group: shard paths and (name, shape, dtype) weights."""
+    return {"paths": paths, "weights": [{"name": n, "shape": s, "dtype": d} for n, s, d in weights]}
+
+
+def tfjs_lambda(*, wrapped: bool = False) -> bytes:
+    """A TF.js Layers model.json whose Keras config holds a Lambda with marshalled bytecode; `wrapped`
+    puts the config under `model_config`, as tensorflowjs_converter writes Keras .h5 models."""
+    config = keras_sequential([keras_marshal_lambda()])
+    return tfjs_model_json({"model_config": config, "training_config": {}} if wrapped else config)
+
+
+def tfjs_shard_path(path: str) -> bytes:
+    """A TF.js Layers model.json (a Dense layer, one group holding its bias) whose manifest names shard `path`."""
+    topology = keras_sequential([{"class_name": "Dense", "config": {"name": "dense", "units": 2}}])
+    return tfjs_model_json(topology, [tfjs_group([path], [("dense/bias", [2], "float32")])])
+
+
+def tfjs_graph(op: str) -> bytes:
+    """A TF.js graph model.json with a Placeholder feeding one node running `op`."""
+    nodes = [{"name": "x", "op": "Placeholder", "attr": {"dtype": {"type": "DT_FLOAT"}}},
+             {"name": "f", "op": op, "input": ["x"], "attr": {"token": {"s": "cHlfZnVuY18w"}}}]
+    return tfjs_model_json({"node": nodes, "versions": {"producer": 1482}}, fmt="graph-model")
+
+
 def hostile_corpus() -> dict[str, bytes]:
     """One of each kind of hostile or malformed file the parsers and the scanner must survive (name -> bytes).
 
@@ -139,6 +193,11 @@ def hostile_corpus() -> dict[str, bytes]:
         "escape.onnx": onnx_external_model("../../etc/passwd"),
         "absolute.onnx": onnx_external_model("/etc/passwd"),
         "lambda.keras": keras_zip(keras_lambda_config()),
+        "lambda-tfjs.json": tfjs_lambda(),
+        "lambda-wrapped-tfjs.json": tfjs_lambda(wrapped=True),
+        "escape-tfjs.json": tfjs_shard_path("../../../../etc/shadow"),
+        "absolute-tfjs.json": tfjs_shard_path("/etc/shadow"),
+        "pyfunc-tfjs.json": tfjs_graph("PyFunc"),
         "bad-varint.onnx": b"\x08" + b"\xff" * 12,
         "bomb.zip": zip_bytes({"b.bin": b"\0" * (80 << 20)}, compression=zipfile.ZIP_DEFLATED),
         "npy-header.npy": b"\x93NUMPY\x01\x00" + struct.pack("<H", 0xFFFF) + b"{",

@@ -1,0 +1,73 @@
+"""TensorFlow.js model.json files: graph ops that reach outside the model, and the weight shards.
+
+The Keras config of a Layers model (and anything else in the document that carries code) is judged
+by scan.keras.analyse_config before this runs; here: a graph model's ops, manifest paths held to the
+ONNX external-data rules (parse.paths), and each group's shards against the bytes its weights need,
+from their sizes only (a shard is never read). Standard library only; imported only for JSON files.
+"""
+from __future__ import annotations
+
+from modelkit.errors import ParseError
+from modelkit.parse import tfjs
+from modelkit.parse.paths import location_problem
+from modelkit.scan.model import Severity
+
+TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from typing import Any
+
+    from modelkit.scan.containers import Context
+
+# Ops a graph may hold that reach outside the model when a TensorFlow runtime runs it (a graph model
+# converted back with tfjs-to-tf, or read by TF tooling; TF.js itself has no kernel for them and refuses
+# to run them). A short list on purpose: the ones that run the loading process's Python, and the ones
+# that read, list or write files at a path the graph computes. Op -> what it does.
+RISKY_OPS = {
+    "PyFunc": "calls a Python function of the process that runs the graph (tf.py_func)",
+    "PyFuncStateless": "calls a Python function of the process that runs the graph (tf.numpy_function)",
+    "EagerPyFunc": "calls a Python function of the process that runs the graph (tf.py_function)",
+    "ReadFile": "reads a file at a path the graph computes",
+    "WriteFile": "writes a file at a path the graph computes",
+    "MatchingFiles": "lists files matching a pattern the graph computes",
+    "SaveV2": "writes a checkpoint at a path the graph computes",
+    "RestoreV2": "reads a checkpoint at a path the graph computes",
+    "MergeV2Checkpoints": "moves and deletes checkpoint files at paths the graph computes",
+    "ImmutableConst": "maps a file named in the graph into memory",
+}
+_MAX_OP_FINDINGS = 100
+
+
+def scan_model(doc: Any, ctx: Context, label: str) -> str:
+    """Judge a decoded TF.js model.json; returns a phrase for `examined`."""
+    sink = ctx.sink(label)
+    on_disk = ctx.depth == 0 and ctx.directory is not None
+    # Manifest paths first, from the raw document: an escape counts even when the rest does not parse.
+    for group, path in tfjs.declared_paths(doc):
+        problem = location_problem(path, ctx.directory if on_disk else None)
+        if problem is not None:
+            sink.add(Severity.DANGEROUS, "tfjs.path.escape",
+                     f"weightsManifest[{group}] names shard {path[:200]!r}, which {problem}", name=path[:200])
+    try:
+        model = tfjs.from_document(doc)
+    except ParseError as e:
+        sink.add(Severity.SUSPICIOUS, "tfjs.malformed", f"the model.json cannot be read as TF.js reads it: {e.reason}")
+        return "TF.js model.json, malformed"
+    flagged = 0
+    for node in model.nodes:
+        why = RISKY_OPS.get(node["op"])
+        if why is not None and flagged < _MAX_OP_FINDINGS:
+            flagged += 1
+            sink.add(Severity.DANGEROUS, "tfjs.graph.op", f"graph node {str(node.get('name'))[:80]!r} is a "
+                     f"{node['op']} op, which {why}", name=node["op"])
+    shards = sum(len(g.paths) for g in model.groups)
+    weights = sum(len(g.weights) for g in model.groups)
+    if on_disk:
+        for problem in tfjs.shard_problems(model, ctx.directory):
+            if problem.kind == "missing":
+                sink.add(Severity.SUSPICIOUS, "tfjs.shard.missing", problem.message, name=problem.path)
+            elif problem.kind == "size":
+                sink.add(Severity.SUSPICIOUS, "tfjs.shard.size", problem.message, name=problem.path)
+            # "escape" was reported above, from the document
+    nodes = f", {len(model.nodes)} graph nodes" if model.format == "graph-model" else ""
+    checked = "shard sizes checked" if on_disk else "shards not checked (not on disk)"
+    return f"TF.js {model.format}{nodes}, {weights} weights in {shards} shards, {checked}"
