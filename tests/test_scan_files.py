@@ -21,7 +21,7 @@ import torch
 
 from modelkit.models import build, load_model_module
 from modelkit.scan import Severity, scan
-from modelkit.testing.payloads import Reduce, safetensors_bytes, zip_bytes
+from modelkit.testing.payloads import Reduce, onnx_external_model, safetensors_bytes, zip_bytes
 
 SMALL = {"mlp": {}, "cnn": {"channels": [4, 8], "hidden": 16},
          "tinylm": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -318,3 +318,12 @@ def test_tensor_data_is_never_read(tmp_path, monkeypatch):
                         or original(buf, d, info, limit))
     _no_danger(scan(tmp_path / "big.pt"))
     assert not any("/data/" in name for name in read), read
+
+
+def test_a_folder_with_onnx_external_data_scans_clean(tmp_path):
+    """The external data file is raw bytes the ONNX model names: part of a clean folder scan."""
+    (tmp_path / "m.onnx").write_bytes(onnx_external_model("m.onnx.data", length=4))
+    (tmp_path / "m.onnx.data").write_bytes(bytes(range(16)) * 4)
+    report = scan(tmp_path)
+    assert report.errors == [], report.errors
+    assert {f.format for f in report.files} == {"onnx", "tensor data"}

@@ -319,3 +319,17 @@ def test_a_large_graph_model_is_not_a_limit_finding(tmp_path):
              for i in range(250_000)]                              # > 1M JSON values: the Keras walk's limit
     (tmp_path / "model.json").write_bytes(payloads.tfjs_model_json({"node": nodes}, fmt="graph-model"))
     _clean(scan(tmp_path / "model.json"))
+
+
+def test_a_folder_with_its_shards_scans_clean(tmp_path):
+    """Scanning the folder: the shards are raw bytes, accepted because model.json names them; a raw
+    file nobody names is still an error, and a pickle posing as a shard is still judged as one."""
+    _layers_model(tmp_path)
+    report = scan(tmp_path)
+    assert report.errors == [] and report.worst == Severity.SAFE
+    assert {f.format for f in report.files} == {"tfjs", "tensor data"}
+    (tmp_path / "stray.bin").write_bytes(bytes(range(256)) * 4)
+    assert [os.path.basename(e.path) for e in scan(tmp_path).errors] == ["stray.bin"]
+    (tmp_path / "stray.bin").unlink()
+    (tmp_path / "group1-shard1of1.bin").write_bytes(payloads.system_pickle("echo pwned"))
+    assert scan(tmp_path).worst == Severity.DANGEROUS

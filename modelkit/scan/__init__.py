@@ -73,11 +73,35 @@ def scan_paths(paths: Iterable[PathLike], *, recursive: bool = False, limits: Li
     if not files and not report.errors:
         report.errors.append(ScanError(path=", ".join(str(p) for p in paths) or ".",
                                        message="no files to scan (a scan that looks at nothing is not clean)"))
+    named: dict[str, str] = {}          # real path of a raw tensor-data file -> the model file that names it
     for done, file in enumerate(files, 1):
-        report.extend(scan_file(file, limits=limits))
+        one, data_files = _scan_file(file, limits=limits)
+        report.extend(one)
+        named.update((data, file) for data in data_files)
         if progress is not None:
             progress(done, len(files))
+    _accept_named_data(report, named)
     return report
+
+
+_UNRECOGNISED = "unrecognised content"
+
+
+def _accept_named_data(report: ScanReport, named: dict[str, str]) -> None:
+    """A file that is nothing but raw bytes ("unrecognised content") is not an error when a model in the
+    same scan names it as its tensor data (TF.js shards, ONNX external data): it was scanned by content
+    like every file (a pickle or archive there is judged as one), and the model's scan checked its size."""
+    if not named:
+        return
+    kept = []
+    for error in report.errors:
+        owner = named.get(os.path.realpath(error.path)) if error.message.startswith(_UNRECOGNISED) else None
+        if owner is None:
+            kept.append(error)
+        else:
+            report.files.append(ScannedFile(path=error.path, format="tensor data", examined=(
+                f"raw tensor bytes named by {owner}: no pickle, archive or code found in them",)))
+    report.errors[:] = kept
 
 
 def iter_files(path: PathLike, *, recursive: bool) -> tuple[list[str], str | None]:
@@ -107,6 +131,11 @@ def iter_files(path: PathLike, *, recursive: bool) -> tuple[list[str], str | Non
 
 def scan_file(path: PathLike, *, limits: Limits = Limits()) -> ScanReport:
     """Scan one file; never raises for what the file contains."""
+    return _scan_file(path, limits=limits)[0]
+
+
+def _scan_file(path: PathLike, *, limits: Limits) -> tuple[ScanReport, list[str]]:
+    """scan_file's report, and the raw tensor-data files the file names (real paths)."""
     report = ScanReport()
     display = os.fspath(path)
     ctx = Context(display=display, directory=os.path.dirname(os.path.realpath(display)), limits=limits,
@@ -124,19 +153,19 @@ def scan_file(path: PathLike, *, limits: Limits = Limits()) -> ScanReport:
                                       f"{_NO_PICKLE[fmt]} holds no pickle and no code; its header was checked")
     except ScanFailure as e:
         report.errors.append(ScanError(path=display, message=str(e)))
-        return report
+        return report, []
     except OSError as e:
         report.errors.append(ScanError(path=display, message=f"cannot be read ({e.strerror or e})"))
-        return report
+        return report, []
     except Exception as e:  # noqa: BLE001 - a scanner bug must fail closed, not pass a file as clean
         import logging  # here, not at the top: start-up time of `modelkit scan`
 
         logging.getLogger(__name__).debug("internal error scanning %s", display, exc_info=True)
         report.errors.append(ScanError(path=display, message=f"internal scanner error ({type(e).__name__}: {e})"))
-        return report
+        return report, []
     report.findings.extend(ctx.findings)
     report.files.append(ScannedFile(path=display, format=fmt, examined=tuple(ctx.examined)))
-    return report
+    return report, ctx.data_files
 
 
 def needs_trust(finding: Finding) -> bool:

@@ -52,7 +52,8 @@ class Context:
         deadline: time.monotonic() value after which walks stop with a limit finding.
     """
 
-    __slots__ = ("display", "directory", "limits", "deadline", "findings", "examined", "depth", "read_total")
+    __slots__ = ("display", "directory", "limits", "deadline", "findings", "examined", "depth", "read_total",
+                 "data_files")
 
     def __init__(self, *, display: str, directory: str | None, limits: Limits, deadline: float) -> None:
         self.display = display
@@ -63,6 +64,7 @@ class Context:
         self.examined: list[str] = []
         self.depth = 0                # archives inside archives, now
         self.read_total = 0           # member bytes read so far
+        self.data_files: list[str] = []   # raw tensor-data files the model names (real paths): TF.js shards, ONNX external data
 
     def sink(self, label: str, base: int = 0) -> Sink:
         return Sink(label, base, self.findings)

@@ -151,6 +151,7 @@ class _Walk:
         if self.ctx.directory is None:
             return
         target = os.path.join(self.ctx.directory, location)
+        self.ctx.data_files.append(os.path.realpath(target))
         try:
             size = os.stat(target).st_size
             offset = int(entries.get("offset", "0") or 0)

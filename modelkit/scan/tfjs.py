@@ -7,6 +7,8 @@ from their sizes only (a shard is never read). Standard library only; imported o
 """
 from __future__ import annotations
 
+import os
+
 from modelkit.errors import ParseError
 from modelkit.parse import tfjs
 from modelkit.parse.paths import location_problem
@@ -68,6 +70,9 @@ def scan_model(doc: Any, ctx: Context, label: str) -> str:
             elif problem.kind == "size":
                 sink.add(Severity.SUSPICIOUS, "tfjs.shard.size", problem.message, name=problem.path)
             # "escape" was reported above, from the document
+        ctx.data_files.extend(os.path.realpath(os.path.join(ctx.directory, path.replace("\\", "/")))
+                              for group in model.groups for path in group.paths
+                              if location_problem(path, ctx.directory) is None)
     nodes = f", {len(model.nodes)} graph nodes" if model.format == "graph-model" else ""
     checked = "shard sizes checked" if on_disk else "shards not checked (not on disk)"
     return f"TF.js {model.format}{nodes}, {weights} weights in {shards} shards, {checked}"
