@@ -152,8 +152,6 @@ _FROM_LLAMA_BLOCK = {g.removeprefix("blk.{n}."): h for h, g in _LLAMA_BLOCK_NAME
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-
-
 # ---------------------------------------------------------------------------------------- read
 
 

@@ -96,8 +96,6 @@ _ONNX_TYPES: dict[torch.dtype, int] = {v: k for k, v in _DTYPES.items()}
 _PACKED4: dict[int, torch.dtype] = {TensorProto.INT4: torch.int8, TensorProto.UINT4: torch.uint8}
 
 
-
-
 # ---------------------------------------------------------------- reading
 
 

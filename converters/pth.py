@@ -77,15 +77,13 @@ _DATA_MODULES = frozenset({
 })
 
 
-
-
-
 def _gate(path: Path, options: ReadOptions) -> str:
     """The scanner's gate: scan `path` before anything unpickles it; returns what it checked.
 
     Dangerous content is refused with UnsafeFileError(path, report) even with trust; content that
-    needs trust (a whole-module pickle, unknown classes) is refused without it. torch's
-    weights_only unpickler then reads the file: the scan is defence in depth, not a replacement.
+    needs trust (a whole-module pickle, unknown classes) is refused without it. modelkit's own
+    parser (parse.torch_format) then reads a weights-only file, and torch.load only a trusted
+    whole-object pickle: the scan is defence in depth, not a replacement.
     """
     from modelkit.scan import gate
 

@@ -54,8 +54,6 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
-
-
 class _File:
     """A file's tensors as views of one copy-on-write memory map (modelkit.storage.mapped)."""
 

@@ -61,7 +61,6 @@ _MAX_VISITS = 1_000_000                        # module paths walked (shared sub
 _DEPRECATED = r"`torch\.jit\.\w+` is deprecated"
 
 
-
 def _gate(path: Path, *, running_code: bool, trust: bool) -> str:
     """The scanner's gate: scan `path` before anything unpickles it; returns what it checked.
 

@@ -410,3 +410,24 @@ def test_torch_save_reader_sees_script_classes_as_opaque():
     assert isinstance(parsed.value, torch_format.Opaque) and parsed.value.what == "__torch__.m.M"
     script = torch_format.parse_script(payloads.torchscript_zip("x = 1\n", data_pkl=data))
     assert script.value.qualname == "__torch__.m.M" and script.value.state == {"a": 1}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_long_string_referred_to_many_times_is_decoded_once(tmp_path, layout, monkeypatch):
+    """2,000 memo references to one 1 MiB string: one decoded copy, not 2 GB; and the total of
+    distinct long strings is capped."""
+    meta = "x" * (1 << 20)
+    path = _save({"w": torch.ones(2), "meta": [meta] * 2000}, tmp_path / "m.pt", layout)
+    value = torch_format.read(path).value
+    assert value["meta"][0] == meta and len({id(s) for s in value["meta"]}) == 1
+    monkeypatch.setattr(torch_format, "_MAX_DECODED", 3 << 20)
+    path = _save({"w": torch.ones(2), "meta": ["a" * (1 << 20), "b" * (1 << 20), "c" * (1 << 20), "d" * (1 << 20)]},
+                 tmp_path / "n.pt", layout)
+    with pytest.raises(ParseError, match="long strings add up to more than"):
+        torch_format.read(path)
+
+
+def test_huge_dimensions_of_an_empty_tensor_are_refused():
+    with pytest.raises(ParseError, match="reaches past"):
+        torch_format._ints((0, 2**62, 2**62), "size", 0)
+    assert torch_format._ints((0, 2**20, 3), "size", 0) == (0, 2**20, 3)

@@ -19,9 +19,9 @@ from modelkit.cli.logs import configure_logging
 from modelkit.cli.options import JSON_META_KEY, output_options
 from modelkit.errors import ModelkitError
 
-# Packages of the optional extras (pyproject.toml) -> the extra that installs them.
-EXTRAS = {"torch": "torch", "onnx": "onnx", "onnxruntime": "onnx", "onnxscript": "onnx", "h5py": "hdf5",
-          "gguf": "gguf", "matplotlib": "plot"}
+# Packages of the optional extras (pyproject.toml) -> the extra that installs them; the slim install's own.
+CORE = ("numpy", "safetensors", "gguf", "h5py", "click")
+EXTRAS = {"torch": "torch", "onnx": "onnx", "onnxruntime": "onnx", "onnxscript": "onnx", "matplotlib": "plot"}
 
 EXIT_OK = 0
 EXIT_UNSAFE = 1
@@ -83,10 +83,14 @@ class LazyGroup(click.Group):
             _report(ctx, e)
             ctx.exit(EXIT_ERROR)
         except ModuleNotFoundError as e:    # a slim install: the command reached code that needs an extra
-            if e.name is None or e.name.partition(".")[0] not in EXTRAS:
+            package = (e.name or "").partition(".")[0]
+            if package in CORE:
+                fix = "it is part of every install: reinstall modelkit (pip install --force-reinstall modelkit)"
+            elif package in EXTRAS:
+                fix = f"pip install 'modelkit[{EXTRAS[package]}]'"
+            else:
                 raise
-            _report(ctx, e, f"this needs {e.name.partition('.')[0]!r}, which is not installed: "
-                            f"pip install 'modelkit[{EXTRAS[e.name.partition('.')[0]]}]'")
+            _report(ctx, e, f"this needs {package!r}, which is not installed: {fix}")
             ctx.exit(EXIT_ERROR)
         except OSError as e:        # the system's refusal (a full disk, a file size limit, permissions)
             _report(ctx, e, f"{e.filename}: {e.strerror}" if e.filename and e.strerror

@@ -78,6 +78,8 @@ _SMALL_RECORD = 1 << 16        # byteorder, version: tiny records
 _MAX_DEPTH = 200               # nesting of the object's containers; real checkpoints have a handful
 _MAX_DIMS = 64                 # numpy's limit
 _MAX_EXPANDED = 1 << 30        # bytes a view that repeats its storage (stride 0) may expand to when read
+_MAX_ELEMENTS = 1 << 48        # any dimension, and the product of the non-zero ones (an empty tensor too)
+_DEFLATE_RATIO = 1032          # deflate's largest expansion: a record claiming more is refused unread
 _PROTOCOL_VERSION = 1001       # torch/serialization.py PROTOCOL_VERSION (legacy stream)
 # Python 2 and old torch module names, as the unpickler's fix_imports and torch's load_module_mapping map them.
 _RENAMED = {"__builtin__": "builtins", "copy_reg": "copyreg", "torch.tensor": "torch._tensor"}
@@ -312,6 +314,11 @@ def _ints(value: Any, what: str, at: int) -> tuple[int, ...]:
         raise ParseError(f"a tensor with {len(value)} dimensions (at most {_MAX_DIMS} are read)", offset=at)
     if any(v < 0 for v in value):
         raise ParseError(f"a tensor's {what} {list(value)} has a negative entry", offset=at)
+    product = 1
+    for v in value:           # an empty tensor's other dimensions are checked too: numpy refuses them later
+        product *= max(v, 1)
+        if product > _MAX_ELEMENTS:
+            raise ParseError(f"a tensor's {what} {list(value)[:8]} reaches past {_MAX_ELEMENTS} elements", offset=at)
     return value
 
 
@@ -515,11 +522,13 @@ _SCRIPT_CALLS = {f"torch.jit._pickle.{name}": _Rebuilder.first_argument for name
 
 
 # How a long argument (parse.pickle's Blob) decodes, by its kind: what the unpickler would make of it.
+_DECODED = "decoded bytes"      # a key of _plain's `seen` (ids are ints): the long-string budget used so far
+_MAX_DECODED = 64 << 20         # bytes of long strings (metadata JSON) one pickle may decode in all
 _TEXT_DECODERS = {"str": lambda raw: raw.decode("utf-8", "surrogatepass"), "latin1": lambda raw: raw.decode("latin-1"),
                   "bytes": bytes}
 
 
-def _plain(value: Any, seen: dict[int, Any], depth: int = 0, buf: Any = None) -> Any:
+def _plain(value: Any, seen: dict[Any, Any], depth: int = 0, buf: Any = None) -> Any:
     """The walk's symbolic values as plain Python ones (shared containers stay shared)."""
     if isinstance(value, (str, int, float, bytes, TensorRecord, Opaque, Device)) or value is None:
         return value
@@ -565,11 +574,18 @@ def _plain(value: Any, seen: dict[int, Any], depth: int = 0, buf: Any = None) ->
         return Opaque(f"{value.module}.{value.name}", "global")
     if isinstance(value, Blob):     # a long string (metadata JSON) or bytes value: read now, within the pickle's bound
         if buf is not None and value.offset is not None and value.kind in _TEXT_DECODERS:
+            # Decoded once however often the pickle refers to it (memo GETs), within a total budget:
+            # a few bytes of GETs must not make many copies of one long string.
+            seen[_DECODED] = seen.get(_DECODED, 0) + value.size
+            if seen[_DECODED] > _MAX_DECODED:
+                raise ParseError(f"the pickle's long strings add up to more than {_MAX_DECODED} bytes",
+                                 offset=value.offset)
             raw = bytes(buf[value.offset:value.offset + value.size])
             try:
-                return _TEXT_DECODERS[value.kind](raw)
+                out = seen[id(value)] = _TEXT_DECODERS[value.kind](raw)
             except UnicodeDecodeError:
                 raise ParseError("invalid UTF-8 in a string value", offset=value.offset) from None
+            return out
         return Opaque(f"a {value.size}-byte string or bytes value", "argument")
     if isinstance(value, Obj):
         what = f"{value.origin.module}.{value.origin.name}" if value.origin else f"a {value.kind} value"
@@ -662,6 +678,9 @@ class TorchFile:
         if self._inflated is not None and self._inflated[0] == key:
             return self._inflated[1]
         entry = record.entry
+        if entry.file_size > _DEFLATE_RATIO * entry.compress_size + 64:
+            raise self._error(f"storage record data/{key} claims {entry.file_size} bytes from {entry.compress_size} "
+                              "compressed ones, more than deflate can give; refusing to inflate it")
         raw = self._buf[record.start:record.start + entry.compress_size]
         try:
             data = zlib.decompressobj(-15).decompress(raw, entry.file_size + 1)
@@ -669,6 +688,7 @@ class TorchFile:
             raise self._error(f"storage record data/{key} has corrupt deflate data ({e})") from None
         if len(data) != entry.file_size or zlib.crc32(data) != entry.CRC:
             raise self._error(f"storage record data/{key} does not match its size or CRC-32 in the zip directory")
+        data = bytearray(data)    # writable, as the mapped records are: torch.from_numpy takes it without a warning
         self._inflated = (key, data)
         return data
 

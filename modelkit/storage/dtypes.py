@@ -68,6 +68,12 @@ _ALL = (
     DType("float32", "F32", "<f4", floating=True), DType("float64", "F64", "<f8", floating=True),
     DType("float8_e4m3fn", "F8_E4M3", "u1", floating=True, exact=False),
     DType("float8_e5m2", "F8_E5M2", "u1", floating=True, exact=False),
+    # Types numpy and safetensors lack, kept as their raw bits (HDF5, GGUF as raw bytes, npz, torch's files).
+    DType("float8_e4m3fnuz", None, "u1", floating=True, exact=False),
+    DType("float8_e5m2fnuz", None, "u1", floating=True, exact=False),
+    DType("float8_e8m0fnu", None, "u1", floating=True, exact=False),
+    DType("float4_e2m1fn_x2", None, "u1", exact=False),            # two 4-bit values per byte
+    DType("complex32", None, "<u4", exact=False),
     DType("complex64", None, "<c8"), DType("complex128", None, "<c16"),
 )
 DTYPES: dict[str, DType] = {d.name: d for d in _ALL}
@@ -100,7 +106,10 @@ def as_dtype(value: Any) -> DType:
             raise ValueError(f"unknown dtype {value!r}")
         return found
     if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
-        return DTYPES[str(value).removeprefix("torch.")]
+        name = str(value).removeprefix("torch.")
+        if name not in DTYPES:
+            raise ValueError(f"torch's {name} has no modelkit dtype; known: {', '.join(DTYPES)}")
+        return DTYPES[name]
     found = _BY_NUMPY.get(np.dtype(value))
     if found is None:
         raise ValueError(f"numpy dtype {value!r} has no modelkit dtype")
@@ -144,8 +153,8 @@ def to_numpy(tensor: Any) -> np.ndarray:
         return tensor.numpy()
     import torch
 
-    raw = torch.uint16 if dtype.itemsize == 2 else torch.uint8
-    return tensor.view(raw).numpy()
+    raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]     # same width: 0-d tensors view too
+    return tensor.view(raw).numpy().view(dtype.numpy)
 
 
 def contiguous(array: np.ndarray) -> np.ndarray:
@@ -168,17 +177,35 @@ def narrow_float32(array: np.ndarray, dtype: DType) -> np.ndarray:
 
 
 def cast_float(array: np.ndarray, source: DType, target: DType) -> np.ndarray:
-    """Floating-point stored bits of `source` -> stored bits of `target`, rounding to nearest even as torch does."""
+    """Floating-point stored bits of `source` -> stored bits of `target`: the bits torch's `.to()` gives.
+
+    Values round to nearest even as torch does (float64 goes through float32 first, as torch's
+    kernels do, which rounds twice on the way to float16 and bfloat16); overflow gives infinity.
+    A NaN stays a NaN, with the bits of torch 2.13's vectorized path (torch's own NaN bits vary with
+    where an element falls in its vector loop). Checked against torch for every pair of float32,
+    float16, bfloat16 and float64, as arrays and 0-d, in tests/test_torch_free.py.
+    """
     if source is target:
         return array
     if not (source.exact or source.name == "bfloat16") or not (target.exact or target.name == "bfloat16"):
         raise ValueError(f"no numpy cast from {source} to {target}")
-    values = widen_to_float32(array, source) if source.name in ("bfloat16", "float16") else array
-    if target.name != "bfloat16":
-        return values.astype(target.numpy)
-    bits = contiguous(values.astype(np.float32, copy=False)).view(np.uint32)
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    rounded = bits + (0x7FFF + ((bits >> 16) & 1))            # round to nearest, ties to even
-    out = (rounded >> 16).astype(np.uint16)
-    # NaN as torch 2.x writes it, whatever the sign: 0xFFFF from float32 (its vectorized path), 0x7FC0 via float16
-    return np.where(nan, np.uint16(0x7FC0 if source.name == "float16" else 0xFFFF), out)
+    scalar = array.ndim == 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        if source.name in ("bfloat16", "float16"):
+            values = widen_to_float32(array, source)
+        elif source.name == "float64" and target.name != "float32":
+            values = array.astype(np.float32)
+        else:
+            values = array
+        if target.name != "bfloat16":
+            out = values.astype(target.numpy)
+            if scalar and source.name == "float16" and target.name == "float32" and np.isnan(out):
+                out = np.array(0x7FFFFFFF, dtype=np.uint32).view(np.float32)     # torch's scalar path
+            return out
+        bits = contiguous(values.astype(np.float32, copy=False)).view(np.uint32)
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        rounded = bits + (0x7FFF + ((bits >> 16) & 1))            # round to nearest, ties to even
+        out = (rounded >> 16).astype(np.uint16)
+    # NaN, whatever its sign: 0xFFFF from float32/float64 arrays (torch's vectorized path), 0x7FC0 from
+    # float16 and from 0-d tensors (its scalar path)
+    return np.where(nan, np.uint16(0x7FC0 if source.name == "float16" or scalar else 0xFFFF), out)
