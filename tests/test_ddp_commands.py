@@ -3,37 +3,23 @@ CPU processes: every rank trains, rank 0 alone writes the output and prints one 
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 
 import pytest
 
 from modelkit.api import load_module
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), "-m", "modelkit", *args, "--json"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.slow
 @pytest.mark.xdist_group("torchrun")        # one torchrun job at a time: ports and cores
 @pytest.mark.parametrize("command", ["prune", "quantize"])
-def test_training_commands_under_torchrun_write_and_print_once(trained_mlp, tmp_path, command):
+def test_training_commands_under_torchrun_write_and_print_once(trained_mlp, tmp_path, command, torchrun):
     dst = tmp_path / "out.safetensors"
     if command == "prune":
-        result = _torchrun("prune", str(trained_mlp), str(dst), "--method", "magnitude", "--sparsity", "0.5",
-                           "--finetune-epochs", "1", "--device", "cpu")
+        result = torchrun("prune", str(trained_mlp), str(dst), "--method", "magnitude", "--sparsity", "0.5",
+                          "--finetune-epochs", "1", "--device", "cpu", "--json", "--force", timeout=300)
     else:
-        result = _torchrun("quantize", str(trained_mlp), str(dst), "--scheme", "int8", "--qat", "--epochs", "1")
+        result = torchrun("quantize", str(trained_mlp), str(dst), "--scheme", "int8", "--qat", "--epochs", "1",
+                          "--json", "--force", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     doc = json.loads(result.stdout)                      # exactly one document: only rank 0 prints
     assert doc["ok"] is True

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -123,20 +120,12 @@ def test_bad_train_config_is_a_config_error(field, value):
         TrainConfig(**{field: value})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("torchrun")        # one torchrun job at a time: ports and cores
-def test_ddp_with_two_cpu_processes_reaches_the_cnn_bar(tmp_path):
+def test_ddp_with_two_cpu_processes_reaches_the_cnn_bar(tmp_path, torchrun):
     out = tmp_path / "ddp"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               "-m", "modelkit", "train", "cnn", "--out", str(out), "--device", "cpu", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    result = torchrun("train", "cnn", "--out", str(out), "--device", "cpu", "--json", "--force")
     assert result.returncode == 0, result.stderr[-3000:]
     doc = json.loads(result.stdout)                    # one document: only rank 0 prints
     assert doc["ok"] and doc["model"] == "cnn"
