@@ -1,6 +1,7 @@
 """The HDF5 converter: lossless `modelkit` group, Keras layouts judged by Keras 3, hostile files refused."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -423,3 +424,21 @@ def test_plain_file_reads_converted_to_native_byte_order(tmp_path):
     ckpt = modelkit.load(_plain_keras_like_file(tmp_path / "plain.h5"))
     assert ckpt.tensors["layers/dense_1/vars/0"].load().tolist() == [[0, 1], [2, 3], [4, 5]]
     assert ckpt.tensors["layers/dense_1/vars/0"].dtype == torch.float64
+
+
+@pytest.mark.parametrize(("name", "config"), KERAS_CASES, ids=["mlp", "mlp-small", "cnn", "cnn-small"])
+def test_the_models_keras_json_loads_in_keras_with_our_weights(keras, name, config, tmp_path):
+    """KerasLayout.keras_json() is the architecture Keras's own model_from_json builds; with the
+    .weights.h5 modelkit writes, the pair predicts what torch does (the layout HDF5 and TF.js share)."""
+    model = build(name, config, seed=0).eval()
+    path = modelkit.save(Checkpoint.from_module(model), tmp_path / f"{name}.weights.h5")
+    layout = load_model_module(name).keras_layers(config_from_dict(name, config))
+    net = keras.models.model_from_json(json.dumps(layout.keras_json()))
+    assert len(net.layers) == len(layout.layers)
+    net.load_weights(str(path))
+    inputs = load_model_module(name).example_inputs(8)
+    with torch.no_grad():
+        expected = model(inputs).numpy()
+    keras_inputs = inputs.permute(0, 2, 3, 1) if name == "cnn" else inputs
+    got = keras.ops.convert_to_numpy(net(keras_inputs.numpy(), training=False))
+    assert np.abs(got - expected).max() <= KERAS_ATOL

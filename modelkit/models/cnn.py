@@ -95,24 +95,27 @@ def example_inputs(batch_size: int = 4, *, seed: int = 0) -> torch.Tensor:
     return torch.rand(batch_size, 1, 8, 8, generator=torch.Generator().manual_seed(seed))
 
 
-def _conv(name: str) -> KerasLayer:
-    return KerasLayer("conv2d", (KerasWeight(f"{name}.weight", "kernel", "conv_kernel"), KerasWeight(f"{name}.bias", "bias")))
+def _conv(name: str, filters: int) -> KerasLayer:
+    return KerasLayer("conv2d", (KerasWeight(f"{name}.weight", "kernel", "conv_kernel"), KerasWeight(f"{name}.bias", "bias")),
+                      {"filters": filters, "kernel_size": [3, 3], "padding": "same", "activation": "relu"})
 
 
 def keras_layers(config: CNNConfig) -> KerasLayout:
     """Conv2D, Conv2D, MaxPooling2D, Flatten, Dense, Dense (channels_last)."""
     c1, c2 = config.channels
     side = 4                                        # 8x8 images, one 2x2 pool
-    layers = (_conv("conv1"), _conv("conv2"), KerasLayer("max_pooling2d"), KerasLayer("flatten"),
+    layers = (_conv("conv1", c1), _conv("conv2", c2), KerasLayer("max_pooling2d", config={"pool_size": [2, 2]}),
+              KerasLayer("flatten"),
               KerasLayer("dense", (KerasWeight("fc1.weight", "kernel", "dense_after_flatten", (c2, side, side)),
-                                   KerasWeight("fc1.bias", "bias"))),
-              KerasLayer("dense", (KerasWeight("fc2.weight", "kernel", "dense_kernel"), KerasWeight("fc2.bias", "bias"))))
+                                   KerasWeight("fc1.bias", "bias")), {"units": config.hidden, "activation": "relu"}),
+              KerasLayer("dense", (KerasWeight("fc2.weight", "kernel", "dense_kernel"), KerasWeight("fc2.bias", "bias")),
+                         {"units": config.num_classes, "activation": "linear"}))
     return KerasLayout(layers, (
         f"Sequential([Input(({2 * side}, {2 * side}, 1)), "
         f"Conv2D({c1}, 3, padding='same', activation='relu'), "
         f"Conv2D({c2}, 3, padding='same', activation='relu'), MaxPooling2D(2), Flatten(), "
         f"Dense({config.hidden}, activation='relu'), Dense({config.num_classes})]) "
-        "channels_last: images go in as (B, H, W, 1)"))
+        "channels_last: images go in as (B, H, W, 1)"), (2 * side, 2 * side, 1))
 
 
 def onnx_axes(config: CNNConfig) -> dict[int, Axis]:

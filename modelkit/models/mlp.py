@@ -77,10 +77,12 @@ def keras_layers(config: MLPConfig) -> KerasLayout:
     """Sequential([Input((in,)), Dense(h, activation='relu'), ..., Dense(classes)]): net.0, net.2, ..."""
     widths = (*config.hidden, config.num_classes)
     layers = tuple(KerasLayer("dense", (KerasWeight(f"net.{2 * i}.weight", "kernel", "dense_kernel"),
-                                        KerasWeight(f"net.{2 * i}.bias", "bias")))
-                   for i in range(len(widths)))
+                                        KerasWeight(f"net.{2 * i}.bias", "bias")),
+                              {"units": width, "activation": "relu" if i < len(config.hidden) else "linear"})
+                   for i, width in enumerate(widths))
     described = [f"Dense({w}, activation='relu')" for w in config.hidden] + [f"Dense({config.num_classes})"]
-    return KerasLayout(layers, f"Sequential([Input(({config.in_features},)), {', '.join(described)}])")
+    return KerasLayout(layers, f"Sequential([Input(({config.in_features},)), {', '.join(described)}])",
+                       (config.in_features,))
 
 
 def onnx_axes(config: MLPConfig) -> dict[int, Axis]:

@@ -18,7 +18,7 @@ The names every model module defines (`PLUGIN_NAMES`; None where a model has no 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # A plugin's TASK and TRAINING are built from these (they import torch, so they load on first use:
@@ -60,20 +60,46 @@ class KerasWeight:
     flatten: tuple[int, int, int] | None = None
 
 
+# Keras class of each layer kind (KerasLayer.kind is the class in snake case, as Keras names layers).
+KERAS_CLASSES = {"dense": "Dense", "conv2d": "Conv2D", "max_pooling2d": "MaxPooling2D", "flatten": "Flatten",
+                 "average_pooling2d": "AveragePooling2D", "dropout": "Dropout", "activation": "Activation"}
+
+
 @dataclass(frozen=True)
 class KerasLayer:
-    """One Keras layer: its class in snake case ("dense", "conv2d", "max_pooling2d", "flatten") and weights."""
+    """One Keras layer: its class in snake case ("dense", "conv2d", "max_pooling2d", "flatten"), weights,
+    and the arguments Keras builds it with, as its config JSON spells them ({"units": 16,
+    "activation": "relu"}); Keras fills in its defaults for the rest."""
 
     kind: str
     weights: tuple[KerasWeight, ...] = ()
+    config: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
 class KerasLayout:
-    """The Keras Sequential a model equals: its layers in order and how to build it, for the file's note."""
+    """The Keras Sequential a model equals: its layers in order, its input shape (without the batch
+    axis, channels_last) and how to build it, for the file's note."""
 
     layers: tuple[KerasLayer, ...]
     description: str
+    input_shape: tuple[int, ...] = ()
+
+    def keras_json(self, name: str = "sequential") -> dict[str, Any]:
+        """The model's architecture as Keras 3's `model.to_json()` writes it: `keras.models.model_from_json`
+        builds it, and its layer names (dense, dense_1, conv2d, ...) are the ones the HDF5 converter's
+        `.weights.h5` layout uses, so `load_weights` fills it."""
+        counts: dict[str, int] = {}
+        layers = [{"module": "keras.layers", "class_name": "InputLayer", "registered_name": None,
+                   "config": {"batch_shape": [None, *self.input_shape], "dtype": "float32", "sparse": False,
+                              "name": "input_layer"}}]
+        for layer in self.layers:
+            n = counts[layer.kind] = counts.get(layer.kind, -1) + 1
+            layers.append({"module": "keras.layers", "class_name": KERAS_CLASSES[layer.kind], "registered_name": None,
+                           "config": {"name": layer.kind if n == 0 else f"{layer.kind}_{n}", "trainable": True,
+                                      "dtype": "float32", **layer.config}})
+        return {"module": "keras", "class_name": "Sequential", "registered_name": None,
+                "config": {"name": name, "trainable": True, "dtype": "float32", "layers": layers}}
 
 
 @dataclass(frozen=True)
