@@ -55,7 +55,7 @@ from gguf import (
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.metadata import META_PREFIX, TENSORS_KEY, json_object
+from modelkit.metadata import META_PREFIX, TENSORS_KEY, tied_names
 from modelkit.parse import gguf as gguf_header
 from modelkit.parse.detect import gguf as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage.dtypes import DTYPES, DType, dtype_name, narrow_float32, widen_to_float32
@@ -183,7 +183,8 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         metadata = {k.removeprefix(_KEYS.META_PREFIX): v for k, v in fields.items()
                     if k.startswith(_KEYS.META_PREFIX) and isinstance(v, str)}
         arch = ArchSpec.from_json(fields[_KEYS.ARCH], source=path) if isinstance(fields.get(_KEYS.ARCH), str) else None
-        _restore_aliases(path, tensors, metadata)
+        for alias, target in tied_names(path, metadata, tensors).items():
+            tensors.setdefault(alias, tensors[target])
     else:   # a file from another tool: its scalar metadata as text, and a tinylm spec if it is one
         metadata = {k: str(v) for k, v in fields.items()}
         arch = _tinylm_spec(fields, tensors) if llama else None
@@ -297,15 +298,6 @@ def _load(mapped: MappedFile, span: tuple[int, int], ggml_type: GGMLQuantization
     array = array.reshape(shape)        # sizes were checked against the header when the file was opened
     return array if n_heads is None else _from_llama_rope(array, n_heads)
 
-
-def _restore_aliases(path: Path, tensors: dict[str, Any], metadata: dict[str, str]) -> None:
-    aliases = json_object(path, ALIASES_KEY, metadata.get(ALIASES_KEY, "{}"), what="map names to names")
-    for alias, target in aliases.items():
-        if alias in tensors:
-            continue
-        if not isinstance(target, str) or target not in tensors:
-            raise FormatError(path, f"tied tensor {alias!r} points to {target!r}, which is not in the file")
-        tensors[alias] = tensors[target]
 
 
 def _layout(name: str) -> Any:

@@ -57,7 +57,7 @@ import numpy as np
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.metadata import NPZ_LAYOUT, NPZ_MEMBER, json_object
+from modelkit.metadata import NPZ_LAYOUT, NPZ_MEMBER, tied_names
 from modelkit.parse import npy, zipdir
 from modelkit.parse import npz as npz_members
 from modelkit.parse.detect import npz as detect  # noqa: F401  (the converter's detect)
@@ -105,7 +105,10 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     unknown = sorted(set(dtypes) - set(tensors))
     if unknown:
         raise FormatError(path, f"{MEMBER} gives the dtype of {unknown[0]!r}, which the archive does not hold")
-    _restore_aliases(path, tensors, metadata)
+    for alias, target in tied_names(path, metadata, tensors).items():
+        if alias in tensors:
+            raise FormatError(path, f"tied tensor {alias!r} is also stored as an array of its own")
+        tensors[alias] = tensors[target]
     arch_json = metadata.pop(ARCH_KEY, None)
     arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
     return quantized_layout.group(path, Checkpoint(tensors=tensors, metadata=metadata, arch=arch))
@@ -221,17 +224,6 @@ def _copy(path: Path, member: npz_members.Member, stored: np.dtype, dtype: DType
         out.byteswap(inplace=True)                        # big-endian bits -> little-endian bits, exactly
     return out.view(dtype.numpy)
 
-
-def _restore_aliases(path: Path, tensors: dict[str, LazyTensor], metadata: dict[str, str]) -> None:
-    raw = metadata.get(ALIASES_KEY)
-    if raw is None:
-        return
-    aliases = json_object(path, ALIASES_KEY, raw, what="map names to names")
-    for alias, target in aliases.items():
-        if not isinstance(target, str) or target not in tensors or alias in tensors:
-            raise FormatError(path, f"tied tensor {alias!r} points to {target!r}, which is not an array of the file "
-                                    "(or the name is stored itself)")
-        tensors[alias] = tensors[target]
 
 
 # ---------------------------------------------------------------------------------------------

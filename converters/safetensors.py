@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.metadata import json_object
+from modelkit.metadata import tied_names
 from modelkit.parse import safetensors as safetensors_header
 from modelkit.parse.detect import safetensors as detect  # noqa: F401  (the converter's detect)
 from modelkit.parse.paths import plain_name_problem
@@ -101,22 +101,12 @@ def _read_file(path: Path, *, group: bool = True) -> Checkpoint:
         begin, end = offsets[name]
         tensors[name] = LazyTensor(dtype, shape, lambda name=name, dtype=dtype, shape=shape: handle.get(name, dtype, shape),
                                    f"{path}:{name}", span=FileSpan(path, 8 + length + begin, end - begin))
-    _restore_aliases(path, tensors, metadata)
+    tensors.update({alias: tensors[target] for alias, target in tied_names(path, metadata, tensors).items()})
     arch_json = metadata.pop(ARCH_KEY, None)
     arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
     ckpt = Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
     return _group_quantized(path, ckpt) if group else ckpt
 
-
-def _restore_aliases(path: Path, tensors: dict[str, LazyTensor], metadata: dict[str, str]) -> None:
-    raw = metadata.get(ALIASES_KEY)
-    if raw is None:
-        return
-    aliases = json_object(path, ALIASES_KEY, raw, what="map names to names")
-    for alias, target in aliases.items():
-        if not isinstance(target, str) or target not in tensors:
-            raise FormatError(path, f"tied tensor {alias!r} points to {target!r}, which is not in the file")
-        tensors[alias] = tensors[target]
 
 
 def _read_sharded(path: Path) -> Checkpoint:

@@ -5,6 +5,7 @@ oversized entry. The key values are on disk in files already written: never chan
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +53,17 @@ def json_object(path: Path | str, key: str, raw: str, *, what: str, limit: int |
     if not isinstance(value, dict):
         raise FormatError(path, f"the {key} entry must {what}")
     return value
+
+
+def tied_names(path: Path | str, metadata: dict[str, str], names: Iterable[str]) -> dict[str, str]:
+    """The tied tensors a file records under ALIASES_KEY (alias -> stored name); FormatError naming the
+    file when the entry is not such a map or names a tensor the file does not store."""
+    raw = metadata.get(ALIASES_KEY)
+    if raw is None:
+        return {}
+    aliases = json_object(path, ALIASES_KEY, raw, what="map names to names")
+    stored = set(names)
+    for alias, target in aliases.items():
+        if not isinstance(target, str) or target not in stored:
+            raise FormatError(path, f"tied tensor {alias!r} points to {target!r}, which is not in the file")
+    return aliases

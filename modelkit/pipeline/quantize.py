@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from modelkit import schemes
 from modelkit.checkpoint import METRICS_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, instantiate
 from modelkit.errors import ConfigError
+from modelkit.formats import FORMATS, ReadOptions, WriteOptions, detect_format, format_for_output, load_format
 from modelkit.metadata import QUANT_KEY
 from modelkit.pipeline.quantize_weights import checkpoint_stats, is_block_scheme, quantize_weights
 from modelkit.pipeline.reports import QuantizeReport
@@ -132,8 +133,6 @@ def _load_float(src: PathLike | nn.Module, *, source_format: str | None = None, 
 
     if not isinstance(src, (str, os.PathLike)):
         return src.eval(), {"path": None, "module": type(src).__name__}, {}
-    from modelkit.formats import detect_format
-
     path = Path(src)
     fmt = source_format or detect_format(path)
     ckpt = load(path, format=fmt, trust=trust, key=key)
@@ -153,7 +152,6 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
 
     Returns (target info, verification result).
     """
-    from modelkit.formats import FORMATS, ReadOptions, WriteOptions, format_for_output, load_format
     from modelkit.testing import compare_outputs
 
     dst = Path(dst)
@@ -252,7 +250,7 @@ def quantize(
                              latency=latency, verify=verify, force=force, reference=reference)
     config = make_config(scheme, group_size=group_size, skip=skip)
     weights_only = (isinstance(src, (str, os.PathLike)) and dst is not None and is_block_scheme(config) and arch is None
-                    and not (qat or evaluate or latency) and _output_format(dst, format) == "gguf")
+                    and not (qat or evaluate or latency) and format_for_output(dst, format) == "gguf")
     if weights_only:        # no model needed, unless the file names one (then the model picks its layers)
         report = quantize_weights(src, dst, config=config, source_format=source_format, trust=trust, key=key,
                                   force=force, verify=verify, progress=progress)
@@ -291,12 +289,6 @@ def quantize(
     return report
 
 
-def _output_format(dst: PathLike, format: str | None) -> str:
-    from modelkit.formats import format_for_output
-
-    return format_for_output(dst, format)
-
-
 def measure_float(model: nn.Module, *, evaluate: bool = True, latency: bool = True) -> dict[str, Any]:
     """The float model's metric and latency, for comparison with each scheme."""
     from modelkit.models import load_model_module
@@ -333,8 +325,6 @@ def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], fo
     Files are `out_dir/<scheme>.<suffix>`; `options` go to `quantize` (group_size, skip, qat, ...).
     `schemes_done(done, total)` is called after each scheme (the CLI's progress display).
     """
-    from modelkit.formats import FORMATS
-
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     reference = None

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from modelkit.checkpoint import Checkpoint
+from modelkit.checkpoint import Checkpoint, LazyTensor, QuantizedTensor, instantiate
 from modelkit.errors import ConfigError, VerificationError
-from modelkit.storage.dtypes import dtype_name, widen_to_float32
+from modelkit.storage.dtypes import dtype_name, to_numpy, widen_to_float32
 
 if TYPE_CHECKING:        # weights are verified without torch; graphs import it where they run
     import torch
@@ -77,20 +77,14 @@ def verify_weights(expected: Checkpoint, written: Checkpoint, *, label: str) -> 
 
 
 def _both_quantized(a: Any, b: Any) -> bool:
-    from modelkit.storage.tensors import QuantizedTensor
-
     return (isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor)
             and (a.scheme, a.layout, dict(a.params)) == (b.scheme, b.layout, dict(b.params)))
 
 
 def _stored(entry: Any) -> np.ndarray:
     """What is compared: a LazyTensor's bits; a QuantizedTensor's dequantized values (as before)."""
-    from modelkit.storage.tensors import LazyTensor
-
     if isinstance(entry, LazyTensor):
         return entry.array()
-    from modelkit.storage.dtypes import to_numpy
-
     return to_numpy(entry.load())
 
 
@@ -143,8 +137,6 @@ def reference_module(ckpt: Checkpoint, *, target: str) -> nn.Module | None:
     """The module a graph written from `ckpt` must agree with: rebuilt from its ArchSpec in the
     checkpoint's float dtype. None when no output check applies: no ArchSpec, quantized tensors
     (their own check rebuilds the quantized model), or float tensors of mixed dtypes."""
-    from modelkit.checkpoint import QuantizedTensor, instantiate
-
     dtypes = {t.dtype for t in ckpt.tensors.values() if t.dtype.is_floating_point}
     if ckpt.arch is None or len(dtypes) > 1 or any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
         return None
