@@ -112,7 +112,9 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int
         raise ConfigError("--scheme needs at least one scheme name")
     options = {"group_size": group_size, "skip": skip, "qat": qat, "epochs": epochs, "steps": steps, "lr": lr,
                "verify": verify, "source_format": source_format, "trust": trust, "key": key, "arch": arch}
-    with Progress("qat", enabled=qat and not as_json) as progress, \
+    # QAT shows its training; a weight file quantized to GGUF without a model, the bytes written
+    with Progress("qat" if qat else "quantize", enabled=(qat or len(names) == 1) and not as_json,
+                  unit="" if qat else "bytes") as progress, \
             Progress("schemes", enabled=len(names) > 1 and not qat and not as_json) as schemes_done:
         if len(names) == 1:
             reports = [run_quantize(src, dst, scheme=names[0], format=to, evaluate=evaluate, force=force,

@@ -224,7 +224,8 @@ def quantize(
         verify: Read the written file back and check it rebuilds the same model.
         force: Overwrite `dst`.
         reference: Float metric and latency measured earlier (comparison runs measure them once).
-        progress: QAT training progress callback.
+        progress: QAT training progress callback; for a weight file quantized to GGUF without a
+            model (quantize_weights), called with (bytes written, total) instead.
         source_format, trust, key, arch: how to read `src`, as for `load_module`.
 
     Returns:

@@ -114,5 +114,6 @@ def _with_progress(ckpt: Checkpoint, progress: ProgressFn | None) -> Checkpoint:
         span = None if t.span is None else replace(t.span, copied=advance)     # copied file to file: counted there
         return LazyTensor(t.dtype, t.shape, read, t.source, span=span)
 
-    tensors = {n: wrap(t) if isinstance(t, LazyTensor) else t for n, t in ckpt.tensors.items()}
+    tensors = {n: wrap(t) if isinstance(t, LazyTensor) else replace(t, parts={k: wrap(p) for k, p in t.parts.items()})
+               for n, t in ckpt.tensors.items()}
     return Checkpoint(tensors, dict(ckpt.metadata), ckpt.arch)
