@@ -16,7 +16,8 @@ Layout of a file modelkit writes:
                                ('%' -> %25, '/' -> %2F, NUL -> %00, a lone '.' -> %2E); attr dtype: the
                                torch dtype. Dtypes HDF5 lacks are stored as the unsigned integer of the
                                same width (bfloat16 as uint16, float8 as uint8, complex32 as uint32).
-    /vars, /layers/<layer>/vars/<i>   Keras 3 `.weights.h5`: for models that declare keras_layers (mlp, cnn), copies
+    /vars, /layers/<layer>/vars/<i>   Keras 3 `.weights.h5`: for models that declare keras_layers (mlp, cnn)
+                               and users' nn.Sequential modules (modelkit.models.keras_map), copies
                                (Dense kernel (in, out); Conv2D kernel (kh, kw, in, out))
     /<layer>/<layer>/kernel:0 ...     Keras 2 legacy `.h5`: hard links to the Keras 3 datasets (no extra
                                bytes; float32 copies of bfloat16 weights, which that reader lacks)
@@ -48,7 +49,7 @@ from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, Laz
 from modelkit.errors import ConfigError, FormatError, ModelkitError, UnknownModelError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
-from modelkit.models.plugin import KerasLayer, KerasWeight
+from modelkit.models.plugin import KerasLayer, KerasLayout, KerasWeight
 from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse.detect import hdf5 as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import dtypes
@@ -328,7 +329,7 @@ def _dense_kernel(w: np.ndarray) -> np.ndarray:
 
 
 def _conv_kernel(w: np.ndarray) -> np.ndarray:
-    return w.transpose(2, 3, 1, 0)                  # (out, in, kh, kw) -> (kh, kw, in, out)
+    return w.transpose(*range(2, w.ndim), 1, 0)     # (out, in, kh, kw) -> (kh, kw, in, out); (out, in, k) -> (k, in, out)
 
 
 def _dense_after_flatten(channels: int, height: int, width: int) -> Transform:
@@ -359,13 +360,25 @@ class _KerasPlan:
     description: str
 
 
-def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
-    """The Keras layout for this checkpoint (its model's keras_layers), or why there is none."""
+def _keras_plan(ckpt: Checkpoint, module: object = None, example: tuple | None = None) -> _KerasPlan | str:
+    """The Keras layout for this checkpoint, or why there is none: a user's `module` (no registered
+    model) is mapped layer by layer (modelkit.models.keras_map); a registered model declares its
+    keras_layers."""
+    if module is not None and getattr(type(module), "arch", None) is None:
+        from modelkit.models.keras_map import keras_layout
+
+        try:
+            layout = keras_layout(module, example)       # type: ignore[arg-type]
+        except ConfigError as e:
+            return str(e)
+        expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}   # type: ignore[attr-defined]
+        return _plan(ckpt, layout, expected, type(module).__name__)
     from modelkit.models import build_from_spec, config_from_dict, load_model_module
 
     arch = ckpt.arch
     if arch is None:
-        return "the checkpoint names no architecture, so its Keras model is unknown (pass --arch mlp or --arch cnn)"
+        return ("the checkpoint names no architecture, so its Keras model is unknown (pass --arch mlp, --arch cnn "
+                "or --arch module:function, a Sequential of your own)")
     try:
         layout = load_model_module(arch.name).keras_layers(config_from_dict(arch.name, arch.config))
         if layout is None:
@@ -379,7 +392,11 @@ def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
     except ImportError:
         return (f"the Keras layout of {arch.name} is checked against the model, which needs torch "
                 "(pip install 'modelkit[torch]')")
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return _plan(ckpt, layout, {k: tuple(v.shape) for k, v in model.state_dict().items()}, arch.name)
+
+
+def _plan(ckpt: Checkpoint, layout: KerasLayout, expected: dict[str, tuple[int, ...]], label: str) -> _KerasPlan | str:
+    """Where each tensor goes in the Keras layout (the model's tensors have the `expected` shapes)."""
     counts: dict[str, int] = {}
     paths, targets = [], {}
     for layer in layout.layers:                     # Keras names container entries dense, dense_1, ...
@@ -389,15 +406,17 @@ def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
         for index, weight in enumerate(layer.weights):
             targets[weight.tensor] = (path, index, weight.keras, _transform(weight))
     for name, entry in ckpt.tensors.items():
+        if name in layout.unmapped and name in expected:
+            continue
         if name not in targets:
-            return f"tensor {name!r} has no Keras mapping in the {arch.name} layout"
+            return f"tensor {name!r} has no Keras mapping in the {label} layout"
         if tuple(entry.shape) != expected.get(name):
-            return f"tensor {name!r} is {list(entry.shape)}, the {arch.name} layout expects {list(expected[name])}"
+            return f"tensor {name!r} is {list(entry.shape)}, the {label} layout expects {list(expected[name])}"
         if entry.dtype.name not in _KERAS_DTYPES:
             return f"tensor {name!r} is {dtype_name(entry.dtype)}; Keras weights are floating point"
     missing = sorted(set(targets) - set(ckpt.tensors))
     if missing:
-        return f"tensor {missing[0]!r} of the {arch.name} layout is missing"
+        return f"tensor {missing[0]!r} of the {label} layout is missing"
     return _KerasPlan(paths, targets, layout.description)
 
 
@@ -432,7 +451,8 @@ def _write_keras_weight(f: h5py.File, plan: _KerasPlan, name: str, array: np.nda
 # Writing
 
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
-    """Write the `modelkit` group and, for mlp and cnn, the Keras layouts; one tensor at a time.
+    """Write the `modelkit` group and, for mlp, cnn and a user's Sequential (`options.module`, mapped
+    by modelkit.models.keras_map), the Keras layouts; one tensor at a time.
 
     A final name ending in `.weights.h5` asks for the Keras layout: when the checkpoint has none,
     this raises UnsupportedConversionError before writing anything. Any other name gets the
@@ -440,11 +460,12 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     """
     final = options.final_path or path
     keys = _check_writable(ckpt)
-    plan = _keras_plan(ckpt)
+    plan = _keras_plan(ckpt, options.module, options.example_inputs)
     if isinstance(plan, str):
         if final.name.endswith(".weights.h5"):
             raise UnsupportedConversionError(
-                ckpt.arch.name if ckpt.arch else "checkpoint", "Keras .weights.h5",
+                ckpt.arch.name if ckpt.arch else type(options.module).__name__ if options.module is not None
+                else "checkpoint", "Keras .weights.h5",
                 f"{plan}; choose a name without .weights.h5 (e.g. {final.name.removesuffix('.weights.h5')}.h5) "
                 f"to write the lossless {GROUP} group alone",
             )

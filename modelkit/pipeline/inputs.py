@@ -135,7 +135,28 @@ def example_inputs(module: nn.Module, given: Given, dynamic: Any = None, *, seed
         rank = tensors[names.index(name)].dim()
         if dims[-1] >= rank:
             raise ConfigError(f"--dynamic {name}:{dims[-1]}: input {name!r} has {rank} axes (0..{rank - 1})")
+    _try(module, tensors, names)
     return ExampleInputs(tensors, names, axes)
+
+
+def _try(module: nn.Module, tensors: tuple[Any, ...], names: tuple[str, ...]) -> None:
+    """Run the module once on the inputs, so a mismatch is one line here, not a traceback from an exporter."""
+    import torch
+
+    training = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with torch.no_grad():
+            module(*tensors)
+    except Exception as e:  # the user's own code: any error it raises
+        shapes = ", ".join(f"{n}={'x'.join(map(str, t.shape))}:{str(t.dtype).removeprefix('torch.')}"
+                           for n, t in zip(names, tensors, strict=True) if isinstance(t, torch.Tensor))
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"{type(module).__name__} fails on the example inputs ({shapes}): "
+                          f"{type(e).__name__}: {first[:200]}") from e
+    finally:
+        for m, mode in training:
+            m.training = mode
 
 
 def make_inputs(module: nn.Module | None, specs: Sequence[InputSpec | Any], *, seed: int = SEED) -> list[Any]:
