@@ -7,7 +7,9 @@ reference Python binding). Keras layouts: keras/src/saving/saving_lib.py (H5IOSt
 Layout of a file modelkit writes:
 
     /                          attrs: modelkit.keras_layout ("keras" | "none"),
-                                      modelkit.keras_note (the Keras model it fits, or why none);
+                                      modelkit.keras_note (the Keras model it fits, or why none),
+                                      modelkit.keras_json (with a Keras layout: the model as Keras's
+                                      to_json() writes it, for keras.models.model_from_json);
                                       Keras 2 legacy: layer_names, keras_version
     /modelkit                  attrs: version = 1
     /modelkit/metadata         attrs: the Checkpoint's str -> str metadata; modelkit.arch (ArchSpec JSON)
@@ -48,7 +50,7 @@ import numpy as np
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ModelkitError, UnknownModelError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.metadata import KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
+from modelkit.metadata import KERAS_JSON_ATTR, KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
 from modelkit.models.plugin import KerasLayer, KerasLayout, KerasWeight
 from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse.detect import hdf5 as detect  # noqa: F401  (the converter's detect)
@@ -63,6 +65,7 @@ GROUP = "modelkit"
 VERSION = 1
 LAYOUT_ATTR = KERAS_LAYOUT_ATTR
 NOTE_ATTR = KERAS_NOTE_ATTR
+JSON_ATTR = KERAS_JSON_ATTR
 _LIBVER = ("v108", "latest")           # HDF5 1.8 format: attributes over 64 KiB (long metadata) fit
 _SMALL = 1 << 20                       # any dataset may declare this much, whatever the file size
 _MAX_EXPANSION = 1000                  # compressed data may expand this much (as Keras allows)
@@ -358,6 +361,7 @@ class _KerasPlan:
     paths: list[tuple[str, KerasLayer]]                        # ("dense_1", layer), in model order
     targets: dict[str, tuple[str, int, str, Transform]]        # state_dict name -> (path, index, weight, transform)
     description: str
+    keras_json: str                                            # the model for keras.models.model_from_json
 
 
 def _keras_plan(ckpt: Checkpoint, module: object = None, example: tuple | None = None) -> _KerasPlan | str:
@@ -417,7 +421,7 @@ def _plan(ckpt: Checkpoint, layout: KerasLayout, expected: dict[str, tuple[int, 
     missing = sorted(set(targets) - set(ckpt.tensors))
     if missing:
         return f"tensor {missing[0]!r} of the {label} layout is missing"
-    return _KerasPlan(paths, targets, layout.description)
+    return _KerasPlan(paths, targets, layout.description, json.dumps(layout.keras_json(), separators=(",", ":")))
 
 
 def _write_keras_groups(f: h5py.File, plan: _KerasPlan) -> None:
@@ -479,6 +483,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
         else:
             f.attrs[LAYOUT_ATTR] = "keras"
             f.attrs[NOTE_ATTR] = f"the weights of Keras {plan.description}"
+            f.attrs[JSON_ATTR] = plan.keras_json
             _write_keras_groups(f, plan)
         group = f.create_group(GROUP, track_order=True)
         group.attrs["version"] = VERSION

@@ -410,6 +410,8 @@ def test_the_models_keras_json_loads_in_keras_with_our_weights(keras, name, conf
     model = build(name, config, seed=0).eval()
     path = modelkit.save(Checkpoint.from_module(model), tmp_path / f"{name}.weights.h5")
     layout = load_model_module(name).keras_layers(config_from_dict(name, config))
+    with h5py.File(path, "r") as f:            # the file carries the architecture too
+        assert json.loads(f.attrs[hdf5.JSON_ATTR]) == layout.keras_json()
     net = keras.models.model_from_json(json.dumps(layout.keras_json()))
     assert len(net.layers) == len(layout.layers)
     net.load_weights(str(path))

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import h5py
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -25,9 +26,9 @@ from torch import nn
 
 import modelkit
 from modelkit.cli import main
+from modelkit.converters import hdf5
 from modelkit.errors import ConfigError, UnsupportedConversionError
 from modelkit.models import load_factory
-from modelkit.models.keras_map import keras_layout
 from modelkit.pipeline.inputs import INT_HIGH, InputSpec, example_inputs, make_inputs, parse_dynamic
 
 # Largest |Keras - torch| on the Sequentials below: measured 6.0e-08 (conv1d), 6.0e-08 (conv2d), 1.2e-07 (mlp),
@@ -293,6 +294,16 @@ def _randomized(make):
     return module
 
 
+def _keras_model(keras, path):
+    """The file alone: its keras_json attribute built by Keras's model_from_json, its weights by load_weights."""
+    with h5py.File(path, "r") as f:
+        assert f.attrs[hdf5.LAYOUT_ATTR] == "keras"
+        architecture = f.attrs[hdf5.JSON_ATTR]
+    net = keras.models.model_from_json(architecture)
+    net.load_weights(str(path))
+    return net
+
+
 @pytest.mark.parametrize("case", sorted(KERAS_CASES))
 def test_keras_builds_the_mapped_sequential_and_matches_torch(keras, case, tmp_path):
     make, spec = KERAS_CASES[case]
@@ -300,10 +311,7 @@ def test_keras_builds_the_mapped_sequential_and_matches_torch(keras, case, tmp_p
     given = [spec] if spec else None
     report = modelkit.export(module, tmp_path / "m.weights.h5", example_inputs=given)
     assert report.verify["passed"]
-    example = example_inputs(module, given)
-    layout = keras_layout(module, example.tensors if example else None)
-    net = keras.models.model_from_json(json.dumps(layout.keras_json()))
-    net.load_weights(str(tmp_path / "m.weights.h5"))
+    net = _keras_model(keras, tmp_path / "m.weights.h5")
     x = make_inputs(module, [InputSpec.parse(spec or "8x4")], seed=1)[0]
     with torch.no_grad():
         want = module(x).numpy()
@@ -317,9 +325,7 @@ def test_convert_with_a_factory_writes_the_keras_layout(keras, user_folder):
     """The bar of the issue: a plain Sequential from the current folder, safetensors -> .weights.h5."""
     _modelkit("convert", "make.safetensors", "m.weights.h5", "--arch", "user_model:make", "--input-shape", "1x3x8x8")
     module = _weights_module(user_folder, "make")
-    layout = keras_layout(module, (torch.zeros(1, 3, 8, 8),))
-    net = keras.models.model_from_json(json.dumps(layout.keras_json()))
-    net.load_weights(str(user_folder / "m.weights.h5"))
+    net = _keras_model(keras, user_folder / "m.weights.h5")
     x = torch.randn(3, 3, 8, 8)
     with torch.no_grad():
         want = module(x).numpy()
