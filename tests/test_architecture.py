@@ -32,8 +32,8 @@ TORCH_FREE_FOLDERS = ("parse", "scan", "storage", "cli")
 TORCH_USERS = {"modelkit.storage.qdq"}      # ONNX's QDQ layouts, in torch ops: only the ONNX converter uses them
 TORCH_FREE = (
     "modelkit", "modelkit.errors", "modelkit.metadata", "modelkit.checkpoint", "modelkit.formats", "modelkit.schemes",
-    "modelkit.api", "modelkit.models", "modelkit.models.plugin",
-    "modelkit.pipeline.convert", "modelkit.pipeline.load", "modelkit.pipeline.quantize", "modelkit.pipeline.quantize_weights",
+    "modelkit.api", "modelkit.models", "modelkit.models.plugin", "modelkit.models.keras_map",
+    "modelkit.pipeline.convert", "modelkit.pipeline.inputs", "modelkit.pipeline.load", "modelkit.pipeline.quantize", "modelkit.pipeline.quantize_weights",
     "modelkit.pipeline.reports", "modelkit.pipeline.verify", "modelkit.pipeline.write",
     "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.npz", "modelkit.converters.pth",
     "modelkit.converters.safetensors", "modelkit.converters.torchscript", "modelkit.quantizers.gguf_arrays",
