@@ -359,3 +359,14 @@ def test_a_module_that_fails_on_its_example_inputs_says_so_in_one_line(user_fold
     assert result.exit_code == 2
     assert "Tagger fails on the example inputs (ids=2x7:int64, scale=3:float32)" in result.stderr
     assert not (user_folder / "t.onnx").exists()
+
+
+class _FixedBatch(nn.Module):
+    def forward(self, x):
+        return x.reshape(2, 3).sum(1)           # pins axis 0 to 2
+
+
+def test_a_named_axis_the_exporter_fixes_is_an_error(tmp_path):
+    with pytest.raises(UnsupportedConversionError, match="torch.onnx.export failed|fixed axes"):
+        modelkit.export(_FixedBatch(), tmp_path / "f.onnx", example_inputs="x=2x3", dynamic=["x:0"])
+    assert not (tmp_path / "f.onnx").exists()
