@@ -574,10 +574,9 @@ def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET, names: 
     import torch.onnx
 
     arch = getattr(type(module), "arch", None)
-    if axes is not None:
-        named = names or ()
-        dynamic = tuple({a: torch.export.Dim.DYNAMIC for a in axes.get(named[i] if i < len(named) else "", ())} or None
-                        if isinstance(x, torch.Tensor) else None for i, x in enumerate(inputs))
+    if axes is not None:        # the caller's, exactly; torch finds which are equal (a batch shared by two inputs)
+        free = [axes.get(name, ()) for name in names or ("",) * len(inputs)]
+        dynamic = tuple({axis: torch.export.Dim.DYNAMIC for axis in f} or None for f in free)
     else:
         # Axes the model declares free beyond the batch axis (axis 0 of every input): tinylm's sequence.
         declared = load_model_module(arch).onnx_axes(module.config) if arch in MODELS else {}
@@ -603,7 +602,7 @@ def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET, names: 
     model = program.model
     for node in model.graph.all_nodes():  # tracebacks with this machine's file paths: not for shipping
         node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
-    wanted = [axes or {} for x, axes in zip(inputs, dynamic, strict=True) if isinstance(x, torch.Tensor)]
+    wanted = [given or {} for x, given in zip(inputs, dynamic, strict=True) if isinstance(x, torch.Tensor)]
     _check_dynamic(model, wanted, strict=arch in MODELS or axes is not None, label=type(module).__name__)
     if axes is not None:
         _name_axes(model)

@@ -119,8 +119,8 @@ def example_inputs(module: nn.Module, given: Given, dynamic: Any = None, *, seed
         return None
     if isinstance(given, (str, InputSpec, torch.Tensor)):
         given = [given]
-    if isinstance(given, Mapping):
-        named = list(given.items())
+    if isinstance(given, Mapping):          # {name: tensor or "DIMS[:DTYPE]"}
+        named = [(name, InputSpec.parse(x) if isinstance(x, str) else x) for name, x in given.items()]
     else:
         items = [InputSpec.parse(g) if isinstance(g, str) else g for g in given]
         named = [(x.name if isinstance(x, InputSpec) else None, x) for x in items]
