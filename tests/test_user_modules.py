@@ -370,3 +370,13 @@ def test_a_named_axis_the_exporter_fixes_is_an_error(tmp_path):
     with pytest.raises(UnsupportedConversionError, match="torch.onnx.export failed|fixed axes"):
         modelkit.export(_FixedBatch(), tmp_path / "f.onnx", example_inputs="x=2x3", dynamic=["x:0"])
     assert not (tmp_path / "f.onnx").exists()
+
+
+@pytest.mark.parametrize(("reference", "message"), [
+    ("no_such_module_here:make", "cannot import it .*current directory"),
+    ("user_model:nothing", "cannot import it"),
+    ("user_model", "expected a registered model"),
+])
+def test_a_factory_that_is_not_there_says_where_it_was_looked_for(user_folder, reference, message):
+    with pytest.raises(ConfigError, match=message):
+        load_factory(reference)

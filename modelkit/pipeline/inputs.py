@@ -135,11 +135,11 @@ def example_inputs(module: nn.Module, given: Given, dynamic: Any = None, *, seed
         rank = tensors[names.index(name)].dim()
         if dims[-1] >= rank:
             raise ConfigError(f"--dynamic {name}:{dims[-1]}: input {name!r} has {rank} axes (0..{rank - 1})")
-    _try(module, tensors, names)
+    _run_once(module, tensors, names)
     return ExampleInputs(tensors, names, axes)
 
 
-def _try(module: nn.Module, tensors: tuple[Any, ...], names: tuple[str, ...]) -> None:
+def _run_once(module: nn.Module, tensors: tuple[Any, ...], names: tuple[str, ...]) -> None:
     """Run the module once on the inputs, so a mismatch is one line here, not a traceback from an exporter."""
     import torch
 
