@@ -43,6 +43,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -364,7 +365,7 @@ class _KerasPlan:
     keras_json: str                                            # the model for keras.models.model_from_json
 
 
-def _keras_plan(ckpt: Checkpoint, module: object = None, example: tuple | None = None) -> _KerasPlan | str:
+def _keras_plan(ckpt: Checkpoint, module: Any = None, example: tuple[Any, ...] | None = None) -> _KerasPlan | str:
     """The Keras layout for this checkpoint, or why there is none: a user's `module` (no registered
     model) is mapped layer by layer (modelkit.models.keras_map); a registered model declares its
     keras_layers."""
@@ -372,10 +373,10 @@ def _keras_plan(ckpt: Checkpoint, module: object = None, example: tuple | None =
         from modelkit.models.keras_map import keras_layout
 
         try:
-            layout = keras_layout(module, example)       # type: ignore[arg-type]
+            layout = keras_layout(module, example)
         except ConfigError as e:
             return str(e)
-        expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}   # type: ignore[attr-defined]
+        expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         return _plan(ckpt, layout, expected, type(module).__name__)
     from modelkit.models import build_from_spec, config_from_dict, load_model_module
 
