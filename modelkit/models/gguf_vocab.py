@@ -1,0 +1,462 @@
+"""Tokenizers between a Hugging Face folder's files and GGUF metadata, as llama.cpp reads them.
+
+Two kinds of tokenizer travel, both BPE (tokenizer.json's ``model.type``):
+
+- **byte-level BPE** (GPT-2, Llama-3, Qwen2/3): ``tokenizer.ggml.model = "gpt2"``, merges, and
+  ``tokenizer.ggml.pre`` naming the split regex, because llama.cpp does not run the regex in the
+  file but one of its own list (src/llama-vocab.cpp, ``llm_tokenizer_bpe``).
+- **SentencePiece-style BPE** with byte fallback and ``▁`` for spaces (Llama-2, Mistral, Gemma,
+  Phi-3): ``tokenizer.ggml.model = "llama"``, ``pre = "default"``, a score per token (llama.cpp
+  merges the adjacent pair whose union scores highest, so a token's score is minus the rank of the
+  merge that makes it), ``add_space_prefix``; the merges are written too (llama.cpp ignores them
+  for this model; transformers' GGUF reader and ``tokenizer_assets`` use them as they are).
+
+llama.cpp's converter recognises ``pre`` by hashing the ids a released tokenizer gives for a
+fixed text; that cannot recognise a tokenizer trained for one model. We read the definition
+instead: the ``Split`` regex (or ``ByteLevel(use_regex=True)``) in tokenizer.json's
+pre_tokenizer, looked up in ``PRE_TOKENIZERS``, so an unknown regex is a clear error, not a file
+that llama.cpp tokenizes differently.
+
+Token types are llama.cpp's (``gguf.TokenType``): added tokens marked special are CONTROL, other
+added tokens USER_DEFINED, ``<0xAB>`` byte tokens BYTE, the unknown token UNKNOWN, padding
+``[PAD{i}]`` UNUSED.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gguf import GGUFValueType, TokenType
+from gguf.constants import Keys
+
+from modelkit.errors import FormatError, UnsupportedConversionError
+
+K = Keys.Tokenizer
+SPACE = "\u2581"   # SentencePiece's visible space
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """One of llama.cpp's ``tokenizer.ggml.pre`` names and the Hugging Face split it stands for."""
+
+    name: str
+    split: str | None          # tokenizer.json Split regex; None: ByteLevel(use_regex=True), GPT-2's own
+    ignore_merges: bool = False  # llama.cpp takes a word that is a token whole (BPE ignore_merges)
+    nfc: bool = False          # the released tokenizer.json normalizes to NFC first
+
+
+# The regexes as released tokenizer.json files spell them; llama.cpp's rewrite of each is in
+# src/llama-vocab.cpp (llm_tokenizer_bpe), chosen by the name.
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {p.name: p for p in (
+    PreTokenizer("gpt-2", None),
+    PreTokenizer("llama-bpe", _LLAMA3, ignore_merges=True),
+    PreTokenizer("qwen2", _QWEN2, nfc=True),
+    PreTokenizer("gpt-4o", _GPT4O),
+    PreTokenizer("tekken", _TEKKEN, ignore_merges=True),
+)}
+# Other names llama.cpp accepts for the same regexes (GGUF files from its converter use them).
+PRE_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "falcon3": "llama-bpe", "dbrx": "llama-bpe",
+               "smaug-bpe": "llama-bpe", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2", "phi-2": "gpt-2",
+               "llama4": "gpt-4o"}
+
+
+def _json(assets: Mapping[str, bytes], name: str) -> dict[str, Any]:
+    raw = assets.get(name)
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(name, f"not valid JSON ({e}); re-save the tokenizer with save_pretrained") from e
+    return value if isinstance(value, dict) else {}
+
+
+def _parts(node: Any, key: str) -> list[dict[str, Any]]:
+    """A normalizer or pre_tokenizer as a flat list (a ``Sequence`` holds its parts under `key`)."""
+    if not isinstance(node, dict):
+        return []
+    if node.get("type") == "Sequence":
+        return [p for child in node.get(key, []) for p in _parts(child, key)]
+    return [node]
+
+
+def _content(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+@dataclass(frozen=True)
+class _Kind:
+    model: str                  # tokenizer.ggml.model
+    pre: str                    # tokenizer.ggml.pre
+    add_space_prefix: bool | None
+
+
+def identify(tokenizer_json: Mapping[str, Any]) -> _Kind:
+    """Which llama.cpp tokenizer a tokenizer.json is; raises naming what is not supported."""
+    model = tokenizer_json.get("model") or {}
+    mtype = model.get("type")
+    if mtype != "BPE":
+        raise UnsupportedConversionError(
+            "tokenizer.json", "GGUF", f"tokenizer model {mtype!r} is not supported; known: BPE (byte-level, "
+            "as GPT-2/Llama-3/Qwen2) and SentencePiece-style BPE with byte fallback (as Llama-2/Gemma/Phi-3)")
+    pres = _parts(tokenizer_json.get("pre_tokenizer"), "pretokenizers")
+    norms = _parts(tokenizer_json.get("normalizer"), "normalizers")
+    metaspace = [p for p in pres if p.get("type") == "Metaspace"]
+    replaces = [n for n in norms if n.get("type") == "Replace" and n.get("content") == SPACE]
+    if model.get("byte_fallback") or metaspace or replaces:
+        if metaspace:
+            scheme = metaspace[0].get("prepend_scheme")
+            prefix = scheme in ("first", "always") if scheme else bool(metaspace[0].get("add_prefix_space", True))
+        else:
+            prefix = any(n.get("type") == "Prepend" and n.get("prepend") == SPACE for n in norms)
+        return _Kind("llama", "default", prefix)
+    return _Kind("gpt2", _byte_level_pre(pres, norms), None)
+
+
+def _byte_level_pre(pres: list[dict[str, Any]], norms: list[dict[str, Any]]) -> str:
+    bad_norm = [n.get("type") for n in norms if n.get("type") != "NFC"]
+    if bad_norm:
+        raise UnsupportedConversionError(
+            "tokenizer.json", "GGUF", f"normalizer {bad_norm} has no llama.cpp equivalent for a byte-level "
+            "BPE tokenizer; llama.cpp applies none (NFC is tolerated)")
+    byte_level = [p for p in pres if p.get("type") == "ByteLevel"]
+    splits = [p for p in pres if p.get("type") == "Split"]
+    others = [p.get("type") for p in pres if p.get("type") not in ("ByteLevel", "Split", "Digits")]
+    if not byte_level or others:
+        seen = [p.get("type") for p in pres] or "none"
+        raise UnsupportedConversionError(
+            "tokenizer.json", "GGUF", f"pre_tokenizer {seen} is not one llama.cpp knows; a byte-level BPE "
+            "needs ByteLevel, alone (GPT-2) or after one Split regex (Llama-3, Qwen2)")
+    if byte_level[0].get("add_prefix_space"):
+        raise UnsupportedConversionError(
+            "tokenizer.json", "GGUF", "ByteLevel add_prefix_space=true has no llama.cpp equivalent")
+    if not splits and byte_level[0].get("use_regex", True):
+        return "gpt-2"
+    if len(splits) != 1 or byte_level[0].get("use_regex", True):
+        raise UnsupportedConversionError(
+            "tokenizer.json", "GGUF", f"{len(splits)} Split regexes before ByteLevel(use_regex="
+            f"{byte_level[0].get('use_regex', True)}); llama.cpp knows one Split followed by ByteLevel(use_regex=false)")
+    split = splits[0]
+    pattern = (split.get("pattern") or {}).get("Regex")
+    found = [p.name for p in PRE_TOKENIZERS.values() if p.split == pattern]
+    if not found or split.get("behavior") != "Isolated" or split.get("invert"):
+        raise UnsupportedConversionError(
+            "tokenizer.json", "GGUF", f"pre-tokenizer split {pattern or split.get('pattern')!r} "
+            f"(behavior {split.get('behavior')}) is not one llama.cpp knows; known: "
+            f"{', '.join(n for n, p in PRE_TOKENIZERS.items() if p.split)} (Isolated), and gpt-2's ByteLevel regex")
+    return found[0]
+
+
+def _token_id(token: Any, vocab: Mapping[str, int]) -> int | None:
+    text = _content(token)
+    return vocab.get(text) if text is not None else None
+
+
+def _template_flags(post: Any, bos: int | None, eos: int | None) -> tuple[bool, bool] | None:
+    """(add_bos, add_eos) from a TemplateProcessing post_processor, None if there is none."""
+    for proc in _parts(post, "processors"):
+        if proc.get("type") != "TemplateProcessing":
+            continue
+        single = proc.get("single") or []
+        ids = {name: (spec.get("ids") or [None])[0] for name, spec in (proc.get("special_tokens") or {}).items()}
+        first, last = ((ids.get((item.get("SpecialToken") or {}).get("id")) for item in (single[0], single[-1]))
+                       if single else (None, None))
+        return (first is not None and first == bos, last is not None and last == eos)
+    return None
+
+
+def _chat_templates(assets: Mapping[str, bytes], config: Mapping[str, Any]) -> dict[str, str]:
+    """{"": default template, name: template ...} from tokenizer_config.json or chat_template.jinja."""
+    template = config.get("chat_template")
+    if template is None and "chat_template.jinja" in assets:
+        template = assets["chat_template.jinja"].decode("utf-8")
+    if template is None:
+        template = _json(assets, "chat_template.json").get("chat_template")
+    if isinstance(template, str):
+        return {"": template}
+    if isinstance(template, list):   # named templates: [{"name": ..., "template": ...}]
+        named = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+        return {("" if name == "default" else name): text for name, text in named.items()}
+    return {}
+
+
+def _vocabulary(tj: Mapping[str, Any], vocab_size: int, spm: bool) -> tuple[list[str], list[int], dict[str, int]]:
+    """Tokens and their llama.cpp types by id, padded to vocab_size with [PAD{i}] (UNUSED)."""
+    model = tj["model"]
+    by_id: dict[int, str] = {i: t for t, i in model.get("vocab", {}).items()}
+    types: dict[int, int] = {}
+    for added in tj.get("added_tokens") or []:
+        by_id[added["id"]] = added["content"]
+        types[added["id"]] = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
+    n = max(by_id, default=-1) + 1
+    if n > vocab_size:
+        raise FormatError("tokenizer.json", f"has {n} tokens but the model's embedding has {vocab_size} rows; "
+                          "the tokenizer does not belong to this model")
+    unk = model.get("unk_token")
+    tokens, toktypes = [], []
+    for i in range(vocab_size):
+        text = by_id.get(i)
+        if text is None:
+            tokens.append(f"[PAD{i}]")
+            toktypes.append(TokenType.UNUSED)
+            continue
+        tokens.append(text)
+        if i in types:
+            kind = types[i]
+        elif text == unk:
+            kind = TokenType.UNKNOWN
+        elif spm and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            kind = TokenType.BYTE
+        else:
+            kind = TokenType.NORMAL
+        if text == unk and spm:
+            kind = TokenType.UNKNOWN
+        toktypes.append(int(kind))
+    return tokens, toktypes, {t: i for i, t in enumerate(tokens)}
+
+
+def _merges(model: Mapping[str, Any]) -> list[str]:
+    out = []
+    for m in model.get("merges", []):
+        out.append(m if isinstance(m, str) else " ".join(m))   # old files: "a b"; new: ["a", "b"]
+    return out
+
+
+def gguf_tokenizer_kv(assets: Mapping[str, bytes], vocab_size: int) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
+    """Every ``tokenizer.*`` key of a GGUF for the tokenizer in a Hugging Face folder.
+
+    Args:
+        assets: file name -> bytes: tokenizer.json (required), tokenizer_config.json,
+            special_tokens_map.json, generation_config.json, chat_template.jinja when present.
+        vocab_size: rows of the model's embedding; the vocabulary is padded to it.
+
+    Returns:
+        key -> (value, type, array item type), for ``gguf.GGUFWriter.add_key_value``.
+
+    Raises:
+        UnsupportedConversionError: a tokenizer llama.cpp would not tokenize the same way.
+        FormatError: tokenizer.json missing or malformed, or more tokens than vocab_size.
+    """
+    if "tokenizer.json" not in assets:
+        raise UnsupportedConversionError(
+            "the folder", "GGUF", "it has no tokenizer.json (a slow-only tokenizer); save it with a fast tokenizer "
+            "(AutoTokenizer.from_pretrained(...).save_pretrained(folder))")
+    tj = _json(assets, "tokenizer.json")
+    config = _json(assets, "tokenizer_config.json")
+    special_map = _json(assets, "special_tokens_map.json")
+    generation = _json(assets, "generation_config.json")
+    kind = identify(tj)
+    spm = kind.model == "llama"
+    tokens, toktypes, vocab = _vocabulary(tj, vocab_size, spm)
+    merges = _merges(tj["model"])
+
+    U32, S, B, A = GGUFValueType.UINT32, GGUFValueType.STRING, GGUFValueType.BOOL, GGUFValueType.ARRAY
+    kv: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {
+        K.MODEL: (kind.model, S, None),
+        K.PRE: (kind.pre, S, None),
+        K.LIST: (tokens, A, S),
+        K.TOKEN_TYPE: (toktypes, A, GGUFValueType.INT32),
+    }
+    if merges:
+        kv[K.MERGES] = (merges, A, S)
+    if spm:
+        kv[K.SCORES] = (_scores(tokens, toktypes, merges), A, GGUFValueType.FLOAT32)
+        kv[K.ADD_PREFIX] = (bool(kind.add_space_prefix), B, None)
+
+    ids: dict[str, int | None] = {}
+    for name, key, gen_key in (("bos", K.BOS_ID, "bos_token_id"), ("eos", K.EOS_ID, "eos_token_id"),
+                               ("unk", K.UNK_ID, None), ("pad", K.PAD_ID, "pad_token_id")):
+        token = config.get(f"{name}_token", special_map.get(f"{name}_token"))
+        if name == "unk" and token is None:
+            token = tj["model"].get("unk_token")
+        found = _token_id(token, vocab)
+        if found is None and gen_key is not None:
+            value = generation.get(gen_key)
+            found = value[0] if isinstance(value, list) and value else value if isinstance(value, int) else None
+        ids[name] = found
+        if found is not None:
+            kv[key] = (found, U32, None)
+
+    flags = _template_flags(tj.get("post_processor"), ids["bos"], ids["eos"]) or (False, False)
+    add_bos = config.get("add_bos_token", flags[0])
+    add_eos = config.get("add_eos_token", flags[1])
+    for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
+        if flag and ids[name] is None:
+            raise FormatError("tokenizer_config.json", f"asks to add a {name} token but names none that is in the vocabulary")
+    kv[K.ADD_BOS] = (bool(add_bos), B, None)
+    kv[K.ADD_EOS] = (bool(add_eos), B, None)
+    for name, text in _chat_templates(assets, config).items():
+        kv[K.CHAT_TEMPLATE_N.format(name=name) if name else K.CHAT_TEMPLATE] = (text, S, None)
+    return kv
+
+
+def _scores(tokens: list[str], toktypes: list[int], merges: list[str]) -> list[float]:
+    """llama.cpp's SentencePiece merging picks the pair whose union scores highest: minus merge rank."""
+    rank: dict[str, int] = {}
+    for r, merge in enumerate(merges):
+        left, _, right = merge.partition(" ")
+        rank.setdefault(left + right, r)
+    return [-float(rank[t] + 1) if t in rank and kind == TokenType.NORMAL else 0.0
+            for t, kind in zip(tokens, toktypes, strict=True)]
+
+
+# --- GGUF -> Hugging Face ----------------------------------------------------------------------
+
+def _pre_for_file(name: Any) -> PreTokenizer:
+    pre = PRE_TOKENIZERS.get(PRE_ALIASES.get(name, name))
+    if pre is None:
+        raise UnsupportedConversionError(
+            "GGUF", "Hugging Face tokenizer", f"tokenizer.ggml.pre {name!r} has no tokenizer.json equivalent here; "
+            f"known: {', '.join(sorted([*PRE_TOKENIZERS, *PRE_ALIASES]))}")
+    return pre
+
+
+def _split_merge(merge: str) -> list[str]:
+    at = merge.find(" ", 1)   # as llama.cpp reads them: the first space after the first character
+    return [merge[:at], merge[at + 1:]] if at > 0 else [merge, ""]
+
+
+def _derived_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[list[str]]:
+    """Merges a SentencePiece vocabulary implies: every split of a normal token into two tokens, best score first."""
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    found = []
+    for i, (token, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind != TokenType.NORMAL or len(token) < 2:
+            continue
+        for k in range(1, len(token)):
+            left, right = token[:k], token[k:]
+            if left in vocab and right in vocab:
+                found.append((-scores[i], i, vocab[left], [left, right]))
+    found.sort(key=lambda f: f[:3])
+    return [f[3] for f in found]
+
+
+def _template(bos: str | None, eos: str | None, ids: Mapping[str, int]) -> dict[str, Any] | None:
+    """A TemplateProcessing post_processor that adds bos and/or eos around each sequence."""
+    if bos is None and eos is None:
+        return None
+
+    def wrap(seq: str, type_id: int) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = [{"Sequence": {"id": seq, "type_id": type_id}}]
+        if bos is not None:
+            items.insert(0, {"SpecialToken": {"id": bos, "type_id": type_id}})
+        if eos is not None:
+            items.append({"SpecialToken": {"id": eos, "type_id": type_id}})
+        return items
+    named = [t for t in (bos, eos) if t is not None]
+    return {"type": "TemplateProcessing", "single": wrap("A", 0), "pair": wrap("A", 0) + wrap("B", 1),
+            "special_tokens": {t: {"id": t, "ids": [ids[t]], "tokens": [t]} for t in named}}
+
+
+def _replace(pattern: str, content: str) -> dict[str, Any]:
+    return {"type": "Replace", "pattern": {"String": pattern}, "content": content}
+
+
+def _sentencepiece_parts(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """normalizer, pre_tokenizer and decoder of a SentencePiece-style vocabulary.
+
+    llama.cpp says only whether a space is put in front (add_space_prefix); how the released
+    tokenizer.json does it differs by family, as transformers' GGUF reader also assumes:
+    Phi-3 prepends in the normalizer, Gemma never prepends, the rest use Metaspace(first).
+    """
+    prefix = bool(fields.get(K.ADD_PREFIX, True))
+    arch = fields.get("general.architecture", "")
+    decoder = {"type": "Sequence", "decoders": [
+        _replace(SPACE, " "), {"type": "ByteFallback"}, {"type": "Fuse"},
+        *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if prefix else [])]}
+    if prefix and arch == "phi3":
+        normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}, _replace(" ", SPACE)]}
+        return {"normalizer": normalizer, "pre_tokenizer": None, "decoder": decoder}
+    if prefix:
+        pre = {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "first", "split": False}
+        return {"normalizer": None, "pre_tokenizer": pre, "decoder": decoder}
+    return {"normalizer": _replace(" ", SPACE), "pre_tokenizer": None, "decoder": decoder}
+
+
+def tokenizer_assets(fields: Mapping[str, Any]) -> dict[str, bytes]:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json for a GGUF's tokenizer.
+
+    Args:
+        fields: the GGUF's key -> value (arrays as lists, strings decoded), as gguf.GGUFReader gives them.
+
+    Returns:
+        file name -> bytes that ``transformers.AutoTokenizer.from_pretrained(folder)`` loads.
+
+    Raises:
+        UnsupportedConversionError: a tokenizer model or pre-tokenizer without a tokenizer.json form here.
+        FormatError: the file has no vocabulary.
+    """
+    kind = fields.get(K.MODEL)
+    tokens = [str(t) for t in fields.get(K.LIST) or []]
+    if not tokens:
+        raise FormatError("GGUF", f"has no {K.LIST}; it carries no tokenizer to write")
+    types = [int(t) for t in fields.get(K.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)]
+    if len(types) != len(tokens):
+        raise FormatError("GGUF", f"has {len(tokens)} tokens but {len(types)} token types; the file is damaged")
+    ids = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    merges = [_split_merge(m) for m in fields.get(K.MERGES) or []]
+
+    def token(key: str) -> str | None:
+        i = fields.get(key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+    bos, eos, unk, pad = token(K.BOS_ID), token(K.EOS_ID), token(K.UNK_ID), token(K.PAD_ID)
+    add_bos = bool(fields.get(K.ADD_BOS, kind == "llama"))
+    add_eos = bool(fields.get(K.ADD_EOS, False))
+
+    model: dict[str, Any] = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                             "ignore_merges": False, "vocab": ids, "merges": merges}
+    if kind == "gpt2":
+        pre = _pre_for_file(fields.get(K.PRE, "gpt-2"))
+        level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": pre.split is None}
+        split = {"type": "Split", "pattern": {"Regex": pre.split}, "behavior": "Isolated", "invert": False}
+        parts = {"normalizer": {"type": "NFC"} if pre.nfc else None,
+                 "pre_tokenizer": level if pre.split is None else {"type": "Sequence", "pretokenizers": [split, level]},
+                 "decoder": {**level, "add_prefix_space": True, "use_regex": True}}
+        model["ignore_merges"] = pre.ignore_merges
+    elif kind == "llama":
+        parts = _sentencepiece_parts(fields)
+        model.update(byte_fallback=True, fuse_unk=True, unk_token=unk)
+        if not merges:
+            scores = [float(s) for s in fields.get(K.SCORES) or [0.0] * len(tokens)]
+            model["merges"] = _derived_merges(tokens, types, scores)
+    else:
+        raise UnsupportedConversionError(
+            "GGUF", "Hugging Face tokenizer", f"tokenizer.ggml.model {kind!r} is not supported; known: gpt2, llama")
+
+    special = (TokenType.CONTROL, TokenType.UNKNOWN)
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": k in special}
+             for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k in (*special, TokenType.USER_DEFINED)]
+    body = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, **parts,
+            "post_processor": _template(bos if add_bos else None, eos if add_eos else None, ids), "model": model}
+
+    named = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
+    named = {k: v for k, v in named.items() if v is not None}
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos,
+                              "add_eos_token": add_eos, "clean_up_tokenization_spaces": False, **named}
+    templates = {k.rpartition(".")[2]: v for k, v in fields.items() if k.startswith(K.CHAT_TEMPLATE + ".")}
+    if K.CHAT_TEMPLATE in fields:
+        config["chat_template"] = (str(fields[K.CHAT_TEMPLATE]) if not templates else
+                                   [{"name": "default", "template": str(fields[K.CHAT_TEMPLATE])},
+                                    *({"name": n, "template": str(t)} for n, t in templates.items())])
+
+    def dump(value: Any) -> bytes:
+        return json.dumps(value, ensure_ascii=False, indent=2).encode("utf-8")
+    return {"tokenizer.json": dump(body), "tokenizer_config.json": dump(config), "special_tokens_map.json": dump(named)}

@@ -1,0 +1,254 @@
+"""The tokenizer travels between Hugging Face folders and GGUF (modelkit.models.gguf_vocab).
+
+Judges: transformers' own GGUF tokenizer reader (AutoTokenizer.from_pretrained(folder, gguf_file=...))
+and transformers loading the folder tokenizer_assets writes; both must give the ids the original
+tokenizer gives. The tokenizers are trained offline in each family's style (tokenizer.json shape,
+special tokens, chat template), as their released folders ship them. llama.cpp's verdict on the
+same files is bench/llamacpp_tokenizer.py (llama-cpp-python is not a test dependency).
+"""
+from __future__ import annotations
+
+import json
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from modelkit.errors import FormatError, UnsupportedConversionError
+from modelkit.models.gguf_vocab import PRE_TOKENIZERS, gguf_tokenizer_kv, tokenizer_assets
+
+transformers = pytest.importorskip("transformers")
+
+SP = "\u2581"
+CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A tokenizer style: how its released tokenizer.json is built, and the GGUF architecture it goes with."""
+
+    name: str
+    arch: str                   # general.architecture of the GGUF
+    pre: str                    # the tokenizer.ggml.pre we expect
+    specials: tuple[str, ...]   # first ids, in this order
+    bos: str | None
+    eos: str
+    unk: str | None = None
+    pad: str | None = None
+    extra: tuple[str, ...] = ()  # added special tokens after the trained ones (chat markers)
+    style: str = "bytelevel"    # bytelevel | metaspace | prepend | replace
+    split: str | None = None
+    add_bos: bool = False
+    kwargs: dict = field(default_factory=dict)
+
+
+FAMILIES = {f.name: f for f in (
+    Family("gpt2", "gpt2", "gpt-2", ("<|endoftext|>",), "<|endoftext|>", "<|endoftext|>", unk="<|endoftext|>"),
+    Family("llama3", "llama", "llama-bpe", ("<|begin_of_text|>", "<|end_of_text|>"), "<|begin_of_text|>",
+           "<|end_of_text|>", extra=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+           split=PRE_TOKENIZERS["llama-bpe"].split, add_bos=True),
+    Family("qwen2", "qwen2", "qwen2", ("<|endoftext|>",), None, "<|im_end|>", pad="<|endoftext|>",
+           extra=("<|im_start|>", "<|im_end|>"), split=PRE_TOKENIZERS["qwen2"].split),
+    Family("llama2", "llama", "default", ("<unk>", "<s>", "</s>"), "<s>", "</s>", unk="<unk>",
+           style="metaspace", add_bos=True),
+    Family("phi3", "phi3", "default", ("<unk>", "<s>", "</s>"), "<s>", "<|end|>", unk="<unk>", pad="<|endoftext|>",
+           extra=("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"), style="prepend", add_bos=True),
+    Family("gemma", "gemma3", "default", ("<pad>", "<eos>", "<bos>", "<unk>"), "<bos>", "<eos>", unk="<unk>",
+           pad="<pad>", extra=("<start_of_turn>", "<end_of_turn>"), style="replace", add_bos=True),
+)}
+
+
+def corpus() -> list[str]:
+    """Text from a few standard-library sources plus a little non-ASCII, the same on every run."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join((lib / name).read_text(encoding="utf-8")[:40_000] for name in ("textwrap.py", "string.py", "glob.py"))
+    extra = "café naïve über straße Ελληνικά русский 日本語 中文 don't we'll they've 1234567890 3.14159\n" * 20
+    return [line for line in (text + extra).splitlines() if line.strip()]
+
+
+def _train_bytelevel(fam: Family) -> Tokenizer:
+    tok = Tokenizer(models.BPE(ignore_merges=fam.name == "llama3"))
+    level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=fam.split is None)
+    tok.pre_tokenizer = level if fam.split is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(fam.split), behavior="isolated"), level])
+    if fam.name == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=list(fam.specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    return tok
+
+
+def _train_sentencepiece(fam: Family) -> Tokenizer:
+    """Byte-fallback BPE over ▁-words: specials first, then <0x00>..<0xFF>, then the trained pieces."""
+    base = Tokenizer(models.BPE())
+    base.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SP, prepend_scheme="always", split=True)
+    trainer = trainers.BpeTrainer(vocab_size=340, show_progress=False, limit_alphabet=120)
+    base.train_from_iterator(corpus(), trainer)
+    learned = json.loads(base.to_str())["model"]
+    order = [*fam.specials, *(f"<0x{b:02X}>" for b in range(256))]
+    order += [t for t, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1]) if t not in order]
+    vocab = {t: i for i, t in enumerate(order)}
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=fam.unk, byte_fallback=True, fuse_unk=True))
+    steps = [decoders.Replace(SP, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if fam.style == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SP, prepend_scheme="first", split=False)
+    elif fam.style == "prepend":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SP), normalizers.Replace(" ", SP)])
+    else:
+        tok.normalizer = normalizers.Replace(" ", SP)
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if fam.style != "replace" else []))
+    return tok
+
+
+def build_family(name: str, folder: Path):
+    """Train the family's tokenizer and save it with save_pretrained into `folder`; returns the tokenizer."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    fam = FAMILIES[name]
+    tok = _train_bytelevel(fam) if fam.style == "bytelevel" else _train_sentencepiece(fam)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*fam.specials, *fam.extra)])
+    if fam.add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{fam.bos} $A", pair=f"{fam.bos} $A {fam.bos} $B", special_tokens=[(fam.bos, tok.token_to_id(fam.bos))])
+    elif fam.style == "bytelevel":
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    named = {k: v for k, v in (("bos_token", fam.bos), ("eos_token", fam.eos), ("unk_token", fam.unk),
+                               ("pad_token", fam.pad)) if v is not None}
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT, **named)
+    hf.save_pretrained(folder)
+    return hf
+
+
+def prompts(name: str) -> list[str]:
+    fam = FAMILIES[name]
+    marks = [t for t in (*fam.specials, *fam.extra) if t != "<unk>"]
+    return [
+        "Hello world",
+        "def wrap(text, width=70):\n    return TextWrapper(width=width).wrap(text)\n",
+        "  two leading spaces,   runs of   spaces\t\ttabs\n\n\nand newlines  ",
+        "numbers 1234567 and 3.14159, 42nd",
+        "unicode: café naïve straße Ελληνικά 日本語 🙂 ✓",
+        "don't I'll we've THEY'RE",
+        f"{marks[0]}Hi there{marks[-1]} and{marks[-1]}\nmore",
+        "",
+    ]
+
+
+def assets_of(folder: Path) -> dict[str, bytes]:
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+             "chat_template.jinja")
+    return {n: (folder / n).read_bytes() for n in names if (folder / n).exists()}
+
+
+def write_gguf(path: Path, arch: str, kv: dict) -> None:
+    writer = gguf.GGUFWriter(path, arch)
+    for key, (value, vtype, sub) in kv.items():
+        writer.add_key_value(key, value, vtype, sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def read_fields(path: Path) -> dict:
+    reader = gguf.GGUFReader(path)
+    return {name: f.contents() for name, f in reader.fields.items()}
+
+
+@dataclass
+class Built:
+    folder: Path
+    gguf: Path
+    original: object
+    kv: dict
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory) -> dict[str, Built]:
+    out = {}
+    for name, fam in FAMILIES.items():
+        folder = tmp_path_factory.mktemp(name)
+        build_family(name, folder)
+        original = transformers.AutoTokenizer.from_pretrained(folder)
+        vocab_size = len(original) + 3          # the embedding has spare rows, as Qwen2's does
+        kv = gguf_tokenizer_kv(assets_of(folder), vocab_size)
+        write_gguf(folder / "tok.gguf", fam.arch, kv)
+        out[name] = Built(folder, folder / "tok.gguf", original, kv)
+    return out
+
+
+def encodings(tokenizer, name: str) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in prompts(name)]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_keys_name_the_family(built, name):
+    fam, kv = FAMILIES[name], built[name].kv
+    assert kv["tokenizer.ggml.pre"][0] == fam.pre
+    assert kv["tokenizer.ggml.model"][0] == ("gpt2" if fam.style == "bytelevel" else "llama")
+    tokens, types = kv["tokenizer.ggml.tokens"][0], kv["tokenizer.ggml.token_type"][0]
+    original = built[name].original
+    assert len(tokens) == len(original) + 3 and tokens[-1] == f"[PAD{len(tokens) - 1}]" and types[-1] == 5
+    assert kv["tokenizer.ggml.add_bos_token"][0] is fam.add_bos
+    assert kv["tokenizer.ggml.eos_token_id"][0] == original.convert_tokens_to_ids(fam.eos)
+    assert kv["tokenizer.chat_template"][0] == CHAT
+    for special in (*fam.specials, *fam.extra):
+        if special != fam.unk:
+            assert types[tokens.index(special)] == gguf.TokenType.CONTROL
+    if fam.style != "bytelevel":
+        assert kv["tokenizer.ggml.add_space_prefix"][0] is (fam.style != "replace")
+        assert types[tokens.index("<0x41>")] == gguf.TokenType.BYTE
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_transformers_gguf_reader_gives_the_same_ids(built, name):
+    b = built[name]
+    loaded = transformers.AutoTokenizer.from_pretrained(b.folder, gguf_file=b.gguf.name)
+    assert encodings(loaded, name) == encodings(b.original, name)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_folder_from_gguf_gives_the_same_ids(built, tmp_path, name):
+    b = built[name]
+    for file, data in tokenizer_assets(read_fields(b.gguf)).items():
+        (tmp_path / file).write_bytes(data)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert encodings(loaded, name) == encodings(b.original, name)
+    assert loaded.chat_template == CHAT
+    assert loaded.eos_token == FAMILIES[name].eos
+
+
+def _edit(folder: Path, edit) -> dict[str, bytes]:
+    assets = assets_of(folder)
+    tj = json.loads(assets["tokenizer.json"])
+    edit(tj)
+    return {**assets, "tokenizer.json": json.dumps(tj).encode()}
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda tj: tj["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\p{L}+|\s+"), "is not one llama.cpp"),
+    (lambda tj: tj["model"].update(type="Unigram"), "tokenizer model 'Unigram'"),
+    (lambda tj: tj.update(normalizer={"type": "Lowercase"}), r"normalizer \['Lowercase'\]"),
+])
+def test_tokenizers_llamacpp_would_not_read_the_same_are_refused(built, edit, message):
+    with pytest.raises(UnsupportedConversionError, match=message) as err:
+        gguf_tokenizer_kv(_edit(built["llama3"].folder, edit), 600)
+    assert "\n" not in str(err.value)
+
+
+def test_vocab_larger_than_the_embedding_is_refused(built):
+    with pytest.raises(FormatError, match="has 50. tokens but the model's embedding has 10 rows"):
+        gguf_tokenizer_kv(assets_of(built["gpt2"].folder), 10)
+
+
+def test_unknown_pre_in_a_gguf_is_refused():
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-llm", "tokenizer.ggml.tokens": ["a"]}
+    with pytest.raises(UnsupportedConversionError, match="'deepseek-llm'.*known: .*llama-bpe"):
+        tokenizer_assets(fields)
