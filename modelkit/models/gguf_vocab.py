@@ -24,6 +24,7 @@ added tokens USER_DEFINED, ``<0xAB>`` byte tokens BYTE, the unknown token UNKNOW
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,15 @@ from modelkit.errors import FormatError, UnsupportedConversionError
 
 K = Keys.Tokenizer
 SPACE = "\u2581"   # SentencePiece's visible space
+# modelkit's own key (llama.cpp ignores it): tokenizer.json's normalizer, pre_tokenizer and decoder as
+# JSON, so a folder written back from our GGUF splits text exactly as the original did. llama.cpp's keys
+# cannot say it: add_space_prefix is one flag, while Llama-2 prepends in a normalizer (also after
+# special tokens and before a leading space) and Mistral v0.3 with Metaspace(first) (neither).
+PARTS_KEY = "modelkit.tokenizer.hf_parts"
+# The files of a Hugging Face folder gguf_tokenizer_kv reads (those present); transformers >= 5 saves
+# the chat template in chat_template.jinja, not in tokenizer_config.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,10 @@ def identify(tokenizer_json: Mapping[str, Any]) -> _Kind:
         if metaspace:
             scheme = metaspace[0].get("prepend_scheme")
             prefix = scheme in ("first", "always") if scheme else bool(metaspace[0].get("add_prefix_space", True))
+            if prefix:
+                warnings.warn("tokenizer.json: Metaspace puts no space after a special token or before a leading "
+                              "space, llama.cpp's add_space_prefix does: llama.cpp will tokenize such text differently",
+                              stacklevel=3)
         else:
             prefix = any(n.get("type") == "Prepend" and n.get("prepend") == SPACE for n in norms)
         return _Kind("llama", "default", prefix)
@@ -303,6 +317,8 @@ def gguf_tokenizer_kv(assets: Mapping[str, bytes], vocab_size: int) -> dict[str,
     kv[K.ADD_EOS] = (bool(add_eos), B, None)
     for name, text in _chat_templates(assets, config).items():
         kv[K.CHAT_TEMPLATE_N.format(name=name) if name else K.CHAT_TEMPLATE] = (text, S, None)
+    parts = {part: tj.get(part) for part in ("normalizer", "pre_tokenizer", "decoder")}
+    kv[PARTS_KEY] = (json.dumps(parts, ensure_ascii=False, separators=(",", ":")), S, None)
     return kv
 
 
@@ -369,23 +385,20 @@ def _replace(pattern: str, content: str) -> dict[str, Any]:
 
 
 def _sentencepiece_parts(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """normalizer, pre_tokenizer and decoder of a SentencePiece-style vocabulary.
+    """normalizer, pre_tokenizer and decoder of a SentencePiece-style vocabulary from llama.cpp's keys.
 
-    llama.cpp says only whether a space is put in front (add_space_prefix); how the released
-    tokenizer.json does it differs by family, as transformers' GGUF reader also assumes:
-    Phi-3 prepends in the normalizer, Gemma never prepends, the rest use Metaspace(first).
+    llama.cpp says only whether a space is put in front (add_space_prefix), and it puts one at the
+    start of every piece of text between special tokens: a normalizer's Prepend does the same, so
+    that is what a file from elsewhere gets (transformers' GGUF reader picks Metaspace(first) for
+    architectures other than phi3, which differs on text after a special token or a leading space).
     """
     prefix = bool(fields.get(K.ADD_PREFIX, True))
-    arch = fields.get("general.architecture", "")
     decoder = {"type": "Sequence", "decoders": [
         _replace(SPACE, " "), {"type": "ByteFallback"}, {"type": "Fuse"},
         *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if prefix else [])]}
-    if prefix and arch == "phi3":
+    if prefix:
         normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}, _replace(" ", SPACE)]}
         return {"normalizer": normalizer, "pre_tokenizer": None, "decoder": decoder}
-    if prefix:
-        pre = {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "first", "split": False}
-        return {"normalizer": None, "pre_tokenizer": pre, "decoder": decoder}
     return {"normalizer": _replace(" ", SPACE), "pre_tokenizer": None, "decoder": decoder}
 
 
@@ -439,6 +452,15 @@ def tokenizer_assets(fields: Mapping[str, Any]) -> dict[str, bytes]:
     else:
         raise UnsupportedConversionError(
             "GGUF", "Hugging Face tokenizer", f"tokenizer.ggml.model {kind!r} is not supported; known: gpt2, llama")
+    if PARTS_KEY in fields:     # written by gguf_tokenizer_kv: the original's own parts
+        try:
+            stored = json.loads(str(fields[PARTS_KEY]))
+        except json.JSONDecodeError as e:
+            stored = e
+        if not isinstance(stored, dict):
+            raise FormatError("GGUF", f"{PARTS_KEY} is not a JSON object ({stored}); drop the key to use "
+                              "llama.cpp's defaults")
+        parts = {part: stored.get(part) for part in ("normalizer", "pre_tokenizer", "decoder")}
 
     special = (TokenType.CONTROL, TokenType.UNKNOWN)
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
@@ -451,6 +473,9 @@ def tokenizer_assets(fields: Mapping[str, Any]) -> dict[str, bytes]:
     named = {k: v for k, v in named.items() if v is not None}
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos,
                               "add_eos_token": add_eos, "clean_up_tokenization_spaces": False, **named}
+    context = fields.get(f"{fields.get('general.architecture')}.context_length")
+    if isinstance(context, int):
+        config["model_max_length"] = context
     templates = {k.rpartition(".")[2]: v for k, v in fields.items() if k.startswith(K.CHAT_TEMPLATE + ".")}
     if K.CHAT_TEMPLATE in fields:
         config["chat_template"] = (str(fields[K.CHAT_TEMPLATE]) if not templates else
