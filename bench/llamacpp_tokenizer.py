@@ -23,8 +23,6 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-import gguf
-
 ROOT = Path(__file__).resolve().parents[1]
 
 # A header llama.cpp accepts for each architecture, so that it loads the file (vocab_only still reads
@@ -67,19 +65,6 @@ def _more_prompts(name: str, marks: list[str], count: int = 150) -> list[str]:
     return rng.sample(lines, count) + randoms
 
 
-def _write(path: Path, arch: str, kv: dict) -> None:
-    writer = gguf.GGUFWriter(path, arch)
-    for key, value in HEADER.items():
-        vtype = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
-        writer.add_key_value(f"{arch}.{key}", value, vtype)
-    for key, (value, vtype, sub) in kv.items():
-        writer.add_key_value(key, value, vtype, sub)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-python", default="/work/llama/venv/bin/python")
@@ -97,7 +82,7 @@ def main() -> int:
             t.build_family(name, folder)
             original = AutoTokenizer.from_pretrained(folder)
             kv = gguf_tokenizer_kv(t.assets_of(folder), len(original))
-            _write(folder / "tok.gguf", fam.arch, kv)
+            t.write_gguf(folder / "tok.gguf", fam.arch, kv, HEADER)
             marks = [m for m in (*fam.specials, *fam.extra, *fam.user) if m != "<unk>"]
             prompts = t.prompts(name) + _more_prompts(name, marks)
             jobs[name] = {"gguf": str(folder / "tok.gguf"), "prompts": prompts}

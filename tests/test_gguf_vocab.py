@@ -156,8 +156,12 @@ def assets_of(folder: Path) -> dict[str, bytes]:
     return {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).exists()}
 
 
-def write_gguf(path: Path, arch: str, kv: dict) -> None:
+def write_gguf(path: Path, arch: str, kv: dict, header: dict | None = None) -> None:
+    """A GGUF with no tensors: kv's keys, and `header`'s as `{arch}.{key}` (floats F32, ints U32)."""
     writer = gguf.GGUFWriter(path, arch)
+    for key, value in (header or {}).items():
+        vtype = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
+        writer.add_key_value(f"{arch}.{key}", value, vtype)
     for key, (value, vtype, sub) in kv.items():
         writer.add_key_value(key, value, vtype, sub)
     writer.write_header_to_file()
@@ -283,3 +287,21 @@ def test_unknown_pre_in_a_gguf_is_refused():
     fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-llm", "tokenizer.ggml.tokens": ["a"]}
     with pytest.raises(UnsupportedConversionError, match="'deepseek-llm'.*known: .*llama-bpe"):
         tokenizer_assets(fields)
+
+
+def test_named_chat_templates_and_generation_config_ids_travel(built, tmp_path):
+    """Named templates (a list in tokenizer_config.json) and a bos id only generation_config.json gives (Qwen2)."""
+    folder = built["qwen2"].folder
+    config = {**json.loads((folder / "tokenizer_config.json").read_text()),
+              "chat_template": [{"name": "default", "template": CHAT}, {"name": "tool_use", "template": "{{ tools }}"}]}
+    endoftext = built["qwen2"].original.convert_tokens_to_ids("<|endoftext|>")
+    assets = {**assets_of(folder), "tokenizer_config.json": json.dumps(config).encode(),
+              "generation_config.json": json.dumps({"bos_token_id": endoftext, "eos_token_id": [7, 8]}).encode()}
+    kv = gguf_tokenizer_kv(assets, 600)
+    assert kv["tokenizer.chat_template"][0] == CHAT and kv["tokenizer.chat_template.tool_use"][0] == "{{ tools }}"
+    assert kv["tokenizer.ggml.bos_token_id"][0] == endoftext
+    assert kv["tokenizer.ggml.add_bos_token"][0] is False      # a bos id, but nothing adds it
+    write_gguf(tmp_path / "t.gguf", "qwen2", kv)
+    back = json.loads(tokenizer_assets(read_fields(tmp_path / "t.gguf"))["tokenizer_config.json"])
+    assert back["chat_template"] == config["chat_template"]
+    assert back["bos_token"] == "<|endoftext|>"
