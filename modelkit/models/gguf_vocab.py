@@ -130,17 +130,28 @@ def identify(tokenizer_json: Mapping[str, Any]) -> _Kind:
     metaspace = [p for p in pres if p.get("type") == "Metaspace"]
     replaces = [n for n in norms if n.get("type") == "Replace" and n.get("content") == SPACE]
     if model.get("byte_fallback") or metaspace or replaces:
-        if metaspace:
-            scheme = metaspace[0].get("prepend_scheme")
-            prefix = scheme in ("first", "always") if scheme else bool(metaspace[0].get("add_prefix_space", True))
-            if prefix:
-                warnings.warn("tokenizer.json: Metaspace puts no space after a special token or before a leading "
-                              "space, llama.cpp's add_space_prefix does: llama.cpp will tokenize such text differently",
-                              stacklevel=3)
-        else:
-            prefix = any(n.get("type") == "Prepend" and n.get("prepend") == SPACE for n in norms)
-        return _Kind("llama", "default", prefix)
+        return _Kind("llama", "default", _space_prefix(pres, norms))
     return _Kind("gpt2", _byte_level_pre(pres, norms), None)
+
+
+def _space_prefix(pres: list[dict[str, Any]], norms: list[dict[str, Any]]) -> bool:
+    """add_space_prefix of a SentencePiece-style tokenizer; refuses parts llama.cpp has no equivalent of."""
+    odd = [p.get("type") for p in pres if p.get("type") != "Metaspace"]
+    odd += [n.get("type") for n in norms if not (n.get("type") == "Prepend" and n.get("prepend") == SPACE
+                                                  or n.get("type") == "Replace" and n.get("content") == SPACE)]
+    if odd:
+        raise UnsupportedConversionError(
+            "tokenizer.json", "GGUF", f"{odd} in a SentencePiece-style tokenizer have no llama.cpp equivalent; "
+            "known: Metaspace, or a Prepend('▁') and Replace(' ', '▁') normalizer")
+    if not pres:
+        return any(n.get("type") == "Prepend" for n in norms)
+    scheme = pres[0].get("prepend_scheme")
+    prefix = scheme in ("first", "always") if scheme else bool(pres[0].get("add_prefix_space", True))
+    if prefix:
+        warnings.warn(f"tokenizer.json: Metaspace(prepend_scheme={scheme!r}) puts no space before text that starts "
+                      "with one (nor after a special token, for 'first'); llama.cpp's add_space_prefix does, so "
+                      "llama.cpp will tokenize such prompts differently", stacklevel=4)
+    return prefix
 
 
 def _byte_level_pre(pres: list[dict[str, Any]], norms: list[dict[str, Any]]) -> str:
@@ -151,7 +162,7 @@ def _byte_level_pre(pres: list[dict[str, Any]], norms: list[dict[str, Any]]) -> 
             "BPE tokenizer; llama.cpp applies none (NFC is tolerated)")
     byte_level = [p for p in pres if p.get("type") == "ByteLevel"]
     splits = [p for p in pres if p.get("type") == "Split"]
-    others = [p.get("type") for p in pres if p.get("type") not in ("ByteLevel", "Split", "Digits")]
+    others = [p.get("type") for p in pres if p.get("type") not in ("ByteLevel", "Split")]
     if not byte_level or others:
         seen = [p.get("type") for p in pres] or "none"
         raise UnsupportedConversionError(
@@ -231,16 +242,14 @@ def _vocabulary(tj: Mapping[str, Any], vocab_size: int, spm: bool) -> tuple[list
             toktypes.append(TokenType.UNUSED)
             continue
         tokens.append(text)
-        if i in types:
-            kind = types[i]
-        elif text == unk:
+        if spm and text == unk:
             kind = TokenType.UNKNOWN
+        elif i in types:
+            kind = types[i]
         elif spm and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
             kind = TokenType.BYTE
         else:
             kind = TokenType.NORMAL
-        if text == unk and spm:
-            kind = TokenType.UNKNOWN
         toktypes.append(int(kind))
     return tokens, toktypes, {t: i for i, t in enumerate(tokens)}
 
