@@ -326,9 +326,28 @@ def gguf_tokenizer_kv(assets: Mapping[str, bytes], vocab_size: int) -> dict[str,
     kv[K.ADD_EOS] = (bool(add_eos), B, None)
     for name, text in _chat_templates(assets, config).items():
         kv[K.CHAT_TEMPLATE_N.format(name=name) if name else K.CHAT_TEMPLATE] = (text, S, None)
-    parts = {part: tj.get(part) for part in ("normalizer", "pre_tokenizer", "decoder")}
+    parts: dict[str, Any] = {part: tj.get(part) for part in ("normalizer", "pre_tokenizer", "decoder")}
+    parts["added_tokens"] = _token_flags(tj)
     kv[PARTS_KEY] = (json.dumps(parts, ensure_ascii=False, separators=(",", ":")), S, None)
     return kv
+
+
+_FLAGS = ("single_word", "lstrip", "rstrip", "normalized")
+
+
+def _token_flags(tj: Mapping[str, Any]) -> dict[str, dict[str, bool]]:
+    """{id: flags} of the added tokens whose flags are not all false (Phi-3's rstrip markers), with a warning:
+
+    llama.cpp strips around a token only where its loader says so by model name (src/llama-vocab.cpp).
+    """
+    flagged = {str(a["id"]): {f: bool(a.get(f)) for f in _FLAGS}
+               for a in tj.get("added_tokens") or [] if any(a.get(f) for f in _FLAGS)}
+    stripped = [a["content"] for a in tj.get("added_tokens") or [] if a.get("lstrip") or a.get("rstrip")]
+    if stripped:
+        warnings.warn(f"tokenizer.json: {len(stripped)} added tokens strip the whitespace next to them "
+                      f"({', '.join(stripped[:3])}...); llama.cpp does so only for the models it names (Phi-3's tokens when "
+                      "general.name contains 'phi3' or 'phi-3'), elsewhere whitespace around them tokenizes differently", stacklevel=3)
+    return flagged
 
 
 def _scores(tokens: list[str], toktypes: list[int], merges: list[str]) -> list[float]:
@@ -411,6 +430,21 @@ def _sentencepiece_parts(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {"normalizer": _replace(" ", SPACE), "pre_tokenizer": None, "decoder": decoder}
 
 
+# When general.name contains "phi3" or "phi-3", llama.cpp strips the whitespace after every added token
+# but these three, and after </s> (src/llama-vocab.cpp), as Phi-3's tokenizer.json does with rstrip.
+_PHI3_KEEP_SPACE = {"<unk>", "<s>", "<|endoftext|>"}
+
+
+def _llamacpp_token_flags(fields: Mapping[str, Any], tokens: list[str], types: list[int]) -> dict[str, dict[str, bool]]:
+    """Added-token flags llama.cpp applies by model name, for a file without our parts key."""
+    name = str(fields.get("general.name", "")).lower()
+    if "phi3" not in name and "phi-3" not in name:
+        return {}
+    added = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+    return {str(i): {"rstrip": True} for i, (t, k) in enumerate(zip(tokens, types, strict=True))
+            if t == "</s>" or (k in added and t not in _PHI3_KEEP_SPACE)}
+
+
 def tokenizer_assets(fields: Mapping[str, Any]) -> dict[str, bytes]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json for a GGUF's tokenizer.
 
@@ -461,6 +495,7 @@ def tokenizer_assets(fields: Mapping[str, Any]) -> dict[str, bytes]:
     else:
         raise UnsupportedConversionError(
             "GGUF", "Hugging Face tokenizer", f"tokenizer.ggml.model {kind!r} is not supported; known: gpt2, llama")
+    flags = _llamacpp_token_flags(fields, tokens, types)
     if PARTS_KEY in fields:     # written by gguf_tokenizer_kv: the original's own parts
         try:
             stored = json.loads(str(fields[PARTS_KEY]))
@@ -470,10 +505,11 @@ def tokenizer_assets(fields: Mapping[str, Any]) -> dict[str, bytes]:
             raise FormatError("GGUF", f"{PARTS_KEY} is not a JSON object ({stored}); drop the key to use "
                               "llama.cpp's defaults")
         parts = {part: stored.get(part) for part in ("normalizer", "pre_tokenizer", "decoder")}
+        stored_flags = stored.get("added_tokens")
+        flags = {k: v for k, v in stored_flags.items() if isinstance(v, dict)} if isinstance(stored_flags, dict) else {}
 
     special = (TokenType.CONTROL, TokenType.UNKNOWN)
-    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": k in special}
+    added = [{"id": i, "content": t, **{f: bool(flags.get(str(i), {}).get(f)) for f in _FLAGS}, "special": k in special}
              for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k in (*special, TokenType.USER_DEFINED)]
     body = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, **parts,
             "post_processor": _template(bos if add_bos else None, eos if add_eos else None, ids), "model": model}
