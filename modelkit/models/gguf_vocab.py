@@ -20,6 +20,10 @@ that llama.cpp tokenizes differently.
 Token types are llama.cpp's (``gguf.TokenType``): added tokens marked special are CONTROL, other
 added tokens USER_DEFINED, ``<0xAB>`` byte tokens BYTE, the unknown token UNKNOWN, padding
 ``[PAD{i}]`` UNUSED.
+
+What llama.cpp's keys cannot say (Metaspace vs a Prepend normalizer, added tokens' strip flags)
+travels in ``PARTS_KEY``; ``tokenizer_assets`` uses it when present and otherwise writes a
+tokenizer that splits text as llama.cpp does. docs/formats/gguf.md has the table of keys.
 """
 from __future__ import annotations
 
@@ -36,8 +40,9 @@ from modelkit.errors import FormatError, UnsupportedConversionError
 
 K = Keys.Tokenizer
 SPACE = "\u2581"   # SentencePiece's visible space
-# modelkit's own key (llama.cpp ignores it): tokenizer.json's normalizer, pre_tokenizer and decoder as
-# JSON, so a folder written back from our GGUF splits text exactly as the original did. llama.cpp's keys
+# modelkit's own key (llama.cpp ignores it): tokenizer.json's normalizer, pre_tokenizer and decoder, and
+# the added tokens' strip flags, as JSON, so a folder written back from our GGUF splits text exactly as
+# the original did. llama.cpp's keys
 # cannot say it: add_space_prefix is one flag, while Llama-2 prepends in a normalizer (also after
 # special tokens and before a leading space) and Mistral v0.3 with Metaspace(first) (neither).
 PARTS_KEY = "modelkit.tokenizer.hf_parts"
@@ -111,13 +116,15 @@ def _content(token: Any) -> str | None:
 
 
 @dataclass(frozen=True)
-class _Kind:
+class TokenizerKind:
+    """What llama.cpp calls a tokenizer.json's tokenizer (also what `modelkit inspect` can show)."""
+
     model: str                  # tokenizer.ggml.model
     pre: str                    # tokenizer.ggml.pre
     add_space_prefix: bool | None
 
 
-def identify(tokenizer_json: Mapping[str, Any]) -> _Kind:
+def identify(tokenizer_json: Mapping[str, Any]) -> TokenizerKind:
     """Which llama.cpp tokenizer a tokenizer.json is; raises naming what is not supported."""
     model = tokenizer_json.get("model") or {}
     mtype = model.get("type")
@@ -130,8 +137,8 @@ def identify(tokenizer_json: Mapping[str, Any]) -> _Kind:
     metaspace = [p for p in pres if p.get("type") == "Metaspace"]
     replaces = [n for n in norms if n.get("type") == "Replace" and n.get("content") == SPACE]
     if model.get("byte_fallback") or metaspace or replaces:
-        return _Kind("llama", "default", _space_prefix(pres, norms))
-    return _Kind("gpt2", _byte_level_pre(pres, norms), None)
+        return TokenizerKind("llama", "default", _space_prefix(pres, norms))
+    return TokenizerKind("gpt2", _byte_level_pre(pres, norms), None)
 
 
 def _space_prefix(pres: list[dict[str, Any]], norms: list[dict[str, Any]]) -> bool:
@@ -302,20 +309,8 @@ def gguf_tokenizer_kv(assets: Mapping[str, bytes], vocab_size: int) -> dict[str,
         kv[K.SCORES] = (_scores(tokens, toktypes, merges), A, GGUFValueType.FLOAT32)
         kv[K.ADD_PREFIX] = (bool(kind.add_space_prefix), B, None)
 
-    ids: dict[str, int | None] = {}
-    for name, key, gen_key in (("bos", K.BOS_ID, "bos_token_id"), ("eos", K.EOS_ID, "eos_token_id"),
-                               ("unk", K.UNK_ID, None), ("pad", K.PAD_ID, "pad_token_id")):
-        token = config.get(f"{name}_token", special_map.get(f"{name}_token"))
-        if name == "unk" and token is None:
-            token = tj["model"].get("unk_token")
-        found = _token_id(token, vocab)
-        if found is None and gen_key is not None:
-            value = generation.get(gen_key)
-            found = value[0] if isinstance(value, list) and value else value if isinstance(value, int) else None
-        ids[name] = found
-        if found is not None:
-            kv[key] = (found, U32, None)
-
+    ids = _special_ids(tj, vocab, config, special_map, generation)
+    kv.update({key: (ids[name], U32, None) for name, key in _ID_KEYS.items() if ids[name] is not None})
     flags = _template_flags(tj.get("post_processor"), ids["bos"], ids["eos"]) or (False, False)
     add_bos = config.get("add_bos_token", flags[0])
     add_eos = config.get("add_eos_token", flags[1])
@@ -332,6 +327,25 @@ def gguf_tokenizer_kv(assets: Mapping[str, bytes], vocab_size: int) -> dict[str,
     return kv
 
 
+_ID_KEYS = {"bos": K.BOS_ID, "eos": K.EOS_ID, "unk": K.UNK_ID, "pad": K.PAD_ID}
+
+
+def _special_ids(tj: Mapping[str, Any], vocab: Mapping[str, int], config: Mapping[str, Any],
+                 special_map: Mapping[str, Any], generation: Mapping[str, Any]) -> dict[str, int | None]:
+    """bos/eos/unk/pad ids: named in tokenizer_config.json or special_tokens_map.json, else generation_config's."""
+    ids: dict[str, int | None] = {}
+    for name in _ID_KEYS:
+        token = config.get(f"{name}_token", special_map.get(f"{name}_token"))
+        if name == "unk" and token is None:
+            token = tj["model"].get("unk_token")
+        found = _token_id(token, vocab)
+        value = generation.get(f"{name}_token_id") if name != "unk" else None
+        if found is None and isinstance(value, list) and value:     # Llama-3.1 lists several eos ids
+            value = value[0]
+        ids[name] = found if found is not None else value if isinstance(value, int) else None
+    return ids
+
+
 _FLAGS = ("single_word", "lstrip", "rstrip", "normalized")
 
 
@@ -345,8 +359,9 @@ def _token_flags(tj: Mapping[str, Any]) -> dict[str, dict[str, bool]]:
     stripped = [a["content"] for a in tj.get("added_tokens") or [] if a.get("lstrip") or a.get("rstrip")]
     if stripped:
         warnings.warn(f"tokenizer.json: {len(stripped)} added tokens strip the whitespace next to them "
-                      f"({', '.join(stripped[:3])}...); llama.cpp does so only for the models it names (Phi-3's tokens when "
-                      "general.name contains 'phi3' or 'phi-3'), elsewhere whitespace around them tokenizes differently", stacklevel=3)
+                      f"({', '.join(stripped[:3])}...); llama.cpp does so only for the models it names (Phi-3's "
+                      "when general.name contains 'phi3' or 'phi-3'); elsewhere the whitespace around them "
+                      "tokenizes differently", stacklevel=3)
     return flagged
 
 
