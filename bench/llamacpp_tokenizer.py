@@ -68,7 +68,8 @@ def _more_prompts(name: str, marks: list[str], count: int = 150) -> list[str]:
     pieces = [" ", "  ", "\t", "\n", "\n\n", "\r\n", "a", "The", "ing", "x1", "42", "1234567", "3.14", "'s", "'LL",
               "!?", "...", "==", "--", "é", "ß", "日本", "Ελ", "🙂", "👍🏽", "\u200d", "ﬁ", *marks]
     randoms = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 30))) for _ in range(count)]
-    return rng.sample(lines, count) + randoms
+    # text that is not in NFC: Qwen2's tokenizer.json normalizes it, llama.cpp does not
+    return rng.sample(lines, count) + randoms + ["decomposed: cafe\u0301 an\u0303o"]
 
 
 def main() -> int:
