@@ -344,3 +344,27 @@ def test_the_prompts_exercise_special_tokens_and_byte_fallback(built, name):
     assert {original.convert_tokens_to_ids(marks[0]), original.convert_tokens_to_ids(marks[-1])} <= set(ids[6])
     if fam.style != "bytelevel":
         assert any(original.convert_ids_to_tokens(i).startswith("<0x") for i in ids[4])   # 🙂 falls back to bytes
+
+
+@pytest.mark.parametrize(("assets", "error", "message"), [
+    ({"tokenizer_config.json": b"{}"}, UnsupportedConversionError, "no tokenizer.json"),
+    ({"tokenizer.json": b"{not json"}, FormatError, "tokenizer.json: not valid JSON"),
+])
+def test_broken_folders_are_one_line_errors(assets, error, message):
+    with pytest.raises(error, match=message) as err:
+        gguf_tokenizer_kv(assets, 10)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"tokenizer.ggml.model": "gpt2"}, "has no tokenizer.ggml.tokens"),
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.token_type": [1]},
+     "2 tokens but 1 token types"),
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"], "modelkit.tokenizer.hf_parts": "[1"},
+     "hf_parts is not a JSON object"),
+    ({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]}, "'bert' is not supported; known: gpt2, llama"),
+])
+def test_broken_gguf_fields_are_one_line_errors(fields, message):
+    with pytest.raises((FormatError, UnsupportedConversionError), match=message) as err:
+        tokenizer_assets(fields)
+    assert "\n" not in str(err.value)
