@@ -91,7 +91,8 @@ def main() -> int:
             kv = gguf_tokenizer_kv(t.assets_of(folder), len(original))
             # general.name: llama.cpp keys a tokenizer quirk on it (Phi-3's rstrip needs "phi3" in the name)
             t.write_gguf(folder / "tok.gguf", fam.arch, {**kv, "general.name": (name, STRING, None)}, HEADER)
-            marks = [m for m in (*fam.specials, *fam.extra, *fam.user) if m != "<unk>"]
+            # added tokens as a user types them: Gemma's whitespace tokens as spaces, not ▁
+            marks = [m.replace("\u2581", " ") for m in (*fam.specials, *fam.extra, *fam.user) if m != "<unk>"]
             prompts = t.prompts(name) + _more_prompts(name, marks)
             jobs[name] = {"gguf": str(folder / "tok.gguf"), "prompts": prompts}
             expected[name] = [original.encode(p) for p in prompts]

@@ -66,7 +66,7 @@ FAMILIES = {f.name: f for f in (
            extra=("<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"), style="prepend", add_bos=True,
            rstrip=("</s>", "<|user|>", "<|assistant|>", "<|end|>")),
     Family("gemma", "gemma3", "default", ("<pad>", "<eos>", "<bos>", "<unk>"), "<bos>", "<eos>", unk="<unk>",
-           pad="<pad>", extra=("<start_of_turn>", "<end_of_turn>"), style="replace", add_bos=True),
+           pad="<pad>", extra=("<start_of_turn>", "<end_of_turn>"), user=("▁▁", "▁▁▁▁"), style="replace", add_bos=True),
 )}
 
 
@@ -132,7 +132,8 @@ def build_family(name: str, folder: Path):
     named = {k: v for k, v in (("bos_token", fam.bos), ("eos_token", fam.eos), ("unk_token", fam.unk),
                                ("pad_token", fam.pad)) if v is not None}
     if fam.user:
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in fam.user])
+        # matched after the normalizer where it writes ▁ for spaces (Gemma's whitespace runs), else as typed
+        tok.add_tokens([AddedToken(t, special=False, normalized=SP in t) for t in fam.user])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT, **named)
     hf.save_pretrained(folder)
     if fam.config:
@@ -153,7 +154,7 @@ def prompts(name: str) -> list[str]:
         "don't I'll we've THEY'RE",
         f"{marks[0]}Hi there{marks[-1]} and{marks[-1]}\nmore",
         "",
-        *(f"{fam.user[0]}let me think {fam.user[-1]} ok" for _ in fam.user[:1]),
+        *(f"{fam.user[0].replace(SP, ' ')}let me think {fam.user[-1].replace(SP, ' ')} ok" for _ in fam.user[:1]),
     ]
 
 
@@ -222,8 +223,8 @@ def test_keys_name_the_family(built, name):
     for special in (*fam.specials, *fam.extra):
         if special != fam.unk:
             assert types[tokens.index(special)] == gguf.TokenType.CONTROL
-    for user in fam.user:
-        assert types[tokens.index(user)] == gguf.TokenType.USER_DEFINED
+    for user in fam.user:     # in a SentencePiece vocabulary with spaces, as llama.cpp matches them
+        assert types[tokens.index(user.replace(SP, " "))] == gguf.TokenType.USER_DEFINED
     if fam.style != "bytelevel":
         assert kv["tokenizer.ggml.add_space_prefix"][0] is (fam.style != "replace")
         assert types[tokens.index("<0x41>")] == gguf.TokenType.BYTE
@@ -237,8 +238,9 @@ def differing(got: list[list[int]], want: list[list[int]]) -> set[int]:
 # Prompts (by index in prompts()) that transformers' GGUF reader splits differently, as it must: llama.cpp's
 # keys cannot say it, and the reader chooses by architecture. For `llama` it uses Metaspace(first), which
 # puts no space after a special token nor an extra one before a leading space (Llama-2 prepends one in
-# its normalizer); it adds Phi-3's chat markers without their rstrip. (llama.cpp itself agrees on both: bench/llamacpp_tokenizer.py.)
-READER_DIFFERS = {"llama2": {2, 6}, "phi3": {6}}
+# its normalizer); it adds Phi-3's chat markers without their rstrip, and Gemma's whitespace tokens as
+# matched in the raw text, not after the normalizer (so not on runs of spaces). (llama.cpp itself agrees on both: bench/llamacpp_tokenizer.py.)
+READER_DIFFERS = {"llama2": {2, 6}, "phi3": {6}, "gemma": {1, 2, 8}}
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -234,8 +234,13 @@ def _vocabulary(tj: Mapping[str, Any], vocab_size: int, spm: bool) -> tuple[list
     by_id: dict[int, str] = {i: t for t, i in model.get("vocab", {}).items()}
     types: dict[int, int] = {}
     for added in tj.get("added_tokens") or []:
-        by_id[added["id"]] = added["content"]
-        types[added["id"]] = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
+        content, special = added["content"], added.get("special")
+        if spm and not special and added.get("normalized", True):
+            # matched after the normalizer, which writes ▁ for spaces; llama.cpp matches user-defined tokens
+            # in the raw text, so it gets them with spaces (as llama.cpp's converter writes Gemma's "▁▁")
+            content = content.replace(SPACE, " ")
+        by_id[added["id"]] = content
+        types[added["id"]] = TokenType.CONTROL if special else TokenType.USER_DEFINED
     n = max(by_id, default=-1) + 1
     if n > vocab_size:
         raise FormatError("tokenizer.json", f"has {n} tokens but the model's embedding has {vocab_size} rows; "
@@ -306,7 +311,7 @@ def gguf_tokenizer_kv(assets: Mapping[str, bytes], vocab_size: int) -> dict[str,
     if merges:
         kv[K.MERGES] = (merges, A, S)
     if spm:
-        kv[K.SCORES] = (_scores(tokens, toktypes, merges), A, GGUFValueType.FLOAT32)
+        kv[K.SCORES] = (_scores(tokens, merges), A, GGUFValueType.FLOAT32)
         kv[K.ADD_PREFIX] = (bool(kind.add_space_prefix), B, None)
 
     ids = _special_ids(tj, vocab, config, special_map, generation)
@@ -365,14 +370,13 @@ def _token_flags(tj: Mapping[str, Any]) -> dict[str, dict[str, bool]]:
     return flagged
 
 
-def _scores(tokens: list[str], toktypes: list[int], merges: list[str]) -> list[float]:
+def _scores(tokens: list[str], merges: list[str]) -> list[float]:
     """llama.cpp's SentencePiece merging picks the pair whose union scores highest: minus merge rank."""
     rank: dict[str, int] = {}
     for r, merge in enumerate(merges):
         left, _, right = merge.partition(" ")
         rank.setdefault(left + right, r)
-    return [-float(rank[t] + 1) if t in rank and kind == TokenType.NORMAL else 0.0
-            for t, kind in zip(tokens, toktypes, strict=True)]
+    return [-float(rank[t] + 1) if t in rank else 0.0 for t in tokens]
 
 
 # --- GGUF -> Hugging Face ----------------------------------------------------------------------
@@ -480,6 +484,9 @@ def tokenizer_assets(fields: Mapping[str, Any]) -> dict[str, bytes]:
     types = [int(t) for t in fields.get(K.TOKEN_TYPE) or [TokenType.NORMAL] * len(tokens)]
     if len(types) != len(tokens):
         raise FormatError("GGUF", f"has {len(tokens)} tokens but {len(types)} token types; the file is damaged")
+    if kind == "llama":     # user-defined tokens written with spaces, as gguf_tokenizer_kv and llama.cpp do
+        tokens = [t.replace(" ", SPACE) if k == TokenType.USER_DEFINED else t
+                  for t, k in zip(tokens, types, strict=True)]
     ids = {t: i for i, t in reversed(list(enumerate(tokens)))}
     merges = [_split_merge(m) for m in fields.get(K.MERGES) or []]
 
@@ -524,8 +531,12 @@ def tokenizer_assets(fields: Mapping[str, Any]) -> dict[str, bytes]:
         flags = {k: v for k, v in stored_flags.items() if isinstance(v, dict)} if isinstance(stored_flags, dict) else {}
 
     special = (TokenType.CONTROL, TokenType.UNKNOWN)
-    added = [{"id": i, "content": t, **{f: bool(flags.get(str(i), {}).get(f)) for f in _FLAGS}, "special": k in special}
-             for i, (t, k) in enumerate(zip(tokens, types, strict=True)) if k in (*special, TokenType.USER_DEFINED)]
+    added = []
+    for i, (t, k) in enumerate(zip(tokens, types, strict=True)):
+        if k in (*special, TokenType.USER_DEFINED):
+            # a user-defined token with ▁ is matched after the normalizer (see gguf_tokenizer_kv)
+            own = flags.get(str(i), {"normalized": kind == "llama" and k == TokenType.USER_DEFINED and SPACE in t})
+            added.append({"id": i, "content": t, **{f: bool(own.get(f)) for f in _FLAGS}, "special": k in special})
     body = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, **parts,
             "post_processor": _template(bos if add_bos else None, eos if add_eos else None, ids), "model": model}
 
