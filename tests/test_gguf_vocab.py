@@ -285,6 +285,19 @@ def test_folder_from_a_gguf_without_our_key_splits_as_llamacpp_does(built, tmp_p
     assert differing(got, want) == LLAMACPP_DIFFERS.get(name, set())
 
 
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.style in ("prepend", "replace")])
+def test_folder_from_a_sentencepiece_gguf_with_flat_scores(built, tmp_path, name):
+    """llama.cpp's converter gives every token -1000 when the folder has no tokenizer.model: merges follow the ids."""
+    fields = read_fields(built[name].gguf)
+    for key in ("modelkit.tokenizer.hf_parts", "tokenizer.ggml.merges"):
+        del fields[key]
+    fields["tokenizer.ggml.scores"] = [-1000.0] * len(fields["tokenizer.ggml.tokens"])
+    for file, data in tokenizer_assets(fields).items():
+        (tmp_path / file).write_bytes(data)
+    got = encodings(transformers.AutoTokenizer.from_pretrained(tmp_path), name)
+    assert got == encodings(built[name].original, name)
+
+
 def _edit(folder: Path, edit) -> dict[str, bytes]:
     assets = assets_of(folder)
     tj = json.loads(assets["tokenizer.json"])
