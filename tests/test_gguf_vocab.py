@@ -18,12 +18,11 @@ from pathlib import Path
 
 import gguf
 import pytest
+import transformers  # the judge (the hf extra, installed for tests): not skipped when missing
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.models.gguf_vocab import PRE_TOKENIZERS, TOKENIZER_FILES, gguf_tokenizer_kv, tokenizer_assets
-
-transformers = pytest.importorskip("transformers")
 
 SP = "\u2581"
 CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
