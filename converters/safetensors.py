@@ -16,8 +16,9 @@ are listed under "modelkit.aliases" and come back as the same tensor on reading.
 
 Quantized tensors (QuantizedTensor) are stored as their parts. Affine 4- and 8-bit weights are in
 compressed-tensors' "pack-quantized" layout (modelkit/storage/compressed_tensors.py): for a weight
-`N`, `N_packed` (int32, 32 / bits values each), `N_scale`, `N_zero_point` (asymmetric), `N_shape`;
-GGUF blocks are `N_packed` (uint8 block bytes) and `N_scale`-free. The metadata entry
+`N`, `N_packed` (int32, 32 / bits values each), `N_scale`, `N_zero_point` (asymmetric), `N_shape`
+(int8-dynamic: "int-quantized", `N` int8 and `N_scale`); GGUF blocks are `N_packed` (uint8 block
+bytes). The metadata entry
 "modelkit.quantized" (JSON: N -> scheme, layout, shape, dtype, params, format and part -> stored
 name) is what reading uses to put them back together (modelkit/storage/quantized_layout.py, shared
 with pth); "quantization_config" is compressed-tensors' config for the same weights (what
@@ -222,9 +223,10 @@ QUANT_CONFIG_KEY = "quantization_config"    # compressed-tensors' description, f
 
 def _flatten_quantized(ckpt: Checkpoint) -> Checkpoint:
     """QuantizedTensors as their stored parts (modelkit.storage.quantized_layout), plus compressed-tensors'
-    config when it can describe them all (not GGUF blocks)."""
+    config when it can describe them all (module weights, not GGUF blocks)."""
     config = None
-    if all(compressed_tensors.describable(t) is None for t in ckpt.tensors.values() if isinstance(t, QuantizedTensor)):
+    if all(compressed_tensors.describable(t) is None and n.endswith(".weight")
+           for n, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)):
         config = compressed_tensors.compressed_tensors_config(ckpt)
     ckpt, _ = quantized_layout.flatten(ckpt, target="safetensors")
     if config is not None:

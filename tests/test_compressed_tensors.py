@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -28,6 +28,7 @@ from modelkit.metadata import QUANTIZED_KEY
 from modelkit.pipeline.quantize import quantize_module
 from modelkit.quantizers.int4 import Int4Config
 from modelkit.quantizers.int8 import Int8Config
+from modelkit.quantizers.int8_dynamic import Int8DynamicConfig
 from modelkit.storage.compressed_tensors import compressed_tensors_config
 
 # The embedding stays float: transformers 5.23 cannot load a quantized nn.Embedding (its weight
@@ -41,6 +42,7 @@ CONFIGS = {
     "int8-channel": Int8Config(skip=SKIP),
     "int8-channel-asym": Int8Config(symmetric=False, skip=SKIP),
     "int8-tensor-asym": Int8Config(per_channel=False, symmetric=False, skip=SKIP),
+    "int8-dynamic": Int8DynamicConfig(skip=SKIP),                     # W8A8: int-quantized, dynamic per-token inputs
 }
 # Asymmetric "group"/"channel" zero points are packed int32 (ceil(rows * bits / 32), groups), as
 # compressed-tensors' own compressor writes them and vLLM reads them. transformers 5.23 with
@@ -49,13 +51,17 @@ CONFIGS = {
 # folders are judged with `dequantize=True` (see test_transformers_default_load_of_packed_zero_points).
 PACKED_ZERO_POINTS = {"int4-g32-asym", "int8-channel-asym"}
 # max |transformers' logits - ours| (logits reach about 0.65), measured 2026-11-25 on CPU float32:
-# - default load: 0.0 for every case (both sides dequantize to the same float32 weights bit for
-#   bit, scales cast to the model's float32 first, and run the same matmuls); pinned at 1e-6 so
-#   another BLAS still passes while a wrong scale or level fails.
+# - weight-only, default load: 0.0 for every case (both sides dequantize to the same float32
+#   weights bit for bit, scales cast to the model's float32 first, and run the same matmuls);
+#   pinned at 1e-6 so another BLAS still passes while a wrong scale or level fails.
 # - dequantize=True: compressed-tensors dequantizes in the stored scale's dtype, float16 for int4
 #   (float32 for int8: 0.0 measured), so the weights carry float16 rounding: 1.16e-4 measured for
 #   int4-g32-asym; pinned at 3e-4.
-LOGITS_ATOL = 1e-6
+# - int8-dynamic: the weights are equal, but compressed-tensors scales each token by
+#   max|x| / 127.5 (half its 255-level range) where our layer uses max|x| / 127, so activations
+#   round differently: 5.13e-3 measured, the size of the scheme's own error (ours vs float 6.3e-3,
+#   transformers' vs float 5.1e-3); pinned at 1e-2.
+LOGITS_ATOL = {"default": 1e-6, "int8-dynamic": 1e-2}
 LOGITS_ATOL_DEQUANTIZED = 3e-4
 
 
@@ -107,7 +113,7 @@ def test_transformers_loads_our_folder(folders, llama, case, caplog):
     assert noisy == []
     with torch.no_grad():
         ours, theirs = quantized(ids).logits, loaded.eval()(ids).logits
-    atol = LOGITS_ATOL_DEQUANTIZED if case in PACKED_ZERO_POINTS else LOGITS_ATOL
+    atol = LOGITS_ATOL.get(case, LOGITS_ATOL_DEQUANTIZED if case in PACKED_ZERO_POINTS else LOGITS_ATOL["default"])
     assert (ours - theirs).abs().max().item() <= atol
     float_logits = llama[0](ids).logits.detach()
     assert not torch.equal(theirs, float_logits)                         # the weights really are quantized
@@ -125,7 +131,9 @@ def test_quantization_config_is_compressed_tensors_own(folders, case):
     _, ckpt, folder = folders[case]
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(config)
-    assert parsed.format == "pack-quantized" and parsed.quantization_status == "compressed"
+    fmt = "int-quantized" if case == "int8-dynamic" else "pack-quantized"
+    assert parsed.format == fmt and parsed.quantization_status == "compressed"
+    assert all(g.format == fmt for g in parsed.config_groups.values())
     targets = {t for group in parsed.config_groups.values() for t in group.targets}
     quantized = {n.removesuffix(".weight") for n, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)}
     assert targets == quantized and len(quantized) == 14
@@ -133,12 +141,14 @@ def test_quantization_config_is_compressed_tensors_own(folders, case):
     strategies = {g.weights.strategy for g in parsed.config_groups.values()}
     assert strategies == {"int4-g32": {"group"}, "int4-g64": {"channel", "group"}, "int4-g32-asym": {"group"},
                           "int8-channel": {"channel"}, "int8-channel-asym": {"channel"},
-                          "int8-tensor-asym": {"tensor"}}[case]
+                          "int8-tensor-asym": {"tensor"}, "int8-dynamic": {"channel"}}[case]
+    inputs = {g.input_activations and g.input_activations.strategy for g in parsed.config_groups.values()}
+    assert inputs == ({"token"} if case == "int8-dynamic" else {None})
 
 
 @pytest.mark.parametrize("case", CONFIGS)
 def test_compressed_tensors_compressor_agrees_bit_for_bit(folders, case):
-    """compressed-tensors' own decompressor gives our dequantized weights exactly (scales as the
+    """compressed-tensors' own decompressor (pack-quantized, or int-quantized for int8-dynamic) gives our dequantized weights exactly (scales as the
     model's float32, which is what transformers loads them into), and its compressor, fed those
     weights, scales and zero points, writes exactly our stored tensors."""
     _, ckpt, folder = folders[case]
@@ -149,9 +159,14 @@ def test_compressed_tensors_compressor_agrees_bit_for_bit(folders, case):
     for module, scheme in schemes.items():
         local = {k.removeprefix(module + "."): v for k, v in stored.items() if k.startswith(module + ".weight_")}
         local["weight_scale"] = local["weight_scale"].float()
-        out = PackedQuantizationCompressor.decompress(local, scheme)
+        if scheme.format == "int-quantized":                                # int8 under the weight's own name
+            local["weight"] = stored[module + ".weight"]
+        compressor = BaseCompressor.get_value_from_registry(scheme.format)
+        out = compressor.decompress(local, scheme)
         assert torch.equal(out["weight"], ckpt.tensors[module + ".weight"].load()), module
-        again = PackedQuantizationCompressor.compress(out, scheme)
+        again = compressor.compress(out, scheme)
+        if scheme.format == "int-quantized":
+            assert torch.equal(again["weight"], local["weight"]), module
         for name in ("weight_packed", "weight_shape", "weight_zero_point"):
             if name in local:
                 assert torch.equal(again[name], local[name]), f"{module}.{name}"
@@ -196,3 +211,37 @@ def test_files_in_the_old_layout_still_read(folders, tmp_path):
         got = back[f"{case}.model.layers.0.mlp.down_proj.weight"]
         assert torch.equal(got.load(), entry.load())
         assert all(torch.equal(got.parts[p].load(), entry.parts[p].load()) for p in entry.parts)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t, r: t.update({"w.weight_packed": t["w.weight_packed"].view(np.uint8)}), "expected int32"),
+    (lambda t, r: t.update({"w.weight_shape": np.array([3, 64], np.int64)}), "does not match"),
+    (lambda t, r: r["w.weight"].update({"format": "marlin-24"}), "is not one of"),
+    (lambda t, r: r["w.weight"]["parts"].pop("shape"), "should be"),
+])
+def test_a_damaged_pack_quantized_file_is_a_format_error(tmp_path, damage, message):
+    from modelkit.errors import FormatError
+    from modelkit.storage import quantized_layout
+
+    layer = quantize_module(torch.nn.Sequential(torch.nn.Linear(64, 2)), Int4Config(group_size=32))
+    ckpt = Checkpoint.from_module(layer)
+    ckpt = Checkpoint({"w.weight": ckpt.tensors["0.weight"]})
+    flat, record = quantized_layout.flatten(ckpt, target="safetensors")
+    tensors = {n: t.array() for n, t in flat.tensors.items()}
+    damage(tensors, record)
+    path = tmp_path / "bad.safetensors"
+    save_file(tensors, path, metadata={"format": "pt", QUANTIZED_KEY: json.dumps(record)})
+    with pytest.raises(FormatError, match=message):
+        modelkit.load(path).tensors["w.weight"].load()
+
+
+def test_config_is_none_without_quantized_weights_and_refused_for_gguf_blocks(folders):
+    from modelkit.errors import UnsupportedConversionError
+    from modelkit.quantizers.gguf_blocks import from_affine
+
+    float_ckpt = Checkpoint({n: t for n, t in folders["int4-g32"][1].tensors.items() if not isinstance(t, QuantizedTensor)})
+    assert compressed_tensors_config(float_ckpt) is None
+    int4 = folders["int4-g32"][1]
+    blocks = {n: (from_affine(t) if isinstance(t, QuantizedTensor) else t) for n, t in int4.tensors.items()}
+    with pytest.raises(UnsupportedConversionError, match="ggml blocks"):
+        compressed_tensors_config(Checkpoint(blocks))

@@ -24,6 +24,7 @@ Everything here is numpy: storage never imports torch.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -38,8 +39,15 @@ if TYPE_CHECKING:
     from modelkit.checkpoint import Checkpoint  # storage sits below checkpoint: annotations only
 
 FORMAT = "pack-quantized"            # compressed-tensors' CompressionFormat for packed int weights
+INT_FORMAT = "int-quantized"         # int8 weights under the weight's own name: W8A8 schemes (vLLM's only form for them)
+FORMATS = (FORMAT, INT_FORMAT)
 STATUS = "compressed"                # the quantization_status of a file whose weights are packed
-PARTS = ("qdata", "scale", "zero_point", "shape")   # our part -> stored suffix: _packed, _scale, _zero_point, _shape
+
+# Schemes whose layers also quantize their inputs at run time -> compressed-tensors' input_activations.
+# int8-dynamic: one scale per input row (token), max|x| / 127, symmetric int8 (quantizers/int8_dynamic.py).
+INPUT_ACTIVATIONS: dict[str, dict[str, Any]] = {
+    "int8-dynamic": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+}
 
 
 def matrix(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -58,12 +66,19 @@ def strategy(params: Mapping[str, Any], cols: int) -> str:
     return "tensor" if group == 0 else "channel" if group >= cols else "group"
 
 
+def stored_format(entry: QuantizedTensor) -> str:
+    """The compressed-tensors format an affine tensor is stored in: int-quantized for W8A8 schemes."""
+    return INT_FORMAT if entry.scheme in INPUT_ACTIVATIONS else FORMAT
+
+
 def describable(entry: QuantizedTensor) -> str | None:
     """None if compressed-tensors can describe `entry`, else why not."""
     if entry.layout != "affine":
         return f"layout {entry.layout!r} (ggml blocks) has no compressed-tensors equivalent"
     if int(entry.params.get("bits", 8)) not in (4, 8):
         return f"{entry.params.get('bits')}-bit affine values have no packing here (4 or 8)"
+    if stored_format(entry) == INT_FORMAT and int(entry.params.get("bits", 8)) != 8:
+        return f"scheme {entry.scheme!r} quantizes activations, which compressed-tensors stores with int8 weights only"
     return None
 
 
@@ -105,7 +120,11 @@ def _lazy(fn: Any, dtype: str, shape: tuple[int, ...], source: str) -> LazyTenso
 
 
 def encode_parts(name: str, entry: QuantizedTensor) -> dict[str, LazyTensor]:
-    """The stored parts of an affine QuantizedTensor in compressed-tensors' layout (read on demand)."""
+    """The stored parts of an affine QuantizedTensor in compressed-tensors' layout (read on demand).
+
+    pack-quantized: qdata, scale, zero_point (asymmetric), shape. int-quantized (`stored_format`):
+    qdata (int8 (rows, cols), stored under the weight's own name), scale, zero_point (unpacked).
+    """
     bits = int(entry.params["bits"])
     symmetric = bool(entry.params.get("symmetric", True))
     rows, cols = matrix(entry.shape)
@@ -119,7 +138,10 @@ def encode_parts(name: str, entry: QuantizedTensor) -> dict[str, LazyTensor]:
             data = data ^ np.uint8(_offset(bits))
         return _to_words(data.reshape(rows, -1))
 
-    parts = {"qdata": _lazy(packed, "int32", (rows, words), name)}
+    if stored_format(entry) == INT_FORMAT:
+        parts = {"qdata": _lazy(lambda: qdata.array().reshape(rows, cols), "int8", (rows, cols), name)}
+    else:
+        parts = {"qdata": _lazy(packed, "int32", (rows, words), name)}
     if per_tensor(entry.params):
         parts["scale"] = _lazy(lambda: scale.array().reshape(1), scale.dtype.name, (1,), name)
     else:
@@ -131,6 +153,8 @@ def encode_parts(name: str, entry: QuantizedTensor) -> dict[str, LazyTensor]:
                 z = zero.array().astype(np.int16).reshape(1)
                 return (z - 8 if bits == 4 else z).astype(np.int8)
             parts["zero_point"] = _lazy(single, "int8", (1,), name)
+        elif stored_format(entry) == INT_FORMAT:                             # int8 zero points, not packed
+            parts["zero_point"] = zero
         else:
             groups = zero.shape[-1]
 
@@ -139,8 +163,9 @@ def encode_parts(name: str, entry: QuantizedTensor) -> dict[str, LazyTensor]:
                 data = _nibble_bytes(z) if bits == 4 else z.view(np.uint8) ^ np.uint8(0x80)
                 return np.ascontiguousarray(_to_words(data).T)
             parts["zero_point"] = _lazy(zeros, "int32", (-(-rows * bits // 32), groups), name)
-    shape = np.array([rows, cols], np.int64)
-    parts["shape"] = _lazy(lambda: shape, "int64", (2,), name)
+    if stored_format(entry) == FORMAT:
+        shape = np.array([rows, cols], np.int64)
+        parts["shape"] = _lazy(lambda: shape, "int64", (2,), name)
     return parts
 
 
@@ -151,18 +176,21 @@ def decode_parts(path: Any, name: str, info: Mapping[str, Any], stored: Mapping[
     symmetric = bool(params.get("symmetric", True))
     rows, cols = matrix(tuple(info["shape"]))
 
-    def bad(why: str) -> FormatError:
-        return FormatError(path, f"quantized tensor {name!r} ({FORMAT}): {why}")
+    packed = info["format"] == FORMAT
 
-    if info["layout"] != "affine" or bits not in (4, 8):
-        raise bad(f"only affine 4- or 8-bit tensors are stored this way, not {info['layout']} with bits {bits}")
-    expected = {"qdata", "scale", "shape"} | (set() if symmetric else {"zero_point"})
+    def bad(why: str) -> FormatError:
+        return FormatError(path, f"quantized tensor {name!r} ({info['format']}): {why}")
+
+    if info["layout"] != "affine" or bits not in ((4, 8) if packed else (8,)):
+        raise bad(f"only affine {'4- or 8' if packed else '8'}-bit tensors are stored this way, "
+                  f"not {info['layout']} with bits {bits}")
+    expected = {"qdata", "scale"} | ({"shape"} if packed else set()) | (set() if symmetric else {"zero_point"})
     if set(stored) != expected:
         raise bad(f"parts {sorted(stored)} should be {sorted(expected)}")
     qdata, scale, zero = stored["qdata"], stored["scale"], stored.get("zero_point")
-    if qdata.dtype.name != "int32" or qdata.shape != (rows, -(-cols * bits // 32)):
-        raise bad(f"packed values are {qdata.dtype} {list(qdata.shape)}; expected int32 "
-                  f"{[rows, -(-cols * bits // 32)]}")
+    want = ("int32", (rows, -(-cols * bits // 32))) if packed else ("int8", (rows, cols))
+    if (qdata.dtype.name, qdata.shape) != want:
+        raise bad(f"values are {qdata.dtype} {list(qdata.shape)}; expected {want[0]} {list(want[1])}")
     if bits == 4 and cols % 2:
         raise bad(f"{cols} columns cannot be 4-bit values two per byte")
     tensor = per_tensor(params)
@@ -170,6 +198,15 @@ def decode_parts(path: Any, name: str, info: Mapping[str, Any], stored: Mapping[
             or (tensor and scale.shape != (1,)) or (not tensor and scale.shape[0] != rows):
         raise bad(f"scale is {scale.dtype} {list(scale.shape)}; expected a float (1,) or ({rows}, groups) tensor")
     groups = 1 if tensor else scale.shape[1]
+    out: dict[str, LazyTensor] = {
+        "scale": _lazy(lambda: scale.array().reshape(1, 1), scale.dtype.name, (1, 1), name) if tensor else scale}
+    if not packed:
+        out["qdata"] = qdata
+        if zero is not None:
+            if zero.dtype.name != "int8" or zero.shape != scale.shape:
+                raise bad(f"zero point is {zero.dtype} {list(zero.shape)}; expected int8 {list(scale.shape)}")
+            out["zero_point"] = _lazy(lambda: zero.array().reshape(1, 1), "int8", (1, 1), name) if tensor else zero
+        return out
     shape_part = stored["shape"]
     if shape_part.dtype.name not in ("int64", "int32") or shape_part.shape != (2,):
         raise bad(f"shape is {shape_part.dtype} {list(shape_part.shape)}; expected 2 integers")
@@ -183,8 +220,7 @@ def decode_parts(path: Any, name: str, info: Mapping[str, Any], stored: Mapping[
             data = data ^ np.uint8(_offset(bits))
         return data.view(np.int8) if bits == 8 else data
 
-    out = {"qdata": _lazy(values, "int8" if bits == 8 else "uint8", (rows, row_bytes), name),
-           "scale": _lazy(lambda: scale.array().reshape(1, 1), scale.dtype.name, (1, 1), name) if tensor else scale}
+    out["qdata"] = _lazy(values, "int8" if bits == 8 else "uint8", (rows, row_bytes), name)
     if zero is not None:
         zero_dtype = "uint8" if bits == 4 else "int8"
         if tensor:
@@ -214,16 +250,17 @@ def _module(name: str) -> str:
     return name.removesuffix(".weight")
 
 
-def config_of(shapes: Mapping[str, tuple[int, ...]], quantized: Mapping[str, Mapping[str, Any]],
+def config_of(shapes: Mapping[str, tuple[int, ...]], quantized: Mapping[str, QuantizedTensor],
               *, target: str = "compressed-tensors") -> dict[str, Any]:
-    """config.json's `quantization_config` for affine tensors `quantized` (name -> params) among `shapes`.
+    """config.json's `quantization_config` for affine tensors `quantized` among `shapes` (all tensors' shapes).
 
-    One config group per kind (bits, symmetry, strategy, group size), targeting its modules by
-    exact name; `ignore` lists every other 2-D `*.weight` module (float), so readers that require
-    each Linear to be targeted or ignored (vLLM) know what stays float.
+    One config group per kind (bits, symmetry, strategy, group size, activations), targeting its
+    modules by exact name; `ignore` lists every other 2-D `*.weight` module (float), so readers
+    that require each Linear to be targeted or ignored (vLLM) know what stays float.
     """
-    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for name, params in quantized.items():
+    groups: dict[str, dict[str, Any]] = {}
+    for name, entry in quantized.items():
+        params = entry.params
         if not name.endswith(".weight"):
             raise UnsupportedConversionError("quantized checkpoint", target,
                                              f"{name!r} is not a module's weight, which is all compressed-tensors quantizes")
@@ -232,11 +269,13 @@ def config_of(shapes: Mapping[str, tuple[int, ...]], quantized: Mapping[str, Map
         weights = {"num_bits": int(params["bits"]), "type": "int", "symmetric": bool(params.get("symmetric", True)),
                    "strategy": kind, "group_size": int(params["group_size"]) if kind == "group" else None,
                    "dynamic": False}
-        key = tuple(sorted(weights.items(), key=lambda kv: kv[0]))
-        groups.setdefault(key, {"targets": [], "weights": weights, "input_activations": None,
-                                "output_activations": None, "format": FORMAT})["targets"].append(_module(name))
+        scheme = {"weights": weights, "input_activations": INPUT_ACTIVATIONS.get(entry.scheme),
+                  "output_activations": None, "format": stored_format(entry)}
+        groups.setdefault(json.dumps(scheme, sort_keys=True), {"targets": [], **scheme})["targets"].append(_module(name))
     ignore = sorted(_module(n) for n, s in shapes.items() if n not in quantized and n.endswith(".weight") and len(s) == 2)
-    return {"quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": STATUS,
+    formats = {g["format"] for g in groups.values()}
+    return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+            "quantization_status": STATUS,
             "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
             "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None}
 
@@ -258,5 +297,4 @@ def compressed_tensors_config(ckpt: Checkpoint) -> dict[str, Any] | None:
         why = describable(entry)
         if why is not None:
             raise UnsupportedConversionError("quantized checkpoint", "compressed-tensors", f"tensor {name!r}: {why}")
-    return config_of({n: tuple(t.shape) for n, t in ckpt.tensors.items()},
-                     {n: dict(t.params) for n, t in quantized.items()})
+    return config_of({n: tuple(t.shape) for n, t in ckpt.tensors.items()}, quantized)

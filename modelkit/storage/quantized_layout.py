@@ -52,8 +52,11 @@ def describe(name: str, entry: QuantizedTensor, *, target: str) -> dict[str, Any
             "dtype": entry.dtype.name, "params": dict(entry.params)}
 
 
-def stored_part_name(name: str, part: str) -> str:
-    """The name part `part` of weight `name` is stored under (compressed-tensors' names)."""
+def stored_part_name(name: str, part: str, format: str | None = None) -> str:
+    """The name part `part` of weight `name` is stored under (compressed-tensors' names; int-quantized
+    values keep the weight's own name)."""
+    if part == "qdata" and format == compressed_tensors.INT_FORMAT:
+        return name
     return name + _PART_SUFFIXES.get(part, f"_{part}")
 
 
@@ -77,10 +80,10 @@ def flatten(ckpt: Checkpoint, *, target: str) -> tuple[Checkpoint, dict[str, Any
         stored_parts = dict(entry.parts)
         if compressed_tensors.describable(entry) is None:
             stored_parts = compressed_tensors.encode_parts(name, entry)
-            info["format"] = compressed_tensors.FORMAT
+            info["format"] = compressed_tensors.stored_format(entry)
         parts = {}
         for part, lazy in stored_parts.items():
-            stored = stored_part_name(name, part)
+            stored = stored_part_name(name, part, info.get("format"))
             if stored in tensors or (stored != name and stored in ckpt.tensors):
                 raise UnsupportedConversionError("quantized checkpoint", target,
                                                  f"part {part!r} of {name!r} would be stored as {stored!r}, which is taken")
@@ -118,8 +121,8 @@ def bad_entry(info: Any, layouts: Any) -> str | None:
     params = info.get("params")
     if not isinstance(params, dict) or not all(isinstance(v, (int, float, str, bool)) for v in params.values()):
         return "params must map names to numbers, strings or booleans"
-    if info.get("format", compressed_tensors.FORMAT) != compressed_tensors.FORMAT:
-        return f"format {info.get('format')!r} is not {compressed_tensors.FORMAT!r}"
+    if info.get("format", compressed_tensors.FORMAT) not in compressed_tensors.FORMATS:
+        return f"format {info.get('format')!r} is not one of {', '.join(compressed_tensors.FORMATS)}"
     parts = info.get("parts")
     if not isinstance(parts, dict) or not parts or not all(isinstance(v, str) for v in parts.values()):
         return "parts must map part names to stored tensor names"
