@@ -26,6 +26,7 @@ import modelkit
 from modelkit.checkpoint import Checkpoint, QuantizedTensor
 from modelkit.metadata import QUANTIZED_KEY
 from modelkit.pipeline.quantize import quantize_module
+from modelkit.quantizers.gptq import GPTQConfig
 from modelkit.quantizers.int4 import Int4Config
 from modelkit.quantizers.int8 import Int8Config
 from modelkit.quantizers.int8_dynamic import Int8DynamicConfig
@@ -43,6 +44,7 @@ CONFIGS = {
     "int8-channel-asym": Int8Config(symmetric=False, skip=SKIP),
     "int8-tensor-asym": Int8Config(per_channel=False, symmetric=False, skip=SKIP),
     "int8-dynamic": Int8DynamicConfig(skip=SKIP),                     # W8A8: int-quantized, dynamic per-token inputs
+    "gptq-8bit-g64": GPTQConfig(bits=8, group_size=64, skip=SKIP),    # calibrated on random ids: the layout is the point
 }
 # Asymmetric "group"/"channel" zero points are packed int32 (ceil(rows * bits / 32), groups), as
 # compressed-tensors' own compressor writes them and vLLM reads them. transformers 5.23 with
@@ -91,7 +93,9 @@ def folders(llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("ct")
     out = {}
     for case, config in CONFIGS.items():
-        quantized = quantize_module(model, config).eval()
+        calibration = [torch.randint(0, 320, (4, 16), generator=torch.Generator().manual_seed(2))] \
+            if isinstance(config, GPTQConfig) else None
+        quantized = quantize_module(model, config, calibration=calibration).eval()
         out[case] = (quantized, _hf_folder(model, quantized, root / case), root / case)
     return out
 
@@ -141,7 +145,8 @@ def test_quantization_config_is_compressed_tensors_own(folders, case):
     strategies = {g.weights.strategy for g in parsed.config_groups.values()}
     assert strategies == {"int4-g32": {"group"}, "int4-g64": {"channel", "group"}, "int4-g32-asym": {"group"},
                           "int8-channel": {"channel"}, "int8-channel-asym": {"channel"},
-                          "int8-tensor-asym": {"tensor"}, "int8-dynamic": {"channel"}}[case]
+                          "int8-tensor-asym": {"tensor"}, "int8-dynamic": {"channel"},
+                          "gptq-8bit-g64": {"channel", "group"}}[case]
     inputs = {g.input_activations and g.input_activations.strategy for g in parsed.config_groups.values()}
     assert inputs == ({"token"} if case == "int8-dynamic" else {None})
 
