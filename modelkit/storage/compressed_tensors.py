@@ -1,4 +1,5 @@
-"""compressed-tensors' "pack-quantized" layout of affine weights, and its `quantization_config`.
+"""compressed-tensors' "pack-quantized" and "int-quantized" layouts of affine weights, and the
+`quantization_config` that describes them.
 
 compressed-tensors (https://github.com/vllm-project/compressed-tensors) is what transformers
 (`quant_method: compressed-tensors`), vLLM and llm-compressor read. For a weight `N` quantized to
@@ -19,6 +20,9 @@ signed; asymmetric int4 values 0..15 with zero points 0..15 are the signed level
 shift cancels in (q - zero_point) * scale), and asymmetric int8 uses the signed range already.
 So the stored bits are a byte-wise transform of modelkit's own packing (`encode_parts`), and
 reading undoes it exactly (`decode_parts`): the same QuantizedTensor comes back.
+
+"int-quantized" (schemes that also quantize activations, INPUT_ACTIVATIONS: int8-dynamic) keeps
+the int8 values unpacked under the weight's own name `N`, with `N_scale` and no `N_shape`.
 
 Everything here is numpy: storage never imports torch.
 """

@@ -4,10 +4,11 @@ A QuantizedTensor (modelkit/storage/tensors.py) is kept as its parts. Affine 4- 
 (int4, int8, gptq) are stored in compressed-tensors' "pack-quantized" layout
 (modelkit/storage/compressed_tensors.py), so transformers and vLLM load the files; for a weight `N`:
 
+    N               int8 values of a W8A8 scheme (int8-dynamic: compressed-tensors' "int-quantized")
     N_packed        int32, 32 / bits values each (compressed-tensors' packing); or GGUF block bytes (uint8)
     N_scale         scales (rows, groups), or (1,) for one per tensor
     N_zero_point    asymmetric only: packed along the rows (int32), or int8 (1,) for one per tensor
-    N_shape         int64 [rows, cols] (affine only)
+    N_shape         int64 [rows, cols] (pack-quantized only)
 
 The metadata entry "modelkit.quantized" is the record reading uses:
 
