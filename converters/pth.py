@@ -17,8 +17,8 @@ metadata ride in the OrderedDict's `_metadata` attribute (where `Module.state_di
 per-module versions) under the key `__modelkit__`; `load_state_dict` only looks that dict up by
 module prefix, and no module prefix is `__modelkit__` in practice.
 
-Quantized weights (QuantizedTensor) are stored as their parts under compressed-tensors' names
-(`N` int8, `N_packed`, `N_scale`, `N_zero_point`), described by the "modelkit.quantized" record
+Quantized weights (QuantizedTensor) are stored as their parts in compressed-tensors' layout
+(`N_packed`, `N_scale`, `N_zero_point`, `N_shape`; `N` int8 for int8-dynamic), described by the "modelkit.quantized" record
 in that same metadata entry: modelkit/storage/quantized_layout.py, shared with safetensors. Reading
 puts them back together (the parts are plain tensors, read like any other).
 

@@ -14,14 +14,16 @@ metadata and ArchSpec, so each is self-describing.
 Tied tensors (two names, one storage) are stored once, as Hugging Face does; the other names
 are listed under "modelkit.aliases" and come back as the same tensor on reading.
 
-Quantized tensors (QuantizedTensor) are stored as their parts, named after compressed-tensors
-(https://github.com/neuralmagic/compressed-tensors): for a weight `N`, `N_packed` (4-bit values
-two per byte, low nibble first, or GGUF block bytes), or `N` itself as int8 for 8-bit values
-(compressed-tensors' "int-quantized"), `N_scale` and `N_zero_point`. The metadata entry
-"modelkit.quantized" (JSON: N -> scheme, layout, shape, dtype, params and part -> stored name)
-is what reading uses to put them back together (modelkit/storage/quantized_layout.py, shared with pth);
-"quantization_config" holds the same facts in compressed-tensors' config shape for other tools
-to read. See docs/quantizers/safetensors.md.
+Quantized tensors (QuantizedTensor) are stored as their parts. Affine 4- and 8-bit weights are in
+compressed-tensors' "pack-quantized" layout (modelkit/storage/compressed_tensors.py): for a weight
+`N`, `N_packed` (int32, 32 / bits values each), `N_scale`, `N_zero_point` (asymmetric), `N_shape`
+(int8-dynamic: "int-quantized", `N` int8 and `N_scale`); GGUF blocks are `N_packed` (uint8 block
+bytes). The metadata entry
+"modelkit.quantized" (JSON: N -> scheme, layout, shape, dtype, params, format and part -> stored
+name) is what reading uses to put them back together (modelkit/storage/quantized_layout.py, shared
+with pth); "quantization_config" is compressed-tensors' config for the same weights (what
+config.json of a Hugging Face folder carries). Files in the layout modelkit wrote before
+(two 4-bit values per uint8, int8 under `N`) are still read. See docs/quantizers/safetensors.md.
 
 Reading is lazy: the header gives names, dtypes and shapes; each tensor's bytes are read when
 asked for. Writing streams: the header is computed from the specs, then each tensor is read
@@ -45,7 +47,7 @@ from modelkit.metadata import tied_names
 from modelkit.parse import safetensors as safetensors_header
 from modelkit.parse.detect import safetensors as detect  # noqa: F401  (the converter's detect)
 from modelkit.parse.paths import plain_name_problem
-from modelkit.storage import quantized_layout
+from modelkit.storage import compressed_tensors, quantized_layout
 from modelkit.storage.dtypes import SAFETENSORS_DTYPES, DType, tensor_bytes
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 
@@ -220,37 +222,16 @@ QUANT_CONFIG_KEY = "quantization_config"    # compressed-tensors' description, f
 
 
 def _flatten_quantized(ckpt: Checkpoint) -> Checkpoint:
-    """QuantizedTensors as their stored parts (modelkit.storage.quantized_layout), plus compressed-tensors' config."""
-    ckpt, record = quantized_layout.flatten(ckpt, target="safetensors")
-    if record:
-        ckpt.metadata[QUANT_CONFIG_KEY] = json.dumps(_compressed_tensors_config(record), sort_keys=True,
-                                                     separators=(",", ":"))
+    """QuantizedTensors as their stored parts (modelkit.storage.quantized_layout), plus compressed-tensors'
+    config when it can describe them all (module weights, not GGUF blocks)."""
+    config = None
+    if all(compressed_tensors.describable(t) is None and n.endswith(".weight")
+           for n, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)):
+        config = compressed_tensors.compressed_tensors_config(ckpt)
+    ckpt, _ = quantized_layout.flatten(ckpt, target="safetensors")
+    if config is not None:
+        ckpt.metadata[QUANT_CONFIG_KEY] = json.dumps(config, sort_keys=True, separators=(",", ":"))
     return ckpt
-
-
-def _compressed_tensors_config(record: dict[str, Any]) -> dict[str, Any]:
-    """The quantized weights in compressed-tensors' `quantization_config` shape (one group per kind)."""
-    groups: dict[str, dict[str, Any]] = {}
-    formats = set()
-    for name, info in record.items():
-        params = info["params"]
-        if info["layout"] == "affine":
-            bits = int(params.get("bits", 8))
-            cols = 1
-            for d in info["shape"][1:]:
-                cols *= d
-            group = int(params.get("group_size", 0) or 0)
-            strategy = "tensor" if group == 0 else "channel" if group >= cols else "group"
-            weights = {"num_bits": bits, "type": "int", "symmetric": bool(params.get("symmetric", True)),
-                       "strategy": strategy, "group_size": group if strategy == "group" else None}
-            formats.add("pack-quantized" if bits == 4 else "int-quantized")
-        else:
-            weights = {"num_bits": None, "type": f"{info['layout']}:{params.get('ggml_type', '')}".rstrip(":")}
-            formats.add(f"modelkit-{info['layout']}")
-        key = json.dumps(weights, sort_keys=True)
-        groups.setdefault(key, {"targets": [], "weights": weights})["targets"].append(name.removesuffix(".weight"))
-    return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-            "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())}}
 
 
 def _group_quantized(path: Path, ckpt: Checkpoint) -> Checkpoint:

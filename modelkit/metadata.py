@@ -16,7 +16,7 @@ from modelkit.errors import FormatError
 ARCH_KEY = "modelkit.arch"          # the ArchSpec: {"name": registered model, "config": {...}}
 METRICS_KEY = "modelkit.metrics"    # evaluation figures by split
 ALIASES_KEY = "modelkit.aliases"    # tied names -> the name whose tensor they share
-QUANTIZED_KEY = "modelkit.quantized"    # N -> {scheme, layout, shape, dtype, params, parts: {part: stored}}
+QUANTIZED_KEY = "modelkit.quantized"    # N -> {scheme, layout, shape, dtype, params, format?, parts: {part: stored}}
 QUANT_KEY = "modelkit.quantization"     # the scheme's config (config_to_dict) that quantized the file
 PRUNE_KEY = "modelkit.prune"        # the PruneConfig and fine-tuning epochs that pruned the file
 DISTILL_KEY = "modelkit.distill"    # the distillation recipe (teacher, temperature, alpha, ...)

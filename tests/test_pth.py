@@ -240,10 +240,14 @@ def test_quantized_tensors_are_stored_as_their_parts(tmp_path):
     scale = LazyTensor.of(torch.full((1, 1), 0.5))
     q = QuantizedTensor("int8", "affine", (2, 2), torch.float32, {"qdata": part, "scale": scale}, {"bits": 8})
     path = modelkit.save(Checkpoint({"w": q, "b": LazyTensor.of(torch.ones(2))}), tmp_path / "q.pt")
-    assert list(torch.load(path, weights_only=True)) == ["w", "w_scale", "b"]     # compressed-tensors' names
+    state = torch.load(path, weights_only=True)                          # compressed-tensors' pack-quantized
+    assert list(state) == ["w_packed", "w_scale", "w_shape", "b"]
+    assert state["w_packed"].tolist() == [[0x7E81], [0x8483]]             # values + 128, 4 an int32, zero-padded
+    assert state["w_scale"].shape == (1,) and state["w_shape"].tolist() == [2, 2]
     back = modelkit.load(path).tensors
     assert list(back) == ["w", "b"] and isinstance(back["w"], QuantizedTensor) and back["w"].params == {"bits": 8}
     assert torch.equal(back["w"].parts["qdata"].load(), part.load()) and back["w"].load().tolist() == [[0.5, -1], [1.5, 2]]
+    assert back["w"].parts["scale"].shape == (1, 1)
 
 
 @pytest.mark.parametrize("source", ["safetensors", "memory"])

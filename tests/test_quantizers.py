@@ -293,12 +293,13 @@ def test_safetensors_layout_follows_compressed_tensors_names(small_model, tmp_pa
     ct = json.loads(meta["quantization_config"])
     assert ct["quant_method"] == "compressed-tensors" and ct["format"] == "pack-quantized"
     group = next(iter(ct["config_groups"].values()))
-    assert group["weights"] == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}
+    assert group["weights"] == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32,
+                                "dynamic": False}
     assert json.loads(meta["modelkit.quantization"])["scheme"] == "int4"
     int8 = schemes.apply(small_model, _config("int8"))
     save_quantized(int8, tmp_path / "i8.safetensors", config=_config("int8"))
-    with safe_open(tmp_path / "i8.safetensors", framework="pt") as f:
-        assert f.get_slice("fc1.weight").get_dtype() == "I8"      # compressed-tensors "int-quantized"
+    with safe_open(tmp_path / "i8.safetensors", framework="pt") as f:   # pack-quantized, 8 bits: 4 values an int32
+        assert f.get_slice("fc1.weight_packed").get_dtype() == "I32" and "fc1.weight" not in f.keys()
 
 
 # What each scheme's weights become in ONNX: (data type, zero point type or None, block_size or None).
@@ -486,10 +487,12 @@ def test_pth_quantized_file_is_a_plain_weights_only_state_dict(small_model, tmp_
     save_quantized(schemes.apply(small_model, config), path, config=config)
     state = torch.load(path, weights_only=True)
     assert {"lm_head.weight_packed", "lm_head.weight_scale", "lm_head.weight_zero_point"} <= set(state)
-    assert state["lm_head.weight_packed"].dtype == torch.uint8 and "lm_head.weight" not in state
+    assert state["lm_head.weight_packed"].dtype == torch.int32 and "lm_head.weight" not in state
     record = json.loads(state._metadata["__modelkit__"]["metadata"][quantized_layout.QUANTIZED_KEY])
     assert record["lm_head.weight"]["parts"] == {"qdata": "lm_head.weight_packed", "scale": "lm_head.weight_scale",
-                                                 "zero_point": "lm_head.weight_zero_point"}
+                                                 "zero_point": "lm_head.weight_zero_point",
+                                                 "shape": "lm_head.weight_shape"}
+    assert record["lm_head.weight"]["format"] == "pack-quantized"
 
 
 @one_model("tinylm")

@@ -1,24 +1,28 @@
 """Quantized tensors in weight containers: stored parts plus one JSON record that puts them back together.
 
-A QuantizedTensor (modelkit/storage/tensors.py) is kept as its parts. For a weight `N`, after
-compressed-tensors (https://github.com/neuralmagic/compressed-tensors), the names vLLM and
-llm-compressor read:
+A QuantizedTensor (modelkit/storage/tensors.py) is kept as its parts. Affine 4- and 8-bit weights
+(int4, int8, gptq) are stored in compressed-tensors' "pack-quantized" layout
+(modelkit/storage/compressed_tensors.py), so transformers and vLLM load the files; for a weight `N`:
 
-    N               8-bit affine values (int8), under the weight's own name ("int-quantized")
-    N_packed        4-bit affine values two per byte, low nibble first, or GGUF block bytes
-    N_scale         affine scales (rows, groups), or (1, 1) for one per tensor
-    N_zero_point    affine zero points, same shape as the scales (asymmetric only)
+    N               int8 values of a W8A8 scheme (int8-dynamic: compressed-tensors' "int-quantized")
+    N_packed        int32, 32 / bits values each (compressed-tensors' packing); or GGUF block bytes (uint8)
+    N_scale         scales (rows, groups), or (1,) for one per tensor
+    N_zero_point    asymmetric only: packed along the rows (int32), or int8 (1,) for one per tensor
+    N_shape         int64 [rows, cols] (pack-quantized only)
 
 The metadata entry "modelkit.quantized" is the record reading uses:
 
     {N: {"scheme": "int4", "layout": "affine", "shape": [rows, cols], "dtype": "float32",
-         "params": {"bits": 4, "group_size": 32, "symmetric": true},
-         "parts": {"qdata": "N_packed", "scale": "N_scale"}}}
+         "params": {"bits": 4, "group_size": 32, "symmetric": true}, "format": "pack-quantized",
+         "parts": {"qdata": "N_packed", "scale": "N_scale", "shape": "N_shape"}}}
 
-safetensors and pth store exactly this (docs/quantizers/safetensors.md, docs/formats/pth.md);
-ONNX keeps the same record with its own `parts` (the DequantizeLinear inputs) and validates it
-with `parse_record` here. A record comes from a file, so every field is checked before use:
-the layout must be a key of a fixed table in code (a file never names code to import).
+A record without "format" is the layout modelkit wrote before (4-bit values two per uint8, low
+nibble first, in `N_packed`; 8-bit values as int8 under `N` itself; scales and zero points as
+they are in memory): files in it are still read. safetensors and pth store exactly this
+(docs/quantizers/safetensors.md, docs/formats/pth.md); ONNX keeps the same record with its own
+`parts` (the DequantizeLinear inputs) and validates it with `parse_record` here. A record comes
+from a file, so every field is checked before use: the layout must be a key of a fixed table in
+code (a file never names code to import).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.metadata import QUANTIZED_KEY, json_object
+from modelkit.storage import compressed_tensors
 from modelkit.storage.dtypes import DTYPES
 from modelkit.storage.tensors import LazyTensor, QuantizedTensor
 
@@ -36,7 +41,7 @@ if TYPE_CHECKING:
 
 RECORD_LIMIT = 20_000_000                   # bytes of the JSON entry; far above any real model's
 LOGICAL_DTYPES = {name: DTYPES[name] for name in ("float32", "float16", "bfloat16")}
-_PART_SUFFIXES = {"qdata": "_packed", "scale": "_scale", "zero_point": "_zero_point"}
+_PART_SUFFIXES = {"qdata": "_packed", "scale": "_scale", "zero_point": "_zero_point", "shape": "_shape"}
 
 
 def describe(name: str, entry: QuantizedTensor, *, target: str) -> dict[str, Any]:
@@ -48,10 +53,11 @@ def describe(name: str, entry: QuantizedTensor, *, target: str) -> dict[str, Any
             "dtype": entry.dtype.name, "params": dict(entry.params)}
 
 
-def stored_part_name(name: str, part: str, entry: QuantizedTensor) -> str:
-    """The name part `part` of weight `name` is stored under (compressed-tensors' names)."""
-    if part == "qdata" and entry.layout == "affine" and int(entry.params.get("bits", 8)) == 8:
-        return name                             # compressed-tensors "int-quantized": int8 under the weight's own name
+def stored_part_name(name: str, part: str, format: str | None = None) -> str:
+    """The name part `part` of weight `name` is stored under (compressed-tensors' names; int-quantized
+    values keep the weight's own name)."""
+    if part == "qdata" and format == compressed_tensors.INT_FORMAT:
+        return name
     return name + _PART_SUFFIXES.get(part, f"_{part}")
 
 
@@ -72,9 +78,13 @@ def flatten(ckpt: Checkpoint, *, target: str) -> tuple[Checkpoint, dict[str, Any
             tensors[name] = entry
             continue
         info = describe(name, entry, target=target)
+        stored_parts = dict(entry.parts)
+        if compressed_tensors.describable(entry) is None:
+            stored_parts = compressed_tensors.encode_parts(name, entry)
+            info["format"] = compressed_tensors.stored_format(entry)
         parts = {}
-        for part, lazy in entry.parts.items():
-            stored = stored_part_name(name, part, entry)
+        for part, lazy in stored_parts.items():
+            stored = stored_part_name(name, part, info.get("format"))
             if stored in tensors or (stored != name and stored in ckpt.tensors):
                 raise UnsupportedConversionError("quantized checkpoint", target,
                                                  f"part {part!r} of {name!r} would be stored as {stored!r}, which is taken")
@@ -112,6 +122,8 @@ def bad_entry(info: Any, layouts: Any) -> str | None:
     params = info.get("params")
     if not isinstance(params, dict) or not all(isinstance(v, (int, float, str, bool)) for v in params.values()):
         return "params must map names to numbers, strings or booleans"
+    if info.get("format", compressed_tensors.FORMAT) not in compressed_tensors.FORMATS:
+        return f"format {info.get('format')!r} is not one of {', '.join(compressed_tensors.FORMATS)}"
     parts = info.get("parts")
     if not isinstance(parts, dict) or not parts or not all(isinstance(v, str) for v in parts.values()):
         return "parts must map part names to stored tensor names"
@@ -147,6 +159,8 @@ def group(path: Path, ckpt: Checkpoint, *, also_drop: tuple[str, ...] = ()) -> C
                                         "missing or belongs to another tensor")
             claimed.add(stored)
             parts[part] = ckpt.tensors[stored]
+        if "format" in info:
+            parts = compressed_tensors.decode_parts(path, name, info, parts)
         grouped[name] = quantized_tensor(path, name, info, parts)
     for stored in claimed:
         del tensors[stored]
@@ -158,7 +172,7 @@ def group(path: Path, ckpt: Checkpoint, *, also_drop: tuple[str, ...] = ()) -> C
         if name in tensors:
             ordered[name] = entry
         for q_name, q in grouped.items():
-            if q_name not in ordered and any(p is entry for p in q.parts.values()):
+            if q_name not in ordered and name in record[q_name]["parts"].values():
                 ordered[q_name] = q
     metadata = {k: v for k, v in ckpt.metadata.items() if k != QUANTIZED_KEY and k not in also_drop}
     return type(ckpt)(ordered, metadata, ckpt.arch)
