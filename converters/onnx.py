@@ -12,7 +12,11 @@ protobuf message with no magic number. The fields modelkit reads (number: type):
 
 Write: `torch.onnx.export` (the torch.export-based exporter, torch's default since 2.9) at opset
 20, with a dynamic batch axis (and a dynamic sequence axis for tinylm), then
-`onnx.checker.check_model(full_check=True)`. The exporter's optimizer renames, transposes and
+`onnx.checker.check_model(full_check=True)`. A Hugging Face causal LM (modelkit/testing/causal_lm.py
+recognises one by its config and forward) is exported with the signature input_ids, attention_mask,
+position_ids -> logits, batch and sequence free; with `WriteOptions.kv_cache` also
+past_key_values.N.key/value -> present.N.key/value (docs/formats/onnx.md, "Hugging Face causal LMs").
+The exporter's optimizer renames, transposes and
 de-duplicates initializers, so the state_dict name of every tensor is stored in
 `metadata_props["modelkit.names"]` ({name: {"initializer": ..., "transpose": [1, 0]}}); a tensor
 the exporter folded away is kept as an extra, unused initializer, so reading back is bit-exact.
@@ -70,6 +74,7 @@ from modelkit.parse.paths import resolve_location
 from modelkit.parse.protobuf import LEN, VARINT, fields, int64s, string_pairs, text
 from modelkit.storage import qdq, quantized_layout
 from modelkit.storage.dtypes import tensor_bytes
+from modelkit.testing import causal_lm
 
 logger = logging.getLogger(__name__)
 
@@ -500,7 +505,8 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), 
         ckpt: The weights, metadata and ArchSpec to store.
         path: Where to write (api.save makes it a temporary name beside `options.final_path`).
         options: `module` to export (else rebuilt from the ArchSpec), `example_inputs` (else the
-            reference model's own), `final_path` (names the external data file).
+            reference model's own; a causal LM makes its own), `final_path` (names the external
+            data file), `kv_cache` (causal LMs: past key/values in, present key/values out).
         external_data_threshold: Weights larger than this (bytes, all tensors together) go to
             `<final name>.data` beside the file as ONNX external data. Tests pass 0 to force it.
 
@@ -511,8 +517,8 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), 
 
     Raises:
         UnsupportedConversionError: no module and no ArchSpec ("pass --arch"), quantized tensors
-            no DequantizeLinear computes exactly (q4_1, q5_1), or the exporter or onnx.checker
-            refused the model.
+            no DequantizeLinear computes exactly (q4_1, q5_1), `kv_cache` for a module that is
+            not a causal LM, or the exporter or onnx.checker refused the model.
     """
     quantized = {name: t for name, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)}
     for entry in quantized.values():
@@ -532,8 +538,15 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), 
     if set(state) != set(ckpt.tensors):
         odd = sorted(set(state) ^ set(ckpt.tensors))
         raise ConfigError(f"the module to export and the checkpoint name different tensors (e.g. {odd[0]!r})")
-    model = _export(module, _example_inputs(module, options.example_inputs), opset=QDQ_OPSET if quantized else OPSET,
-                    names=options.input_names, axes=options.dynamic_axes)
+    opset = QDQ_OPSET if quantized else OPSET
+    if causal_lm.is_causal_lm(module):
+        model = _export_causal_lm(module, options, opset=opset)
+    elif options.kv_cache:
+        raise UnsupportedConversionError(type(module).__name__, "onnx", "kv_cache applies to Hugging Face causal "
+                                         "LMs (a config with vocab_size, forward taking past_key_values)")
+    else:
+        model = _export(module, _example_inputs(module, options.example_inputs), opset=opset,
+                        names=options.input_names, axes=options.dynamic_axes)
     names = _map_names(model.graph, state)
     if narrow:
         _cast_up(model.graph, narrow, names, ckpt)
@@ -571,7 +584,6 @@ def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET, names: 
     name); else axis 0 of every input ("batch") and the axes a reference model declares are.
     """
     import torch.export
-    import torch.onnx
 
     arch = getattr(type(module), "arch", None)
     if axes is not None:        # the caller's, exactly; torch finds which are equal (a batch shared by two inputs)
@@ -585,14 +597,63 @@ def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET, names: 
         batch = torch.export.Dim("batch")
         dynamic = tuple({0: batch, **{a: d for a, d in extra.items() if a < x.dim()}}
                         if isinstance(x, torch.Tensor) and x.dim() else None for x in inputs)
+    model = _run_exporter(module, inputs, dynamic, opset=opset,
+                          input_names=[n for n, x in zip(names, inputs, strict=True) if isinstance(x, torch.Tensor)]
+                          if names else None)
+    wanted = [given or {} for x, given in zip(inputs, dynamic, strict=True) if isinstance(x, torch.Tensor)]
+    _check_dynamic(model, wanted, strict=arch in MODELS or axes is not None, label=type(module).__name__)
+    if axes is not None:
+        _name_axes(model)
+    _name_outputs(model, "logits" if arch in MODELS else "output")   # every reference model returns logits
+    return model
+
+
+def _export_causal_lm(module: Any, options: WriteOptions, *, opset: int) -> Any:
+    """A Hugging Face causal LM through `causal_lm.CausalLMGraph`: input_ids, attention_mask and
+    position_ids in, logits out (and past_key_values.N.* in, present.N.* out with `kv_cache`),
+    batch and sequence free (docs/formats/onnx.md, "Hugging Face causal LMs"). The signature is
+    fixed: the caller's input names and dynamic axes may only repeat it."""
+    import torch.export
+
+    kv_cache = options.kv_cache
+    graph = causal_lm.graph(module, kv_cache=kv_cache)
+    names = causal_lm.input_names(graph.layers, kv_cache=kv_cache)
+    axes = causal_lm.dynamic_axes(graph.layers, kv_cache=kv_cache)
+    _check_causal_lm_options(options, names, axes)
+    dims = {axis.name: torch.export.Dim(axis.name) for entry in axes for axis in entry.values()}   # one per name
+    dynamic = [{a: dims[axis.name] for a, axis in entry.items()} for entry in axes]
+    model = _run_exporter(graph, causal_lm.export_inputs(module, kv_cache=kv_cache),
+                          (*dynamic[:3], tuple(dynamic[3:])) if kv_cache else tuple(dynamic),   # *past: one tuple
+                          opset=opset, input_names=names, output_names=causal_lm.output_names(graph.layers, kv_cache=kv_cache))
+    _check_dynamic(model, axes, strict=True, label=type(module).__name__)
+    return model
+
+
+def _check_causal_lm_options(options: WriteOptions, names: list[str], axes: list[dict[int, Any]]) -> None:
+    given = options.input_names or ()
+    if tuple(given) != tuple(names[:len(given)]):
+        raise ConfigError(f"a causal LM's graph takes {', '.join(names[:3])} (in that order); "
+                          f"drop the input names {', '.join(given)}")
+    free = dict(zip(names, ({*entry} for entry in axes), strict=True))
+    for name, wanted in (options.dynamic_axes or {}).items():
+        if name not in free or set(wanted) != free[name]:
+            raise ConfigError(f"a causal LM's graph leaves axes {sorted(free.get(name, ()))} of {name!r} free, "
+                              f"not {sorted(wanted)}: drop the dynamic axes")
+
+
+def _run_exporter(module: Any, inputs: tuple[Any, ...], dynamic: tuple[Any, ...], *, opset: int,
+                  input_names: list[str] | None = None, output_names: list[str] | None = None) -> Any:
+    """torch.onnx.export in eval mode (the caller's modes restored after), quiet; the exporter's
+    failure as UnsupportedConversionError; no stack-trace metadata on the nodes."""
+    import torch.onnx
+
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         with _quiet():
             program = torch.onnx.export(module, inputs, dynamo=True, opset_version=opset, dynamic_shapes=dynamic,
-                                        input_names=[n for n, x in zip(names, inputs, strict=True)
-                                                     if isinstance(x, torch.Tensor)] if names else None,
-                                        optimize=True, verbose=False)
+                                        input_names=input_names, output_names=output_names, optimize=True,
+                                        verbose=False)
     except torch.onnx.OnnxExporterError as e:
         raise UnsupportedConversionError(type(module).__name__, "onnx",
                                          f"torch.onnx.export failed: {_first_line(e.__cause__ or e)}") from e
@@ -602,11 +663,6 @@ def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET, names: 
     model = program.model
     for node in model.graph.all_nodes():  # tracebacks with this machine's file paths: not for shipping
         node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
-    wanted = [given or {} for x, given in zip(inputs, dynamic, strict=True) if isinstance(x, torch.Tensor)]
-    _check_dynamic(model, wanted, strict=arch in MODELS or axes is not None, label=type(module).__name__)
-    if axes is not None:
-        _name_axes(model)
-    _name_outputs(model, "logits" if arch in MODELS else "output")   # every reference model returns logits
     return model
 
 

@@ -83,6 +83,8 @@ class WriteOptions:
             axes the model declares).
         shard_size: safetensors: split into shards of at most this many bytes.
         final_path: The name the output gets after the atomic rename (for sidecar files).
+        kv_cache: onnx, Hugging Face causal LMs: also take past_key_values.N.key/value inputs and
+            return present.N.key/value, so a decode step runs with the cache (docs/formats/onnx.md).
     """
 
     module: Any = None
@@ -91,6 +93,7 @@ class WriteOptions:
     dynamic_axes: dict[str, tuple[int, ...]] | None = None
     shard_size: int | None = None
     final_path: Path | None = None
+    kv_cache: bool = False
 
 
 def load_format(name: str) -> ModuleType:

@@ -20,6 +20,8 @@ if TYPE_CHECKING:        # weights are verified without torch; graphs import it 
     import torch
     from torch import nn
 
+    from modelkit.formats import WriteOptions
+
 # Largest |eager - runtime| accepted for graph formats, per format and dtype. Measured on the
 # reference models on 2026-11-21 (see docs/formats/<name>.md for the figures), then pinned with
 # headroom: float32 kernels differ in summation order, not in what they compute.
@@ -109,6 +111,22 @@ def sample_inputs(module: nn.Module, example_inputs: tuple[Any, ...] | None = No
         return x % vocab if isinstance(vocab, int) and vocab > 0 else x
 
     return [(fit(make(batch, seed=seed)),) for seed, batch in enumerate(batches)]
+
+
+def verify_graph(module: nn.Module, run: Callable[..., Any], fmt: str, options: WriteOptions, *,
+                 label: str) -> dict[str, Any]:
+    """A written graph (`run`: its runtime) against `module` within the format's tolerance, on
+    `sample_inputs`; a Hugging Face causal LM on token batches instead, comparing logits (and with
+    `options.kv_cache` the present key/values, on a prefill and a decode step) where the attention
+    mask keeps tokens (modelkit/testing/causal_lm.py)."""
+    from modelkit.testing import causal_lm
+
+    atol = graph_atol(fmt, module_dtype(module))
+    if not causal_lm.is_causal_lm(module):
+        return verify_outputs(module, run, sample_inputs(module, options.example_inputs), atol=atol, label=label)
+    inputs = causal_lm.check_inputs(module, kv_cache=options.kv_cache, given=options.example_inputs)
+    reference = causal_lm.Compared(causal_lm.graph(module, kv_cache=options.kv_cache))
+    return verify_outputs(reference, causal_lm.candidate(run), inputs, atol=atol, label=label)
 
 
 def verify_outputs(module: nn.Module, run: Callable[..., torch.Tensor], inputs: list[tuple[Any, ...]], *,

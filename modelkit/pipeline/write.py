@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelkit.checkpoint import Checkpoint, LazyTensor
 from modelkit.formats import FORMATS, ReadOptions, WriteOptions, load_format
-from modelkit.pipeline.verify import graph_atol, module_dtype, sample_inputs, verify_outputs, verify_weights
+from modelkit.pipeline.verify import verify_graph, verify_weights
 from modelkit.storage.atomic import atomic_dir, atomic_path, sync_in_background
 
 if TYPE_CHECKING:
@@ -84,8 +84,7 @@ def write_checkpoint(ckpt: Checkpoint, target: PathLike, fmt: str, options: Writ
         result = verify_weights(ckpt, written, label=str(target))
         if FORMATS[fmt].has_graph and module is not None:
             runtime = converter.runnable(tmp, ReadOptions(trust=True))
-            outputs = verify_outputs(module, runtime, sample_inputs(module, options.example_inputs),
-                                     atol=graph_atol(fmt, module_dtype(module)), label=str(target))
+            outputs = verify_graph(module, runtime, fmt, options, label=str(target))
             result = {**outputs, "tensors_checked": result["tensors_checked"], "weights": "bit-exact"}
         if also is not None:
             result = {**result, **also(tmp, written)}
