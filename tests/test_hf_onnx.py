@@ -11,7 +11,7 @@ from torch import nn
 
 import modelkit
 from modelkit.checkpoint import Checkpoint
-from modelkit.errors import UnsupportedConversionError, VerificationError
+from modelkit.errors import ConfigError, UnsupportedConversionError, VerificationError
 from modelkit.formats import WriteOptions, load_format
 from modelkit.models import build
 from modelkit.pipeline.verify import verify_graph
@@ -166,3 +166,15 @@ def test_verification_compares_kept_positions_and_nothing_else():
     assert verify_graph(model, padding_differs, "onnx", WriteOptions(), label="x")["max_abs_err"] == 0.0
     with pytest.raises(VerificationError, match="outputs differ"):
         verify_graph(model, off, "onnx", WriteOptions(), label="x")
+
+
+@pytest.mark.parametrize(("dynamic", "names"), [({"input_ids": [0]}, None), (None, ("ids",))])
+def test_a_causal_lm_signature_is_fixed(tmp_path, dynamic, names):
+    """Input names and dynamic axes of a causal LM graph are the contract's; others are refused before export."""
+    model = _tiny("llama")
+    ids, mask, _ = _prompts((0, 1), 8)
+    options = WriteOptions(module=model, example_inputs=(ids, mask), input_names=names, dynamic_axes=dynamic,
+                           final_path=tmp_path / "m.onnx")
+    with pytest.raises(ConfigError, match="a causal LM's graph"):
+        write_checkpoint(Checkpoint.from_module(model), tmp_path / "m.onnx", "onnx", options, force=False, module=model)
+    assert not (tmp_path / "m.onnx").exists()
