@@ -171,12 +171,12 @@ def _broken_weights(monkeypatch):
 
 def test_save_verifies_and_a_failure_leaves_no_output(tmp_path, mlp, monkeypatch):
     """api.save goes through the write path: weights read back bit for bit, a graph also run."""
-    from modelkit.pipeline import write
+    from modelkit.pipeline import verify
 
     def broken(module, run, inputs, *, atol=0.0, rtol=0.0, label):
         raise VerificationError(f"{label}: outputs differ", max_abs_err=1.0, atol=atol)
 
-    monkeypatch.setattr(write, "verify_outputs", broken)
+    monkeypatch.setattr(verify, "verify_outputs", broken)      # what write's verify_graph calls
     with pytest.raises(VerificationError, match="outputs differ"):
         modelkit.save(Checkpoint.from_module(mlp), tmp_path / "m.onnx")
     _broken_weights(monkeypatch)
