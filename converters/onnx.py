@@ -63,7 +63,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
 from modelkit import __version__
-from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, instantiate
+from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, _tied_names, instantiate
 from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, VERSION_KEY, json_object
@@ -535,6 +535,9 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), 
             if name in ckpt.tensors and tensor.dtype != ckpt.tensors[name].dtype and name not in narrow:
                 tensor.data = ckpt.tensors[name].load().to(tensor.device)
     state = module.state_dict()
+    # A tied output head (transformers' lm_head = embed_tokens) is stored once in a Hugging Face folder.
+    tied = {alias for alias, target in _tied_names(state).items() if alias not in ckpt.tensors and target in ckpt.tensors}
+    state = {name: t for name, t in state.items() if name not in tied}
     if set(state) != set(ckpt.tensors):
         odd = sorted(set(state) ^ set(ckpt.tensors))
         raise ConfigError(f"the module to export and the checkpoint name different tensors (e.g. {odd[0]!r})")

@@ -29,11 +29,11 @@ LENGTHS = (8, 24)          # 8 cuts every prompt; 24 left-pads every one of them
 BATCHES = ((0,), (0, 1, 2))  # the prompts fed one alone and all three together
 
 
-def _tiny(family: str) -> nn.Module:
+def _tiny(family: str, *, tied: bool = False) -> nn.Module:
     """hidden 64, 2 layers, vocab 320, seeded random weights, eval mode: transformers' own classes."""
     torch.manual_seed(0)
     shape = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=128)
+                 num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
     if family == "qwen2":
@@ -78,11 +78,14 @@ def exported(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported_kv(tmp_path_factory):
-    """llama with kv_cache, through the write path with no example inputs (the converter makes its own)."""
-    model = _tiny("llama")
+    """llama with kv_cache, through the write path with no example inputs (the converter makes its own);
+    its output head tied to the embedding and stored once, as a Hugging Face folder stores it."""
+    model = _tiny("llama", tied=True)
     path = tmp_path_factory.mktemp("kv") / "llama-kv.onnx"
-    result, _ = write_checkpoint(Checkpoint.from_module(model), path, "onnx",
-                                 WriteOptions(module=model, final_path=path, kv_cache=True), force=False, module=model)
+    ckpt = Checkpoint.from_module(model)
+    ckpt = Checkpoint({n: t for n, t in ckpt.tensors.items() if n != "lm_head.weight"}, {}, None)
+    result, _ = write_checkpoint(ckpt, path, "onnx", WriteOptions(module=model, final_path=path, kv_cache=True),
+                                 force=False, module=model)
     return model, path, result
 
 
@@ -115,6 +118,7 @@ def test_onnxruntime_logits_match_transformers(exported, family, rows, length):
 def test_kv_cache_decode_steps_match_a_full_forward(exported_kv):
     model, path, verify = exported_kv
     assert verify["passed"] and verify["inputs"] == 2 * len(causal_lm.CHECK_SHAPES)
+    assert verify["tensors_checked"] == len(model.state_dict()) - 1        # lm_head.weight is embed_tokens.weight
     session = load_format("onnx").runnable(path).session
     names = [i.name for i in session.get_inputs()]
     assert names == causal_lm.input_names(2, kv_cache=True)
