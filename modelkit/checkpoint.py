@@ -89,11 +89,17 @@ class Checkpoint:
     tensors: Mapping[str, TensorEntry]
     metadata: dict[str, str] = field(default_factory=dict)
     arch: ArchSpec | None = None
+    # Files that travel with the weights, by file name: a Hugging Face folder's tokenizer.json,
+    # tokenizer_config.json, special_tokens_map.json, generation_config.json, tokenizer.model.
+    assets: Mapping[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = [k for k, v in self.metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise ConfigError(f"checkpoint metadata must map str to str; bad entry {bad[0]!r}")
+        bad = [k for k, v in self.assets.items() if not isinstance(k, str) or not isinstance(v, bytes)]
+        if bad:
+            raise ConfigError(f"checkpoint assets must map file names to bytes; bad entry {bad[0]!r}")
 
     @classmethod
     def from_state_dict(
