@@ -159,7 +159,7 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
             tensors.setdefault(alias, tensors[target])
     else:   # a file from another tool: its scalar metadata as text, and the spec of the family it follows
         metadata = {k: str(v) for k, v in fields.items()}
-        arch = _foreign_spec(fields, tensors, rules)
+        arch = _foreign_spec(tensors, rules)
     assets = _tokenizer_assets(reader) if rules is not None and rules.tokenizer == "hf" else {}
     return Checkpoint(tensors=tensors, metadata=metadata, arch=arch, assets=assets)
 
@@ -211,20 +211,21 @@ def _foreign_conventions(path: Path, fields: dict[str, Any], reader: GGUFReader)
     return _conventions(path, ArchSpec(name, config))
 
 
-def _foreign_spec(fields: dict[str, Any], tensors: dict[str, Any], rules: _hf.Conventions | None) -> ArchSpec | None:
-    """A file from another tool: a registered zoo model that runs it exactly (tinylm), else its family."""
-    if rules is None:
+def _foreign_spec(tensors: dict[str, Any], rules: _hf.Conventions | None) -> ArchSpec | None:
+    """A file from another tool: its family's spec (llama's for any llama file: transformers runs them all),
+    or, for a llama file with a 256-token byte vocabulary that a zoo model holds exactly, that model (tinylm)."""
+    if rules is None or not set(tensors) <= set(rules.names):
         return None
-    if rules.family.architecture == "llama":
+    if rules.family.architecture == "llama" and rules.config.get("vocab_size") == 256:
         spec = _zoo_spec(rules, tensors)
         if spec is not None:
             return spec
-    return ArchSpec(rules.family_name, rules.config) if set(tensors) <= set(rules.names) else None
+    return ArchSpec(rules.family_name, rules.config)
 
 
 def _zoo_spec(rules: _hf.Conventions, tensors: dict[str, Any]) -> ArchSpec | None:
     """The first registered zoo model following the llama layout (tinylm) whose config holds this file."""
-    from modelkit.models import MODELS, config_from_dict, config_to_dict, load_model_module
+    from modelkit.models import config_from_dict, config_to_dict, load_model_module, zoo_models
 
     config = rules.config
     if config.get("rope_parameters", {}).get("rope_type", "default") != "default" or "head_dim" in config:
@@ -233,16 +234,15 @@ def _zoo_spec(rules: _hf.Conventions, tensors: dict[str, Any]) -> ArchSpec | Non
                                          "num_hidden_layers", "num_key_value_heads", "max_position_embeddings",
                                          "rms_norm_eps")}
     values["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta", 10000.0)
-    for name, info in MODELS.items():
-        layout = None if info.hf else getattr(load_model_module(name), "GGUF", None)
+    for name in zoo_models():
+        layout = getattr(load_model_module(name), "GGUF", None)
         if layout is None or layout.architecture != "llama":
             continue
         try:
             zoo = config_from_dict(name, values)
         except (ConfigError, TypeError, ValueError):
             continue
-        names = _hf.tensor_names(rules.family, zoo.num_hidden_layers)
-        if set(tensors) == set(names):
+        if set(tensors) == set(_hf.tensor_names(rules.family, zoo.num_hidden_layers)):
             return ArchSpec(name, config_to_dict(zoo))
     return None
 

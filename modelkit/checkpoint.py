@@ -209,6 +209,10 @@ def instantiate(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source:
     # A quantized layer's own keys (packed data, scales) come from its QuantizedTensor, its bias from the file.
     owners = {n.rpartition(".")[0] for n in quantized}
     wanted = {k for k in expected if k.rpartition(".")[0] not in owners or k.rpartition(".")[2] == "bias"}
+    # Weights the module ties to another (transformers' tied output head) come with their target:
+    # a Hugging Face folder stores them once.
+    tied = {alias for alias, target in _tied_names(expected).items() if alias not in state and target in state}
+    wanted -= tied
     missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ConfigError(
@@ -219,5 +223,5 @@ def instantiate(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source:
     if wrong:
         raise ConfigError(f"{source}: weights do not fit architecture {label!r}; {wrong[0]} is "
                           f"{list(state[wrong[0]].shape)}, the model expects {list(expected[wrong[0]].shape)}")
-    model.load_state_dict(state, strict=not quantized)
+    model.load_state_dict(state, strict=not (quantized or tied))
     return model.eval()

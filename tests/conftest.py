@@ -96,7 +96,7 @@ def fixtures_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "fixtures"
 
 
-@pytest.fixture(params=sorted(FORMATS))
+@pytest.fixture(params=sorted(f for f in FORMATS if not FORMATS[f].folder))   # hf folders: tests/test_hf.py
 def fmt(request) -> str:
     return request.param
 

@@ -526,13 +526,13 @@ TAMPERING = [
 @pytest.mark.parametrize("tamper,match", TAMPERING)
 @one_model("cnn")
 def test_tampered_quantized_metadata_is_a_format_error(small_model, tmp_path, tamper, match):
-    from modelkit.converters import safetensors as st
     from modelkit.pipeline.quantize import save_quantized
     from modelkit.storage import quantized_layout
+    from modelkit.storage.safetensors_files import read_file
 
     path = tmp_path / "m.safetensors"
     save_quantized(schemes.apply(small_model, _config("int8")), path, config=_config("int8"))
-    ckpt = st._read_file(path, group=False)
+    ckpt = Checkpoint(*read_file(path))
     record = json.loads(ckpt.metadata[quantized_layout.QUANTIZED_KEY])
     tamper(record)
     ckpt.metadata[quantized_layout.QUANTIZED_KEY] = json.dumps(record)

@@ -189,6 +189,10 @@ def config_from_gguf(family: HFFamily, fields: Mapping[str, Any], *, tied: bool)
             config[key] = float(f"{v:.7g}") if isinstance(v, float) else v
     if "vocab_size" in value:
         config["vocab_size"] = value["vocab_size"]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):      # the special tokens llama.cpp keeps
+        gguf_key = f"tokenizer.ggml.{'padding' if key == 'pad_token_id' else key.removesuffix('_token_id')}_token_id"
+        if isinstance(fields.get(gguf_key), int):
+            config[key] = fields[gguf_key]
     if "attention.key_length" in value:
         config["head_dim"] = value["attention.key_length"]
     if arch != "gpt2":

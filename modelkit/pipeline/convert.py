@@ -127,7 +127,7 @@ def convert(
         dtype: Cast floating-point tensors: "f32", "f16" or "bf16".
         arch: For graph targets when `src` names no architecture: a registered model name or a
             factory "pkg.module:function" (never taken from a file).
-        shard_size: safetensors only: split into shards of at most this size ("2GB" or bytes).
+        shard_size: safetensors and hf only: split into shards of at most this size ("2GB" or bytes).
         verify: Check the output (on by default); a failure raises VerificationError, no output.
         force: Overwrite an existing `dst`.
         trust: Allow inputs that run code when loaded (whole-module pickles, TorchScript).
@@ -153,8 +153,8 @@ def convert(
     if to is None and shard_bytes is not None and not dst.suffix:
         to = "safetensors"                      # a sharded checkpoint is a folder
     out_fmt = format_for_output(dst, to)
-    if shard_bytes is not None and out_fmt != "safetensors":
-        raise ConfigError(f"--shard-size applies to safetensors output only, not {out_fmt}")
+    if shard_bytes is not None and out_fmt not in ("safetensors", "hf"):
+        raise ConfigError(f"--shard-size applies to safetensors and hf output only, not {out_fmt}")
     if dst.resolve() == src.resolve():
         raise ConfigError(f"{dst} is the input file; choose another output path (inputs are never modified)")
 

@@ -7,8 +7,10 @@ type, as llama.cpp's quantizer chooses them; every other tensor is stored as it 
 quantized as the GGUF writer pulls them (one in memory at a time) and the written file is
 verified bit for bit: every block read back equals a fresh quantization of the source tensor.
 
-A file that names an architecture keeps the module path (modelkit.pipeline.quantize), where the
-model decides which layers are quantized and the rebuilt model's outputs are checked.
+A Hugging Face folder (or any file naming a Hugging Face family) streams the same way and is written in
+llama.cpp's layout for its family. A file that names a zoo model keeps the module path
+(modelkit.pipeline.quantize), where the model decides which layers are quantized and the rebuilt
+model's outputs are checked.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from modelkit.checkpoint import Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError
 from modelkit.formats import ReadOptions, check_readable, detect_format, load_format
 from modelkit.metadata import METRICS_KEY, QUANT_KEY
+from modelkit.models import gguf_conventions, hf_family
 from modelkit.pipeline.reports import QuantizeReport
 from modelkit.pipeline.write import ProgressFn, write_checkpoint
 from modelkit.quantizers.gguf_arrays import BLOCK, TYPE_SIZES, BlockConfig, quantize_array
@@ -73,13 +76,17 @@ def _quantizable(name: str, entry: Any, skip: tuple[str, ...]) -> str | None:
     return None
 
 
-def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | None = None) -> Checkpoint:
-    """`ckpt` with its quantizable weights as GGUF blocks of `config.scheme`, quantized on read."""
+def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | None = None,
+                     keep: frozenset[str] = frozenset()) -> Checkpoint:
+    """`ckpt` with its quantizable weights as GGUF blocks of `config.scheme`, quantized on read; `keep`
+    names tensors left as they are (a family's transposed Conv1D weights, whose blocks would run along
+    the wrong axis)."""
     type_name = config.scheme
     ggml_type = type_name.upper()
     tensors: dict[str, Any] = {}
     for name, entry in ckpt.tensors.items():
-        reason = _quantizable(name, entry, config.skip)
+        reason = "stored transposed for llama.cpp; quantized blocks would run along Hugging Face's rows" \
+            if name in keep else _quantizable(name, entry, config.skip)
         if reason is not None:
             logger.info("kept %s as %s: %s", name, entry.dtype, reason)
             tensors[name] = entry
@@ -91,7 +98,7 @@ def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | No
         tensors[name] = QuantizedTensor(scheme=type_name, layout="gguf", shape=entry.shape, dtype=DTYPES["float32"],
                                         parts={"qdata": qdata}, params={"ggml_type": ggml_type}, source=entry.source)
     metadata = {**{k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}, QUANT_KEY: schemes.config_to_json(config)}
-    return Checkpoint(tensors, metadata, ckpt.arch)
+    return Checkpoint(tensors, metadata, ckpt.arch, ckpt.assets)
 
 
 def _quantized(entry: LazyTensor, name: str, type_name: str, threads: int | None) -> np.ndarray:
@@ -116,18 +123,20 @@ def quantize_weights(src: PathLike, dst: PathLike, *, config: BlockConfig, sourc
     check_readable(src)
     fmt = source_format or detect_format(src)
     ckpt = load_format(fmt).read(src, ReadOptions(trust=trust, key=key))
-    if require_no_arch and ckpt.arch is not None:
-        return None
+    rules = gguf_conventions(ckpt.arch) if ckpt.arch is not None and hf_family(ckpt.arch.name) is not None else None
+    if require_no_arch and ckpt.arch is not None and rules is None:
+        return None             # a zoo model: its module chooses the layers (a Hugging Face family streams here)
     if any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
         raise ConfigError(f"{src} is already quantized; quantize the float model instead")
     started = time.perf_counter()
-    blocks = block_checkpoint(ckpt, config)
+    blocks = block_checkpoint(ckpt, config, keep=rules.transposed if rules is not None else frozenset())
     verified, size = write_checkpoint(blocks, dst, "gguf", force=force, verify=verify, progress=progress)
     seconds = time.perf_counter() - started     # quantizing happens as the writer pulls each tensor
     source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) if src.is_dir() else src.stat().st_size
     stats = checkpoint_stats(blocks)
     kept = len(blocks) - stats["quantized_tensors"]
-    notes = [f"no architecture: {stats['quantized_tensors']} 2-D weights quantized, {kept} tensors kept as they are"]
+    what = f"{ckpt.arch.name} (Hugging Face family, llama.cpp's layout)" if rules is not None else "no architecture"
+    notes = [f"{what}: {stats['quantized_tensors']} 2-D weights quantized, {kept} tensors kept as they are"]
     return QuantizeReport(scheme=config.scheme, config=schemes.config_to_dict(config),
                           source={"path": str(src), "format": fmt, "bytes": source_bytes},
                           target={"path": str(dst), "format": "gguf", "bytes": size}, stats=stats,

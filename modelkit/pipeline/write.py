@@ -83,7 +83,8 @@ def write_checkpoint(ckpt: Checkpoint, target: PathLike, fmt: str, options: Writ
         written = converter.read(tmp, ReadOptions(trust=True))   # our own fresh output
         plan = getattr(converter, "verify_plan", None)           # a format's conventions that are not bit-exact
         dropped, rtol = plan(ckpt) if plan is not None else (set(), {})
-        result = verify_weights(ckpt, written, label=str(target), dropped=dropped, rtol=rtol)
+        exceptions = {"dropped": dropped, "rtol": rtol} if dropped or rtol else {}
+        result = verify_weights(ckpt, written, label=str(target), **exceptions)
         if FORMATS[fmt].has_graph and module is not None:
             runtime = converter.runnable(tmp, ReadOptions(trust=True))
             outputs = verify_outputs(module, runtime, sample_inputs(module, options.example_inputs),
@@ -93,8 +94,9 @@ def write_checkpoint(ckpt: Checkpoint, target: PathLike, fmt: str, options: Writ
             result = {**result, **also(tmp, written)}
         return result
 
-    return write_output(target, write, verify=check if verify else None, force=force, folder=sharded,
-                        companions=() if sharded else FORMATS[fmt].companions)
+    folder = sharded or FORMATS[fmt].folder
+    return write_output(target, write, verify=check if verify else None, force=force, folder=folder,
+                        companions=() if folder else FORMATS[fmt].companions)
 
 
 def _with_progress(ckpt: Checkpoint, progress: ProgressFn | None) -> Checkpoint:
