@@ -43,6 +43,10 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         from modelkit.scan import gate
 
         gate(folder / "tokenizer_config.json", trust=options.trust)
+    if "chat_template.jinja" in assets:
+        from modelkit.scan import gate_template
+
+        gate_template(folder / "chat_template.jinja", assets["chat_template.jinja"].decode("utf-8", "replace"))
     tensors, metadata, _ = files.read_folder(folder)
     for key in ("format", ARCH_KEY):              # the folder's config.json is the architecture
         metadata.pop(key, None)

@@ -311,3 +311,75 @@ def test_quantize_streams_a_folder_to_gguf_blocks(saved, family, scheme, tmp_pat
     model, _ = _transformers_gguf(tmp_path / "q.gguf", saved[family].model)
     error = (saved[family].logits_of(model) - saved[family].logits).abs().max().item()
     assert 0 < error < QUANT_RTOL[scheme] * saved[family].logits.abs().max().item()
+
+
+# ------------------------------------------------------------------------- tokenizer files and inspect
+
+
+@pytest.fixture(scope="session")
+def with_tokenizer(saved, tmp_path_factory) -> Path:
+    """The qwen2 folder plus a byte-level BPE tokenizer trained offline on a standard-library module, with a
+    chat template (tokenizer files only: GGUF tokenizer keys are modelkit.models.gguf_vocab's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("tokenizer") / "qwen2"
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([Path(json.__file__).read_text()], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    saved["qwen2"].model.save_pretrained(folder, max_shard_size="100KB")
+    fast.save_pretrained(folder)
+    return folder
+
+
+def test_inspect_a_folder_names_family_tokenizer_and_shards(with_tokenizer):
+    info = modelkit.inspect(with_tokenizer)
+    model = info.model
+    assert (model["family"], model["model_type"], model["llama_cpp_architecture"]) == ("qwen2", "qwen2", "qwen2")
+    assert model["parameters"] == info.num_parameters and model["dtype"] == "float32"
+    assert (model["context_length"], model["vocab_size"]) == (128, 320)
+    assert model["tokenizer"] == {"kind": "BPE", "style": "byte-level", "vocab_size": 300, "chat_template": True}
+    shards = sorted(with_tokenizer.glob("model-*.safetensors"))
+    assert model["shards"] == {"files": len(shards), "bytes": sum(p.stat().st_size for p in shards)} and len(shards) > 1
+    from click.testing import CliRunner
+
+    from modelkit.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(with_tokenizer), "--limit", "0"])
+    assert result.exit_code == 0 and "tokenizer: BPE, byte-level, 300 tokens, chat template present" in result.output
+
+
+def test_inspect_a_family_gguf(ggufs):
+    model = modelkit.inspect(ggufs["gemma2"]).model
+    assert (model["family"], model["llama_cpp_architecture"], model["context_length"]) == ("gemma2", "gemma2", 128)
+    assert model["tokenizer"] is None and "shards" not in model
+
+
+def test_tokenizer_files_travel_byte_for_byte(with_tokenizer, tmp_path):
+    ckpt = modelkit.load(with_tokenizer)
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(ckpt.assets)
+    convert(with_tokenizer, tmp_path / "out", to="hf")
+    for name in ckpt.assets:
+        assert (tmp_path / "out" / name).read_bytes() == (with_tokenizer / name).read_bytes()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi"
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
+def test_a_template_injection_in_a_folder_is_refused(with_tokenizer, tmp_path, where):
+    import shutil
+
+    from modelkit.errors import UnsafeFileError
+
+    folder = tmp_path / "evil"
+    shutil.copytree(with_tokenizer, folder)
+    payload = "{{ cycler.__init__.__globals__.os.popen('id').read() }}"
+    if where == "chat_template.jinja":
+        (folder / where).write_text(payload)
+    else:
+        config = json.loads((folder / where).read_text())
+        (folder / where).write_text(json.dumps({**config, "chat_template": payload}))
+    with pytest.raises(UnsafeFileError, match="refused"):
+        modelkit.load(folder)

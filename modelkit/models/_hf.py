@@ -265,3 +265,14 @@ def conventions(family_name: str, family: HFFamily, config: Mapping[str, Any]) -
                                                                      for n in range(n_layers)})
     offsets = frozenset(h for h, g in names.items() if family.norm_offset and g.endswith("norm.weight"))
     return Conventions(family_name, family, config, names, heads, transposed, offsets)
+
+
+def describe(family_name: str, family: HFFamily, config: Mapping[str, Any], assets: Mapping[str, bytes]) -> dict[str, Any]:
+    """What `modelkit inspect` says of a Hugging Face family's model: family, model_type, llama.cpp's
+    architecture, context length, vocabulary size, tokenizer (kind, style, chat template)."""
+    from modelkit.parse.hf import tokenizer_summary
+
+    text = text_config(family, config)
+    return {"family": family_name, "model_type": config.get("model_type"), "llama_cpp_architecture": family.architecture,
+            "context_length": text.get(family.hparams["context_length"]), "vocab_size": text.get("vocab_size"),
+            "tokenizer": tokenizer_summary(dict(assets))}

@@ -17,7 +17,7 @@ CONFIG_NAME = "config.json"
 MAX_JSON = 50_000_000          # the largest config or tokenizer file modelkit reads (real tokenizer.json: ~10 MB)
 # Files that travel with the weights (Checkpoint.assets), by name.
 ASSETS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-          "tokenizer.model")
+          "tokenizer.model", "chat_template.jinja")
 
 
 def read_bytes(path: Path) -> bytes:
@@ -59,3 +59,40 @@ def is_model_folder(folder: Path) -> bool:
     except (OSError, ParseError):
         return False
     return True
+
+
+def tokenizer_summary(assets: dict[str, bytes]) -> dict[str, Any] | None:
+    """What a folder's tokenizer files say: the model kind (BPE, Unigram, WordPiece, WordLevel), its
+    style (byte-level, sentencepiece-style: Metaspace or byte fallback), vocabulary size and whether a chat
+    template is present; None when the folder has no tokenizer."""
+    template = "chat_template.jinja" in assets
+    if "tokenizer_config.json" in assets:
+        try:
+            config = json.loads(assets["tokenizer_config.json"])
+            template = template or bool(isinstance(config, dict) and config.get("chat_template"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            pass
+    if "tokenizer.json" not in assets:
+        if "tokenizer.model" in assets:
+            return {"kind": "SentencePiece model", "style": "sentencepiece", "vocab_size": None, "chat_template": template}
+        return None
+    try:
+        doc = json.loads(assets["tokenizer.json"])
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return {"kind": "unreadable tokenizer.json", "style": None, "vocab_size": None, "chat_template": template}
+    model = doc.get("model") if isinstance(doc, dict) else None
+    model = model if isinstance(model, dict) else {}
+    text = json.dumps([doc.get("pre_tokenizer"), doc.get("decoder"), doc.get("normalizer")])
+    if '"ByteLevel"' in text:
+        style = "byte-level"
+    elif '"Metaspace"' in text or model.get("byte_fallback") or model.get("type") == "Unigram":
+        style = "sentencepiece"
+    else:
+        style = "other"
+    vocab = model.get("vocab")
+    size = len(vocab) if isinstance(vocab, (dict, list)) else 0
+    added = doc.get("added_tokens") if isinstance(doc.get("added_tokens"), list) else []
+    ids = {t.get("id") for t in added if isinstance(t, dict)}
+    known = set(vocab.values()) if isinstance(vocab, dict) else set(range(size))
+    return {"kind": model.get("type", "unknown"), "style": style, "vocab_size": size + len(ids - known),
+            "chat_template": template}
