@@ -72,7 +72,7 @@ def _with_checkpoint_entries(ckpt: Checkpoint, module: nn.Module) -> Checkpoint:
         elif replacements[owner] is not None:
             tensors.update(replacements[owner])
             replacements[owner] = None       # emitted once, where the submodule's first key was
-    return Checkpoint(tensors, ckpt.metadata, ckpt.arch)
+    return Checkpoint(tensors, ckpt.metadata, ckpt.arch, ckpt.assets)
 
 
 @dataclass

@@ -287,7 +287,7 @@ def test_cli_convert_human_and_json(tmp_path, mlp):
 
 @pytest.mark.parametrize("args, message", [
     (["{src}", "{tmp}/x.weird"], "pass --to"),
-    (["{src}", "{tmp}/x.gguf", "--shard-size", "1GB"], "safetensors output only"),
+    (["{src}", "{tmp}/x.gguf", "--shard-size", "1GB"], "safetensors and hf output only"),
     (["{src}", "{tmp}/x.safetensors", "--shard-size", "lots"], "cannot read size"),
     (["{tmp}/missing.pt", "{tmp}/x.safetensors"], "no such file"),
 ])

@@ -101,7 +101,7 @@ def _cast(ckpt: Checkpoint, dtype: DType | None) -> Checkpoint:
             tensors[name] = LazyTensor(dtype, t.shape, lambda t=t: _cast_array(t, dtype), t.source)
         else:
             tensors[name] = t
-    return Checkpoint(tensors, dict(ckpt.metadata), ckpt.arch)
+    return Checkpoint(tensors, dict(ckpt.metadata), ckpt.arch, ckpt.assets)
 
 
 def _cast_array(t: LazyTensor, dtype: DType) -> Any:
@@ -163,7 +163,7 @@ def convert(
     if isinstance(arch, str) and ":" not in arch:
         arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
     if isinstance(arch, ArchSpec):
-        ckpt = Checkpoint(ckpt.tensors, ckpt.metadata, arch)
+        ckpt = Checkpoint(ckpt.tensors, ckpt.metadata, arch, ckpt.assets)
     ckpt = _cast(ckpt, cast)
 
     module = None
