@@ -13,22 +13,24 @@ What modelkit stores:
 - The Checkpoint's str->str metadata under `modelkit.meta.<key>`, the ArchSpec as JSON under
   `modelkit.arch`, and `modelkit.tensors` (JSON: stored name -> the original name, dtype and shape,
   only where the GGUF tensor alone does not say them), so reading gives back the Checkpoint exactly.
-- A model whose module declares a llama `GGUF` layout (tinylm) follows llama.cpp's `llama`
-  conventions: `llama.*` hyperparameters, `token_embd` / `blk.N.attn_q` / ... tensor names, the
-  Q/K row permutation of convert_hf_to_gguf.py, norms in F32 and the tokenizer the layout names
-  (a 256-token byte vocabulary), so llama.cpp runs the file. Other models (or none) use the
-  architecture "modelkit" and their own tensor names.
+- A Hugging Face family (modelkit/models/<family>.py) and tinylm (through the llama family's table)
+  follow llama.cpp's conventions for their architecture (modelkit.models._hf.Conventions): its
+  `{arch}.*` hyperparameters, `token_embd` / `blk.N.attn_q` / ... tensor names, the family's quirks
+  (Q/K row permutation, Gemma's norms + 1, GPT-2's transposed Conv1D weights, Llama-3's
+  `rope_freqs`), 1-D tensors in F32, and the tokenizer (tinylm's 256-token byte vocabulary; a
+  folder's tokenizer.json through modelkit.models.gguf_vocab), so llama.cpp runs the file. Other
+  models (or none) use the architecture "modelkit" and their own tensor names.
 - Dtypes: F32, F16, BF16, F64 and I8-I64 as themselves; uint8, bool, uint16-64 and float8 as the
   signed integer type of the same width, the original dtype recorded. Nothing is lost.
 
-Reading takes any GGUF file, llama.cpp's own included: llama files get Hugging Face names back
-(the permutation undone); block-quantized tensors (Q4_0, Q8_0, K-quants, ...) become
+Reading takes any GGUF file, llama.cpp's own included: files of a family's architecture get
+Hugging Face names back (the family's storage undone) and the family's ArchSpec; block-quantized tensors (Q4_0, Q8_0, K-quants, ...) become
 QuantizedTensors with layout "gguf", dequantized by gguf-py on load (float32 tensors instead with
 `ReadOptions(dequantize=True)`). Before gguf's reader sees a file, every count and length in its
 header is checked against the file size (the reader trusts them: an array count past the end of
 the file makes it loop without end).
 
-Longer than our usual 400 lines: the llama tables and the header bounds walk are GGUF's alone.
+Longer than our usual 400 lines: the family storage rules and the header bounds walk are GGUF's alone.
 """
 from __future__ import annotations
 
