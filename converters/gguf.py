@@ -291,18 +291,18 @@ def _entry(path: Path, mapped: MappedFile, tensor: Any, record: dict[str, Any], 
         same_bytes = not undo and dtype.itemsize == _NATIVE[ggml_type].itemsize
         return name, LazyTensor(dtype, shape, lambda: _load(mapped, span, ggml_type, dtype, shape, undo), source,
                                 span=mapped.span(*span) if same_bytes else None)
-    if undo.transpose or undo.offset:    # block rows run along the stored layout: undone on the float values
+    if undo.offset:                      # a shifted norm in blocks: undone on the float values
         def values() -> np.ndarray:
             raw = mapped.view(*span, f"tensor at offset {span[0]}").reshape(data.shape)
-            array = gguf_dequantize(raw, ggml_type).reshape(shape) - np.float32(undo.offset)
-            return np.ascontiguousarray(array.T) if undo.transpose and len(shape) == 2 else array
-        return name, LazyTensor(DTYPES["float32"], shape[::-1] if undo.transpose and len(shape) == 2 else shape,
-                                values, source)
+            return gguf_dequantize(raw, ggml_type).reshape(shape) - np.float32(undo.offset)
+        return name, LazyTensor(DTYPES["float32"], shape, values, source)
     byte_shape = tuple(data.shape)       # gguf's reader gives block data as (rows, bytes per row)
     qdata = LazyTensor(DTYPES["uint8"], byte_shape,
-                       lambda: _load(mapped, span, ggml_type, DTYPES["uint8"], byte_shape, undo), source)
-    quantized = QuantizedTensor(scheme=ggml_type.name.lower(), layout="gguf", shape=shape, dtype=DTYPES["float32"],
-                                parts={"qdata": qdata}, params={"ggml_type": ggml_type.name}, source=source)
+                       lambda: _load(mapped, span, ggml_type, DTYPES["uint8"], byte_shape, _Undo(undo.n_heads)), source)
+    flipped = undo.transpose and len(shape) == 2        # blocks along the stored rows: the tensor says so
+    params = {"ggml_type": ggml_type.name, **({"transposed": True} if flipped else {})}
+    quantized = QuantizedTensor(scheme=ggml_type.name.lower(), layout="gguf", shape=shape[::-1] if flipped else shape,
+                                dtype=DTYPES["float32"], parts={"qdata": qdata}, params=params, source=source)
     if options.dequantize:
         return name, LazyTensor(DTYPES["float32"], shape, quantized.load, source)
     return name, quantized
@@ -527,13 +527,15 @@ def _slot(entry: LazyTensor | QuantizedTensor, name: str, stored: str, undo: _Un
         if ggml_type is None:
             raise UnsupportedConversionError("quantized checkpoint", "gguf",
                                              f"tensor {name!r} names no GGML type ({entry.params!r})")
-        if undo.transpose or undo.offset:
+        flipped = bool(entry.params.get("transposed"))      # blocks already along the stored rows
+        if undo.offset or undo.transpose != flipped:
             raise UnsupportedConversionError("quantized checkpoint", "gguf",
-                                             f"tensor {name!r} is quantized in Hugging Face's layout, which its family "
-                                             "stores transposed or shifted; quantize it from the float weights")
+                                             f"tensor {name!r} is quantized in another layout than its family stores "
+                                             "(transposed or shifted); quantize it from the float weights")
         if n_heads is not None and not _rows_pair_up(entry.parts["qdata"].shape, n_heads):
             raise _bad_rows(name, entry.shape, n_heads)
-        return _Slot(stored, entry, ggml_type, entry.shape, _BYTES, undo), {}
+        return _Slot(stored, entry, ggml_type, entry.shape[::-1] if flipped else entry.shape, _BYTES,
+                     _Undo(n_heads)), {}
     if entry.dtype.name not in _STORAGE:
         raise UnsupportedConversionError(dtype_name(entry.dtype), "gguf",
                                          f"tensor {name!r} has a dtype GGUF cannot hold, even as raw bytes")

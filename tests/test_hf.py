@@ -292,12 +292,13 @@ def test_folder_commands_run_without_torch(saved, tmp_path):
 
 # transformers' GGUF reader on `modelkit quantize FOLDER out.gguf`, against the F32 model: largest
 # |logit difference| / largest |logit|, measured 2026-11-25 over the eight families: q8_0 2.1e-02
-# (gemma3; llama 8.5e-03), q4_0 2.6e-01 (gemma3; llama 1.4e-01). Pinned with headroom.
+# (gemma3; llama 8.5e-03; gpt2 4.6e-03), q4_0 2.6e-01 (gemma3; llama 1.4e-01; gpt2 7.1e-02, its Conv1D
+# weights quantized along llama.cpp's rows). Pinned with headroom.
 QUANT_RTOL = {"q8_0": 5e-2, "q4_0": 0.5}
 
 
 @pytest.mark.parametrize("scheme", sorted(QUANT_RTOL))
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
 def test_quantize_streams_a_folder_to_gguf_blocks(saved, family, scheme, tmp_path, monkeypatch):
     from modelkit.models import _hf as hf_module
 
@@ -306,7 +307,10 @@ def test_quantize_streams_a_folder_to_gguf_blocks(saved, family, scheme, tmp_pat
     assert report.stats["quantized_tensors"] > 0 and report.verify["passed"]
     fields, reader = _fields(tmp_path / "q.gguf")
     qtype = gguf.GGMLQuantizationType[scheme.upper()]
-    assert {t.tensor_type for t in reader.tensors if t.data.ndim == 2 and t.name != "token_embd.weight"} == {qtype}
+    assert {t.tensor_type for t in reader.tensors if t.data.ndim == 2 and "embd" not in t.name} == {qtype}
+    back = modelkit.load(tmp_path / "q.gguf")          # GPT-2's transposed blocks come back in Hugging Face's shape
+    state = saved[family].model.state_dict()
+    assert all(back.tensors[n].shape == tuple(state[n].shape) for n in back.tensors)
     assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in reader.tensors if t.name.endswith("norm.weight"))
     monkeypatch.undo()
     model, _ = _transformers_gguf(tmp_path / "q.gguf", saved[family].model)

@@ -61,15 +61,17 @@ def _float32(entry: LazyTensor) -> np.ndarray:
     return array.astype(np.float32, copy=False)
 
 
-def _quantizable(name: str, entry: Any, skip: tuple[str, ...]) -> str | None:
-    """None if `entry` becomes blocks; otherwise why it stays as it is (for the log)."""
+def _quantizable(name: str, entry: Any, skip: tuple[str, ...], *, row: int | None = None) -> str | None:
+    """None if `entry` becomes blocks; otherwise why it stays as it is (for the log). `row`: the length of
+    the rows the blocks run along, when it is not the last dimension (a transposed weight)."""
     if not isinstance(entry, LazyTensor) or not entry.dtype.is_floating_point or not entry.dtype.exact \
             and entry.dtype.name != "bfloat16":
         return "not a floating-point tensor"
     if not name.endswith("weight") or len(entry.shape) != 2:
         return "not a 2-D weight (llama.cpp keeps those as they are)"
-    if entry.shape[-1] % BLOCK:
-        return f"rows of {entry.shape[-1]} weights are not whole {BLOCK}-weight blocks"
+    row = entry.shape[-1] if row is None else row
+    if row % BLOCK:
+        return f"rows of {row} weights are not whole {BLOCK}-weight blocks"
     module = name.rpartition(".")[0]
     if any(fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(name, pattern) for pattern in skip):
         return "skipped"
@@ -77,33 +79,36 @@ def _quantizable(name: str, entry: Any, skip: tuple[str, ...]) -> str | None:
 
 
 def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | None = None,
-                     keep: frozenset[str] = frozenset()) -> Checkpoint:
-    """`ckpt` with its quantizable weights as GGUF blocks of `config.scheme`, quantized on read; `keep`
-    names tensors left as they are (a family's transposed Conv1D weights, whose blocks would run along
-    the wrong axis)."""
+                     transposed: frozenset[str] = frozenset()) -> Checkpoint:
+    """`ckpt` with its quantizable weights as GGUF blocks of `config.scheme`, quantized on read.
+    `transposed` names weights GGUF stores transposed (a family's Conv1D weights): their blocks run
+    along the stored rows, and the QuantizedTensor says so (params["transposed"])."""
     type_name = config.scheme
     ggml_type = type_name.upper()
     tensors: dict[str, Any] = {}
     for name, entry in ckpt.tensors.items():
-        reason = "stored transposed for llama.cpp; quantized blocks would run along Hugging Face's rows" \
-            if name in keep else _quantizable(name, entry, config.skip)
+        flip = name in transposed and isinstance(entry, LazyTensor) and len(entry.shape) == 2
+        reason = _quantizable(name, entry, config.skip, row=entry.shape[0] if flip else None)
         if reason is not None:
             logger.info("kept %s as %s: %s", name, entry.dtype, reason)
             tensors[name] = entry
             continue
-        rows, cols = entry.shape
+        rows, cols = entry.shape[::-1] if flip else entry.shape
         qdata = LazyTensor(DTYPES["uint8"], (rows, cols // BLOCK * TYPE_SIZES[type_name]),
-                           lambda entry=entry, name=name: _quantized(entry, name, type_name, threads), entry.source)
+                           lambda entry=entry, name=name, flip=flip: _quantized(entry, name, type_name, threads, flip),
+                           entry.source)
         # dtype float32: what dequantizing GGUF blocks gives back, as the GGUF reader says
+        params = {"ggml_type": ggml_type, **({"transposed": True} if flip else {})}
         tensors[name] = QuantizedTensor(scheme=type_name, layout="gguf", shape=entry.shape, dtype=DTYPES["float32"],
-                                        parts={"qdata": qdata}, params={"ggml_type": ggml_type}, source=entry.source)
+                                        parts={"qdata": qdata}, params=params, source=entry.source)
     metadata = {**{k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}, QUANT_KEY: schemes.config_to_json(config)}
     return Checkpoint(tensors, metadata, ckpt.arch, ckpt.assets)
 
 
-def _quantized(entry: LazyTensor, name: str, type_name: str, threads: int | None) -> np.ndarray:
+def _quantized(entry: LazyTensor, name: str, type_name: str, threads: int | None, flip: bool = False) -> np.ndarray:
     try:
-        return quantize_array(_float32(entry), type_name, threads=threads)
+        values = _float32(entry)
+        return quantize_array(np.ascontiguousarray(values.T) if flip else values, type_name, threads=threads)
     except ConfigError as e:
         raise ConfigError(f"{name}: {e}") from e
 
@@ -129,7 +134,7 @@ def quantize_weights(src: PathLike, dst: PathLike, *, config: BlockConfig, sourc
     if any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
         raise ConfigError(f"{src} is already quantized; quantize the float model instead")
     started = time.perf_counter()
-    blocks = block_checkpoint(ckpt, config, keep=rules.transposed if rules is not None else frozenset())
+    blocks = block_checkpoint(ckpt, config, transposed=rules.transposed if rules is not None else frozenset())
     verified, size = write_checkpoint(blocks, dst, "gguf", force=force, verify=verify, progress=progress)
     seconds = time.perf_counter() - started     # quantizing happens as the writer pulls each tensor
     source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) if src.is_dir() else src.stat().st_size
