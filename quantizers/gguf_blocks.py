@@ -30,11 +30,9 @@ params={"ggml_type": "Q4_0"})`, the form modelkit's GGUF converter reads and wri
 """
 from __future__ import annotations
 
-import dataclasses
-
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -384,7 +382,7 @@ def dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
     params["transposed"], the blocks run along the rows of the transposed matrix (GPT-2's Conv1D weights
     as llama.cpp stores them) and the values come back in `q.shape`."""
     if q.params.get("transposed"):
-        stored = dataclasses.replace(q, shape=tuple(reversed(q.shape)),
+        stored = replace(q, shape=tuple(reversed(q.shape)),
                                      params={k: v for k, v in q.params.items() if k != "transposed"})
         return dequantize_layout(stored).T.contiguous()
     ggml_type = str(q.params.get("ggml_type", ""))
