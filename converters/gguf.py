@@ -261,7 +261,7 @@ def _tokenizer_assets(reader: GGUFReader) -> dict[str, bytes]:
             raise
         return {}
     fields = {name: _value(field) if field.types[:1] != [GGUFValueType.ARRAY] else field.contents()
-              for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+              for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     return tokenizer_assets(fields)
 
 
