@@ -7,7 +7,9 @@ reference Python binding). Keras layouts: keras/src/saving/saving_lib.py (H5IOSt
 Layout of a file modelkit writes:
 
     /                          attrs: modelkit.keras_layout ("keras" | "none"),
-                                      modelkit.keras_note (the Keras model it fits, or why none);
+                                      modelkit.keras_note (the Keras model it fits, or why none),
+                                      modelkit.keras_json (with a Keras layout: the model as Keras's
+                                      to_json() writes it, for keras.models.model_from_json);
                                       Keras 2 legacy: layer_names, keras_version
     /modelkit                  attrs: version = 1
     /modelkit/metadata         attrs: the Checkpoint's str -> str metadata; modelkit.arch (ArchSpec JSON)
@@ -16,7 +18,8 @@ Layout of a file modelkit writes:
                                ('%' -> %25, '/' -> %2F, NUL -> %00, a lone '.' -> %2E); attr dtype: the
                                torch dtype. Dtypes HDF5 lacks are stored as the unsigned integer of the
                                same width (bfloat16 as uint16, float8 as uint8, complex32 as uint32).
-    /vars, /layers/<layer>/vars/<i>   Keras 3 `.weights.h5`: for models that declare keras_layers (mlp, cnn), copies
+    /vars, /layers/<layer>/vars/<i>   Keras 3 `.weights.h5`: for models that declare keras_layers (mlp, cnn)
+                               and users' nn.Sequential modules (modelkit.models.keras_map), copies
                                (Dense kernel (in, out); Conv2D kernel (kh, kw, in, out))
     /<layer>/<layer>/kernel:0 ...     Keras 2 legacy `.h5`: hard links to the Keras 3 datasets (no extra
                                bytes; float32 copies of bfloat16 weights, which that reader lacks)
@@ -40,6 +43,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -47,8 +51,8 @@ import numpy as np
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ModelkitError, UnknownModelError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.metadata import KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
-from modelkit.models.plugin import KerasLayer, KerasWeight
+from modelkit.metadata import KERAS_JSON_ATTR, KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
+from modelkit.models.plugin import KerasLayer, KerasLayout, KerasWeight
 from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse.detect import hdf5 as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import dtypes
@@ -62,6 +66,7 @@ GROUP = "modelkit"
 VERSION = 1
 LAYOUT_ATTR = KERAS_LAYOUT_ATTR
 NOTE_ATTR = KERAS_NOTE_ATTR
+JSON_ATTR = KERAS_JSON_ATTR
 _LIBVER = ("v108", "latest")           # HDF5 1.8 format: attributes over 64 KiB (long metadata) fit
 _SMALL = 1 << 20                       # any dataset may declare this much, whatever the file size
 _MAX_EXPANSION = 1000                  # compressed data may expand this much (as Keras allows)
@@ -328,7 +333,7 @@ def _dense_kernel(w: np.ndarray) -> np.ndarray:
 
 
 def _conv_kernel(w: np.ndarray) -> np.ndarray:
-    return w.transpose(2, 3, 1, 0)                  # (out, in, kh, kw) -> (kh, kw, in, out)
+    return w.transpose(*range(2, w.ndim), 1, 0)     # (out, in, kh, kw) -> (kh, kw, in, out); (out, in, k) -> (k, in, out)
 
 
 def _dense_after_flatten(channels: int, height: int, width: int) -> Transform:
@@ -357,15 +362,28 @@ class _KerasPlan:
     paths: list[tuple[str, KerasLayer]]                        # ("dense_1", layer), in model order
     targets: dict[str, tuple[str, int, str, Transform]]        # state_dict name -> (path, index, weight, transform)
     description: str
+    keras_json: str                                            # the model for keras.models.model_from_json
 
 
-def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
-    """The Keras layout for this checkpoint (its model's keras_layers), or why there is none."""
+def _keras_plan(ckpt: Checkpoint, module: Any = None, example: tuple[Any, ...] | None = None) -> _KerasPlan | str:
+    """The Keras layout for this checkpoint, or why there is none: a user's `module` (no registered
+    model) is mapped layer by layer (modelkit.models.keras_map); a registered model declares its
+    keras_layers."""
+    if module is not None and getattr(type(module), "arch", None) is None:
+        from modelkit.models.keras_map import keras_layout
+
+        try:
+            layout = keras_layout(module, example)
+        except ConfigError as e:
+            return str(e)
+        expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        return _plan(ckpt, layout, expected, type(module).__name__)
     from modelkit.models import build_from_spec, config_from_dict, load_model_module
 
     arch = ckpt.arch
     if arch is None:
-        return "the checkpoint names no architecture, so its Keras model is unknown (pass --arch mlp or --arch cnn)"
+        return ("the checkpoint names no architecture, so its Keras model is unknown (pass --arch mlp, --arch cnn "
+                "or --arch module:function, a Sequential of your own)")
     try:
         layout = load_model_module(arch.name).keras_layers(config_from_dict(arch.name, arch.config))
         if layout is None:
@@ -379,7 +397,11 @@ def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
     except ImportError:
         return (f"the Keras layout of {arch.name} is checked against the model, which needs torch "
                 "(pip install 'modelkit[torch]')")
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return _plan(ckpt, layout, {k: tuple(v.shape) for k, v in model.state_dict().items()}, arch.name)
+
+
+def _plan(ckpt: Checkpoint, layout: KerasLayout, expected: dict[str, tuple[int, ...]], label: str) -> _KerasPlan | str:
+    """Where each tensor goes in the Keras layout (the model's tensors have the `expected` shapes)."""
     counts: dict[str, int] = {}
     paths, targets = [], {}
     for layer in layout.layers:                     # Keras names container entries dense, dense_1, ...
@@ -389,16 +411,18 @@ def _keras_plan(ckpt: Checkpoint) -> _KerasPlan | str:
         for index, weight in enumerate(layer.weights):
             targets[weight.tensor] = (path, index, weight.keras, _transform(weight))
     for name, entry in ckpt.tensors.items():
+        if name in layout.unmapped and name in expected:
+            continue
         if name not in targets:
-            return f"tensor {name!r} has no Keras mapping in the {arch.name} layout"
+            return f"tensor {name!r} has no Keras mapping in the {label} layout"
         if tuple(entry.shape) != expected.get(name):
-            return f"tensor {name!r} is {list(entry.shape)}, the {arch.name} layout expects {list(expected[name])}"
+            return f"tensor {name!r} is {list(entry.shape)}, the {label} layout expects {list(expected[name])}"
         if entry.dtype.name not in _KERAS_DTYPES:
             return f"tensor {name!r} is {dtype_name(entry.dtype)}; Keras weights are floating point"
     missing = sorted(set(targets) - set(ckpt.tensors))
     if missing:
-        return f"tensor {missing[0]!r} of the {arch.name} layout is missing"
-    return _KerasPlan(paths, targets, layout.description)
+        return f"tensor {missing[0]!r} of the {label} layout is missing"
+    return _KerasPlan(paths, targets, layout.description, json.dumps(layout.keras_json(), separators=(",", ":")))
 
 
 def _write_keras_groups(f: h5py.File, plan: _KerasPlan) -> None:
@@ -432,7 +456,8 @@ def _write_keras_weight(f: h5py.File, plan: _KerasPlan, name: str, array: np.nda
 # Writing
 
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
-    """Write the `modelkit` group and, for mlp and cnn, the Keras layouts; one tensor at a time.
+    """Write the `modelkit` group and, for mlp, cnn and a user's Sequential (`options.module`, mapped
+    by modelkit.models.keras_map), the Keras layouts; one tensor at a time.
 
     A final name ending in `.weights.h5` asks for the Keras layout: when the checkpoint has none,
     this raises UnsupportedConversionError before writing anything. Any other name gets the
@@ -440,11 +465,12 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     """
     final = options.final_path or path
     keys = _check_writable(ckpt)
-    plan = _keras_plan(ckpt)
+    plan = _keras_plan(ckpt, options.module, options.example_inputs)
     if isinstance(plan, str):
         if final.name.endswith(".weights.h5"):
             raise UnsupportedConversionError(
-                ckpt.arch.name if ckpt.arch else "checkpoint", "Keras .weights.h5",
+                ckpt.arch.name if ckpt.arch else type(options.module).__name__ if options.module is not None
+                else "checkpoint", "Keras .weights.h5",
                 f"{plan}; choose a name without .weights.h5 (e.g. {final.name.removesuffix('.weights.h5')}.h5) "
                 f"to write the lossless {GROUP} group alone",
             )
@@ -458,6 +484,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
         else:
             f.attrs[LAYOUT_ATTR] = "keras"
             f.attrs[NOTE_ATTR] = f"the weights of Keras {plan.description}"
+            f.attrs[JSON_ATTR] = plan.keras_json
             _write_keras_groups(f, plan)
         group = f.create_group(GROUP, track_order=True)
         group.attrs["version"] = VERSION

@@ -532,7 +532,8 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), 
     if set(state) != set(ckpt.tensors):
         odd = sorted(set(state) ^ set(ckpt.tensors))
         raise ConfigError(f"the module to export and the checkpoint name different tensors (e.g. {odd[0]!r})")
-    model = _export(module, _example_inputs(module, options.example_inputs), opset=QDQ_OPSET if quantized else OPSET)
+    model = _export(module, _example_inputs(module, options.example_inputs), opset=QDQ_OPSET if quantized else OPSET,
+                    names=options.input_names, axes=options.dynamic_axes)
     names = _map_names(model.graph, state)
     if narrow:
         _cast_up(model.graph, narrow, names, ckpt)
@@ -553,31 +554,44 @@ def _example_inputs(module: Any, given: Any) -> tuple[Any, ...]:
     arch = getattr(type(module), "arch", None)
     if arch not in MODELS:
         raise UnsupportedConversionError(type(module).__name__, "onnx", "exporting a graph needs example inputs "
-                                         "shaped like real ones: modelkit.export(module, path, example_inputs=...)")
+                                         "shaped like real ones: pass --input-shape NAME=DIMS[:DTYPE] "
+                                         "(API: example_inputs=...)")
     example = load_model_module(arch).example_inputs()
     example = example if isinstance(example, tuple) else (example,)
     dtype = next((p.dtype for p in module.parameters() if p.dtype.is_floating_point), torch.float32)
     return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in example)
 
 
-def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET) -> Any:
-    """torch.onnx.export (torch.export-based, optimized) -> onnx_ir Model, with named dynamic axes."""
+def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET, names: tuple[str, ...] | None = None,
+            axes: dict[str, tuple[int, ...]] | None = None) -> Any:
+    """torch.onnx.export (torch.export-based, optimized) -> onnx_ir Model, with named dynamic axes.
+
+    `names` name the graph's inputs; `axes` ({name: axes}) are the free axes when given, named
+    "<input>_<axis>" in the file (an axis the exporter finds equal to an earlier one takes that one's
+    name); else axis 0 of every input ("batch") and the axes a reference model declares are.
+    """
     import torch.export
     import torch.onnx
 
     arch = getattr(type(module), "arch", None)
-    # Axes the model declares free beyond the batch axis (axis 0 of every input): tinylm's sequence.
-    declared = load_model_module(arch).onnx_axes(module.config) if arch in MODELS else {}
-    extra = {axis: torch.export.Dim(a.name, max=a.max) if a.max is not None else torch.export.Dim(a.name)
-             for axis, a in declared.items()}
-    batch = torch.export.Dim("batch")
-    dynamic = tuple({0: batch, **{a: d for a, d in extra.items() if a < x.dim()}}
-                    if isinstance(x, torch.Tensor) and x.dim() else None for x in inputs)
+    if axes is not None:        # the caller's, exactly; torch finds which are equal (a batch shared by two inputs)
+        free = [axes.get(name, ()) for name in names or ("",) * len(inputs)]
+        dynamic = tuple({axis: torch.export.Dim.DYNAMIC for axis in f} or None for f in free)
+    else:
+        # Axes the model declares free beyond the batch axis (axis 0 of every input): tinylm's sequence.
+        declared = load_model_module(arch).onnx_axes(module.config) if arch in MODELS else {}
+        extra = {axis: torch.export.Dim(a.name, max=a.max) if a.max is not None else torch.export.Dim(a.name)
+                 for axis, a in declared.items()}
+        batch = torch.export.Dim("batch")
+        dynamic = tuple({0: batch, **{a: d for a, d in extra.items() if a < x.dim()}}
+                        if isinstance(x, torch.Tensor) and x.dim() else None for x in inputs)
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         with _quiet():
             program = torch.onnx.export(module, inputs, dynamo=True, opset_version=opset, dynamic_shapes=dynamic,
+                                        input_names=[n for n, x in zip(names, inputs, strict=True)
+                                                     if isinstance(x, torch.Tensor)] if names else None,
                                         optimize=True, verbose=False)
     except torch.onnx.OnnxExporterError as e:
         raise UnsupportedConversionError(type(module).__name__, "onnx",
@@ -588,14 +602,34 @@ def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET) -> Any:
     model = program.model
     for node in model.graph.all_nodes():  # tracebacks with this machine's file paths: not for shipping
         node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
-    wanted = [axes or {} for x, axes in zip(inputs, dynamic, strict=True) if isinstance(x, torch.Tensor)]
-    _check_dynamic(model, wanted, reference=arch in MODELS)
+    wanted = [given or {} for x, given in zip(inputs, dynamic, strict=True) if isinstance(x, torch.Tensor)]
+    _check_dynamic(model, wanted, strict=arch in MODELS or axes is not None, label=type(module).__name__)
+    if axes is not None:
+        _name_axes(model)
     _name_outputs(model, "logits" if arch in MODELS else "output")   # every reference model returns logits
     return model
 
 
-def _check_dynamic(model: Any, wanted: list[dict[int, Any]], *, reference: bool) -> None:
-    """The exporter quietly fixes an axis the model's code pins to one size; say so.
+def _name_axes(model: Any) -> None:
+    """Give the exporter's symbolic axes (s0, s23, ...) the name of the first input axis holding them
+    ("ids_1"), everywhere in the graph, so the file says which axis is which."""
+    import onnx_ir as ir
+
+    rename: dict[str, str] = {}
+    for value in model.graph.inputs:
+        for axis, dim in enumerate(value.shape or ()):
+            if isinstance(dim, ir.SymbolicDim) and dim.value is not None and dim.value not in rename:
+                rename[dim.value] = f"{value.name}_{axis}"
+    values = [*model.graph.inputs, *model.graph.outputs, *(out for node in model.graph.all_nodes() for out in node.outputs)]
+    for value in values:
+        if value.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in rename for d in value.shape):
+            value.shape = ir.Shape([ir.SymbolicDim(rename[d.value]) if isinstance(d, ir.SymbolicDim) and d.value in rename
+                                    else d for d in value.shape])
+
+
+def _check_dynamic(model: Any, wanted: list[dict[int, Any]], *, strict: bool, label: str) -> None:
+    """The exporter quietly fixes an axis the model's code pins to one size; say so (and refuse it
+    for a reference model, or axes the caller named).
 
     `wanted` holds the dynamic axes asked for each tensor input, in the order of the graph's inputs.
     """
@@ -606,8 +640,8 @@ def _check_dynamic(model: Any, wanted: list[dict[int, Any]], *, reference: bool)
     if not fixed:
         return
     message = f"the exporter fixed axes {', '.join(fixed)} to their example sizes"
-    if reference:
-        raise UnsupportedConversionError("reference model", "onnx", message)
+    if strict:
+        raise UnsupportedConversionError(label, "onnx", message)
     logger.warning("%s; the ONNX model accepts only those sizes", message)
 
 

@@ -329,7 +329,8 @@ def _compile(module: torch.nn.Module, options: WriteOptions) -> tuple[torch.jit.
     inputs = _example_inputs(module, options)
     if inputs is None:
         raise UnsupportedConversionError(name, "torchscript", f"torch.jit.script failed ({reason}) and there are no "
-                                         "example inputs to trace it with; pass example_inputs")
+                                         "example inputs to trace it with; pass --input-shape NAME=DIMS[:DTYPE] "
+                                         "(API: example_inputs=...)")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

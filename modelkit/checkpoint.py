@@ -160,7 +160,7 @@ QUANTIZED_REBUILDER = "modelkit.quantizers._modules:rebuild"
 def _build(ckpt: Checkpoint, arch: ArchSpec | str | None, source: str, target: str) -> tuple[nn.Module, str]:
     """The bare module: a user factory, or a registered model from `arch` / the file's ArchSpec."""
     if isinstance(arch, str) and ":" in arch:
-        return models.load_factory(arch)(), arch
+        return build_factory(arch), arch
     if isinstance(arch, str):
         arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
     spec = arch or ckpt.arch
@@ -171,6 +171,16 @@ def _build(ckpt: Checkpoint, arch: ArchSpec | str | None, source: str, target: s
             "or --arch pkg.module:factory (API: arch=...)",
         )
     return models.build_from_spec(spec), spec.name
+
+
+def build_factory(reference: str) -> nn.Module:
+    """Call the user's factory "module:function" (or "module:Class") and check it made an nn.Module."""
+    from torch import nn
+
+    module = models.load_factory(reference)()
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"--arch {reference!r} returned a {type(module).__name__}, not a torch.nn.Module")
+    return module
 
 
 def _quantized_layers(model: nn.Module, quantized: Mapping[str, QuantizedTensor], source: str) -> nn.Module:

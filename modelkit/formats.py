@@ -33,11 +33,12 @@ class FormatInfo:
     runs_pickle: bool = False      # loading unpickles: scan first, then weights_only=True
     companions: tuple[str, ...] = ()   # sidecar files a write may add: "<name><suffix>" (atomic_path)
     folder: bool = False           # the output is a folder (a Hugging Face model folder): no suffix, --to names it
+    maps_module: bool = False      # the writer maps a user's module to a layout of its own (HDF5: Keras layers)
 
 
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
     FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf"),
-    FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5"),
+    FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5", maps_module=True),
     FormatInfo("hf",          (),                                "modelkit.converters.hf", folder=True),
     FormatInfo("npz",         (".npz",),                         "modelkit.converters.npz"),
     FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True,
@@ -76,14 +77,20 @@ class WriteOptions:
     """How to write a file; each converter uses the fields that apply to its format.
 
     Args:
-        module: Graph formats: the module to export (else rebuilt from the checkpoint's ArchSpec).
+        module: Graph formats: the module to export (else rebuilt from the checkpoint's ArchSpec);
+            formats that map modules (HDF5): a user's module to lay out (Keras layers).
         example_inputs: Graph formats: sample inputs for export, tracing and verification.
+        input_names: ONNX: the graph's input names, one per example input (else the exporter's).
+        dynamic_axes: ONNX: {input name: axes} left free; None: axis 0 of every input (and the
+            axes the model declares).
         shard_size: safetensors: split into shards of at most this many bytes.
         final_path: The name the output gets after the atomic rename (for sidecar files).
     """
 
     module: Any = None
     example_inputs: tuple[Any, ...] | None = None
+    input_names: tuple[str, ...] | None = None
+    dynamic_axes: dict[str, tuple[int, ...]] | None = None
     shard_size: int | None = None
     final_path: Path | None = None
 

@@ -28,6 +28,7 @@ TENSORS_KEY = "modelkit.tensors"    # GGUF: stored name -> {"name", "dtype", "sh
 META_PREFIX = "modelkit.meta."      # GGUF: + each Checkpoint metadata key; the value verbatim
 KERAS_LAYOUT_ATTR = "modelkit.keras_layout"   # HDF5 root attribute: "keras" | "none" (a plain string)
 KERAS_NOTE_ATTR = "modelkit.keras_note"       # HDF5 root attribute: the Keras model it fits, or why none
+KERAS_JSON_ATTR = "modelkit.keras_json"       # HDF5 root attribute: that model as Keras's to_json() writes it
 TORCHSCRIPT_EXTRA = "modelkit.json"           # TorchScript: the extra file holding metadata and ArchSpec
 TORCHSCRIPT_EXPORT_KEY = "modelkit.torchscript.export"   # TorchScript, on reading: "script" or "trace"
 PTH_SOURCE_KEY = "modelkit.pth.source"        # pt/pth, on reading: which entry or object the state_dict came from

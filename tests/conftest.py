@@ -190,3 +190,25 @@ def llama_cpp_golden(fixtures_dir) -> dict[str, LlamaCppGolden]:
                                      detokenized=bytes.fromhex(entry["detokenize_0_255_hex"]),
                                      version=doc["llama_cpp_python"])
                 for name, entry in doc["files"].items()}
+
+
+@pytest.fixture(scope="session")
+def keras(tmp_path_factory):
+    """Keras 3 on the torch backend. The variables are set here, before keras is imported, and
+    restored afterwards, so other tests in this process see the environment unchanged. KERAS_HOME
+    points at an empty folder: a user's ~/.keras/keras.json (channels_first, another backend)
+    cannot change the test, and Keras writes its default config there, not into $HOME."""
+    settings = {"KERAS_BACKEND": "torch", "KERAS_HOME": str(tmp_path_factory.mktemp("keras-home"))}
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        keras = pytest.importorskip("keras")
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    if keras.backend.backend() != "torch" or keras.config.image_data_format() != "channels_last":
+        pytest.skip("keras was already imported with another backend or data format")
+    return keras

@@ -14,6 +14,7 @@ from modelkit.formats import FORMATS
 
 READS_A_MODEL = {"convert", "quantize", "prune", "distill", "eval", "generate", "inspect"}
 WRITES = {"convert", "quantize", "prune", "distill", "train"}
+EXPORTS_A_USER_MODULE = {"convert"}       # --input-shape (also --example-input), --dynamic
 # Where a shared option does not apply, and why (docs/cli.md says the same).
 WITHOUT = {
     ("inspect", "--arch"): "inspect reads headers only; it never builds a model",
@@ -30,7 +31,7 @@ def _option_names(name: str) -> set[str]:
 
 
 def test_the_tables_name_every_command():
-    assert READS_A_MODEL | WRITES <= set(COMMANDS)
+    assert READS_A_MODEL | WRITES | EXPORTS_A_USER_MODULE <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -47,6 +48,11 @@ def test_every_reading_command_takes_the_read_options(name):
 @pytest.mark.parametrize("name", sorted(WRITES))
 def test_every_writing_command_takes_force(name):
     assert "--force" in _option_names(name)
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTS_A_USER_MODULE))
+def test_every_exporting_command_takes_the_input_options(name):
+    assert {"--input-shape", "--example-input", "--dynamic"} <= _option_names(name)
 
 
 @pytest.mark.parametrize("name", sorted(READS_A_MODEL))

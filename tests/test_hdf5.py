@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -161,28 +160,6 @@ def test_what_hdf5_cannot_hold_is_refused_before_writing(tmp_path):
 
 
 # --- Keras layouts -----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def keras(tmp_path_factory):
-    """Keras 3 on the torch backend. The variables are set here, before keras is imported, and
-    restored afterwards, so other tests in this process see the environment unchanged. KERAS_HOME
-    points at an empty folder: a user's ~/.keras/keras.json (channels_first, another backend)
-    cannot change the test, and Keras writes its default config there, not into $HOME."""
-    settings = {"KERAS_BACKEND": "torch", "KERAS_HOME": str(tmp_path_factory.mktemp("keras-home"))}
-    saved = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        keras = pytest.importorskip("keras")
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    if keras.backend.backend() != "torch" or keras.config.image_data_format() != "channels_last":
-        pytest.skip("keras was already imported with another backend or data format")
-    return keras
-
 
 def keras_model(keras, name, config):
     """The Keras model equivalent to reference model `name`, written from the model code, not
@@ -433,6 +410,8 @@ def test_the_models_keras_json_loads_in_keras_with_our_weights(keras, name, conf
     model = build(name, config, seed=0).eval()
     path = modelkit.save(Checkpoint.from_module(model), tmp_path / f"{name}.weights.h5")
     layout = load_model_module(name).keras_layers(config_from_dict(name, config))
+    with h5py.File(path, "r") as f:            # the file carries the architecture too
+        assert json.loads(f.attrs[hdf5.JSON_ATTR]) == layout.keras_json()
     net = keras.models.model_from_json(json.dumps(layout.keras_json()))
     assert len(net.layers) == len(layout.layers)
     net.load_weights(str(path))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from modelkit.cli.options import force_option, output_options, read_options
+from modelkit.cli.options import force_option, input_options, output_options, read_options
 from modelkit.cli.output import Progress, emit_json, human_bytes, note
 from modelkit.formats import FORMATS
 
@@ -27,15 +27,19 @@ def describe_verify(verify: dict | None) -> str:
 @click.option("--shard-size", help="safetensors, hf: split into shards of at most this size (e.g. 2GB); DST is a folder.")
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Check the output before it takes its name.")
 @read_options()
+@input_options
 @force_option
 @output_options
 def convert(src: str, dst: str, to: str | None, source_format: str | None, dtype: str | None, arch: str | None,
-            key: str | None, shard_size: str | None, verify: bool, trust: bool, force: bool, as_json: bool) -> None:
+            key: str | None, shard_size: str | None, verify: bool, trust: bool, force: bool, as_json: bool,
+            example_inputs: tuple[str, ...], dynamic: tuple[str, ...]) -> None:
     """Convert SRC to DST. The input format is detected from content; the output's from --to or DST's suffix.
 
     Weight formats (safetensors, pth, hdf5, gguf) convert tensor by tensor and are checked bit for
     bit; graph formats (onnx, torchscript) are rebuilt from the file's ArchSpec (or --arch) and
-    checked by running both models. A failed check exits 2 and leaves no output.
+    checked by running both models. A failed check exits 2 and leaves no output. A module of your own
+    (--arch module:function, found in the current directory) is exported with the example inputs
+    --input-shape gives; HDF5 files named *.weights.h5 get its Keras layers.
 
     \b
     Examples:
@@ -44,13 +48,18 @@ def convert(src: str, dst: str, to: str | None, source_format: str | None, dtype
       modelkit convert runs/tinylm/model.safetensors tinylm.gguf --dtype f16
       modelkit convert big.pt out/ --to safetensors --shard-size 2GB
       modelkit convert weights.safetensors m.onnx --arch mypkg.models:make_model
+      modelkit convert w.safetensors m.onnx --arch user_model:make \\
+          --input-shape input=1x3x224x224:float32 --dynamic input:0
+      modelkit convert w.safetensors lm.onnx --arch user_model:Net \\
+          --input-shape ids=1x16:int64 --dynamic ids:0 --dynamic ids:1
+      modelkit convert w.safetensors m.weights.h5 --arch user_model:make
     """
     from modelkit.pipeline.convert import convert as run_convert
 
     with Progress("convert", enabled=not as_json, unit="bytes") as progress:
         report = run_convert(src, dst, to=to, source_format=source_format, dtype=dtype, arch=arch,
                              shard_size=shard_size, verify=verify, force=force, trust=trust, key=key,
-                             progress=progress)
+                             progress=progress, example_inputs=example_inputs or None, dynamic=dynamic or None)
     if as_json:
         emit_json({"schema": "modelkit.convert/1", "ok": True, **report.to_dict()})
         return

@@ -2,6 +2,7 @@
 
 - read options, on every command that reads a model file: `--format`, `--trust`, `--key`, `--arch`
 - the write option, on every command that writes: `--force`
+- input options, on every command that exports a user's module: `--input-shape` (also `--example-input`), `--dynamic`
 - output options, on every command (and on the group, before the command): `--json`, `-q`, `-v`, `--debug`
 
 Choices come from the tables (FORMATS, MODELS, the runtimes); nothing here imports torch.
@@ -95,9 +96,10 @@ def read_options(*, arch: bool = True) -> Decorator:
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         if arch:
-            f = click.option("--arch", metavar="NAME|PKG.MODULE:FACTORY",
+            f = click.option("--arch", metavar="NAME|MODULE:FACTORY",
                              help="The model to rebuild when the file names none (or to override it): a "
-                                  "registered model or a factory pkg.module:function.")(f)
+                                  "registered model or a factory module:function / module:Class of your own, "
+                                  "imported from the current directory first.")(f)
         f = click.option("--key", metavar="ENTRY",
                          help="Nested checkpoints: the entry holding the state_dict (e.g. model, state_dict).")(f)
         f = click.option("--trust", is_flag=True,
@@ -107,6 +109,20 @@ def read_options(*, arch: bool = True) -> Decorator:
                             help="Read the input as this format (default: detected from its content).")(f)
 
     return decorate
+
+
+def input_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """`--input-shape` (also spelled `--example-input`) and `--dynamic`, passed as example_inputs and dynamic
+    (tuples of strings; modelkit.pipeline.inputs reads them)."""
+    f = click.option("--dynamic", "dynamic", multiple=True, metavar="NAME:AXIS",
+                     help="ONNX: leave this axis of input NAME free (input:0, ids:1); repeat for several. "
+                          "Default: axis 0 of every input.")(f)
+    return click.option("--input-shape", "--example-input", "example_inputs", multiple=True,
+                        metavar="[NAME=]DIMS[:DTYPE][:LOW..HIGH]",
+                        help="An example input for a user's module (--arch module:function), in forward's order; "
+                             "repeat for several: input=1x3x224x224:float32, ids=1x16:int64. Seeded random "
+                             "values: floats standard normal, bool 0/1, integers in LOW..HIGH (HIGH excluded), "
+                             "else [0, smallest nn.Embedding size), else [0, 100).")(f)
 
 
 def force_option(f: Callable[..., Any]) -> Callable[..., Any]:

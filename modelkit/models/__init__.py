@@ -22,9 +22,11 @@ A name is registered once: a second registration raises. Files only ever name re
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -311,21 +313,46 @@ def build_from_spec(spec: ArchSpec) -> nn.Module:
 
 
 def load_factory(reference: str) -> Callable[[], nn.Module]:
-    """Import a user's model factory named on the command line or in the API as "pkg.module:function".
+    """Import a user's model factory named on the command line or in the API: "module:function" or
+    "module:Class" (any callable taking no arguments that returns the nn.Module).
 
+    The module is imported as `python -c "import module"` would: the current directory comes first
+    on the search path (for that import only), so `--arch user_model:make` finds ./user_model.py.
     Never called with a name read from a file: files may only name registered models.
     """
     module_name, sep, attribute = reference.partition(":")
     if not sep or not module_name or not attribute:
         raise ConfigError(f"--arch {reference!r}: expected a registered model ({', '.join(MODELS)}) "
-                          "or a factory as pkg.module:function")
+                          "or a factory as module:function (or module:Class)")
     try:
-        factory = getattr(importlib.import_module(module_name), attribute)
+        with _current_directory_first():
+            factory = importlib.import_module(module_name)
+        for part in attribute.split("."):          # "module:Outer.make" reaches a nested attribute
+            factory = getattr(factory, part)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"--arch {reference!r}: cannot import it ({e})") from e
+        raise ConfigError(f"--arch {reference!r}: cannot import it ({e}); the module is looked up in the "
+                          f"current directory ({Path.cwd()}) and on sys.path") from e
     if not callable(factory):
         raise ConfigError(f"--arch {reference!r} is not callable")
     return factory
+
+
+@contextlib.contextmanager
+def _current_directory_first() -> Iterator[None]:
+    """The current directory at the front of sys.path during an import, as Python puts it there for
+    `python -c` and `python -m` (a console script gets its own folder instead); removed afterwards,
+    so it shadows nothing imported later."""
+    importlib.invalidate_caches()              # a module file written since the last import is seen
+    cwd = str(Path.cwd())
+    if sys.path and sys.path[0] in ("", cwd):
+        yield
+        return
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(cwd)
 
 
 def zoo_models() -> list[str]:

@@ -49,7 +49,7 @@ class KerasWeight:
         tensor: The state_dict name ("net.0.weight").
         keras: The Keras weight name ("kernel", "bias").
         transform: "same"; "dense_kernel" (out, in) -> (in, out); "conv_kernel" (out, in, kh, kw) ->
-            (kh, kw, in, out); "dense_after_flatten": a Dense kernel after Flatten, whose rows torch
+            (kh, kw, in, out) (and (out, in, k) -> (k, in, out) for Conv1D); "dense_after_flatten": a Dense kernel after Flatten, whose rows torch
             orders (C, H, W) and Keras (H, W, C); `flatten` gives (C, H, W).
         flatten: (channels, height, width) of the map flattened before this layer, for "dense_after_flatten".
     """
@@ -61,8 +61,11 @@ class KerasWeight:
 
 
 # Keras class of each layer kind (KerasLayer.kind is the class in snake case, as Keras names layers).
-KERAS_CLASSES = {"dense": "Dense", "conv2d": "Conv2D", "max_pooling2d": "MaxPooling2D", "flatten": "Flatten",
-                 "average_pooling2d": "AveragePooling2D", "dropout": "Dropout", "activation": "Activation"}
+KERAS_CLASSES = {"dense": "Dense", "conv1d": "Conv1D", "conv2d": "Conv2D", "max_pooling1d": "MaxPooling1D",
+                 "max_pooling2d": "MaxPooling2D", "average_pooling1d": "AveragePooling1D",
+                 "average_pooling2d": "AveragePooling2D", "flatten": "Flatten", "dropout": "Dropout",
+                 "activation": "Activation", "softmax": "Softmax", "batch_normalization": "BatchNormalization",
+                 "layer_normalization": "LayerNormalization", "embedding": "Embedding"}
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,15 @@ class KerasLayer:
 @dataclass(frozen=True)
 class KerasLayout:
     """The Keras Sequential a model equals: its layers in order, its input shape (without the batch
-    axis, channels_last) and how to build it, for the file's note."""
+    axis, channels_last) and how to build it, for the file's note. `input_dtype` is the Keras input's
+    dtype (int32 for token ids); `unmapped` names tensors Keras has no variable for (BatchNorm's
+    num_batches_tracked), kept in the file's lossless group only."""
 
     layers: tuple[KerasLayer, ...]
     description: str
     input_shape: tuple[int, ...] = ()
+    input_dtype: str = "float32"
+    unmapped: tuple[str, ...] = ()
 
     def keras_json(self, name: str = "sequential") -> dict[str, Any]:
         """The model's architecture as Keras 3's `model.to_json()` writes it: `keras.models.model_from_json`
@@ -91,7 +98,7 @@ class KerasLayout:
         `.weights.h5` layout uses, so `load_weights` fills it."""
         counts: dict[str, int] = {}
         layers = [{"module": "keras.layers", "class_name": "InputLayer", "registered_name": None,
-                   "config": {"batch_shape": [None, *self.input_shape], "dtype": "float32", "sparse": False,
+                   "config": {"batch_shape": [None, *self.input_shape], "dtype": self.input_dtype, "sparse": False,
                               "name": "input_layer"}}]
         for layer in self.layers:
             n = counts[layer.kind] = counts.get(layer.kind, -1) + 1

@@ -115,7 +115,7 @@ def convert(
     src: PathLike, dst: PathLike, *, to: str | None = None, source_format: str | None = None,
     dtype: str | DType | torch.dtype | None = None, arch: ArchSpec | str | None = None, shard_size: int | str | None = None,
     verify: bool = True, force: bool = False, trust: bool = False, key: str | None = None,
-    progress: ProgressFn | None = None,
+    progress: ProgressFn | None = None, example_inputs: Any = None, dynamic: Any = None,
 ) -> ConversionReport:
     """Convert a model file to another format (or dtype), verified before it takes its final name.
 
@@ -125,14 +125,21 @@ def convert(
         to: Output format name ("onnx", "gguf", ...).
         source_format: Read `src` as this format instead of detecting it.
         dtype: Cast floating-point tensors: "f32", "f16" or "bf16".
-        arch: For graph targets when `src` names no architecture: a registered model name or a
-            factory "pkg.module:function" (never taken from a file).
+        arch: For graph targets (and HDF5's Keras layout) when `src` names no architecture: a
+            registered model name or a factory "module:function" / "module:Class", imported with
+            the current directory first on the path (never taken from a file).
         shard_size: safetensors and hf only: split into shards of at most this size ("2GB" or bytes).
         verify: Check the output (on by default); a failure raises VerificationError, no output.
         force: Overwrite an existing `dst`.
         trust: Allow inputs that run code when loaded (whole-module pickles, TorchScript).
         key: For nested checkpoints, the entry holding the state_dict.
         progress: Called with (bytes done, bytes total) as tensors are written.
+        example_inputs: For a user's module (`arch="module:function"`): tensors (one, a tuple, or
+            {name: tensor}) or specs "[NAME=]DIMS[:DTYPE][:LOW..HIGH]" ("ids=1x16:int64"), made
+            into seeded random tensors (modelkit.pipeline.inputs has the rules). Graph exports
+            run on them, verification compares on them, HDF5's Keras layout takes their shapes.
+        dynamic: Free axes of the ONNX graph: ["input:0", "ids:1"] or {"ids": [0, 1]}; default:
+            axis 0 of every input.
 
     Returns:
         ConversionReport: source, target (path, format, bytes), verification result, seconds.
@@ -168,13 +175,19 @@ def convert(
 
     module = None
     options = WriteOptions(shard_size=shard_bytes, final_path=dst)
-    if FORMATS[out_fmt].has_graph:
+    factory = isinstance(arch, str) and ":" in arch
+    if FORMATS[out_fmt].has_graph or (factory and FORMATS[out_fmt].maps_module):
         # built here, once, so the writer exports and the verification runs the same module
         module = instantiate(ckpt, arch=arch if isinstance(arch, str) else None, source=str(src), target=out_fmt,
                              dequantize=True)
         if cast is not None:
             module = module.to(cast.torch)
-        options = WriteOptions(module=module, final_path=dst)
+        options = _module_options(module, example_inputs, dynamic, cast, final_path=dst)
+    elif example_inputs is not None or dynamic:
+        raise ConfigError(f"example inputs and dynamic axes apply to graph outputs (onnx, torchscript) and HDF5's "
+                          f"Keras layout of a user's module, not to {out_fmt}")
+    if not FORMATS[out_fmt].has_graph:
+        module = None                            # a mapped module (Keras layout) is not run: weights are checked
     sharded = shard_bytes is not None
     verify_result, size = write_checkpoint(ckpt, dst, out_fmt, options, force=force, verify=verify,
                                           module=module, sharded=sharded, progress=progress)
@@ -186,8 +199,23 @@ def convert(
     )
 
 
+def _module_options(module: nn.Module, given: Any, dynamic: Any, cast: DType | None, *,
+                    final_path: Path) -> WriteOptions:
+    """The writer's options for `module` with the caller's example inputs (tensors or specs) and axes."""
+    from modelkit.pipeline.inputs import example_inputs
+
+    example = example_inputs(module, given, dynamic)
+    if example is None:
+        return WriteOptions(module=module, final_path=final_path)
+    tensors = example.tensors
+    if cast is not None:        # a module cast to f16/bf16 takes floating inputs of that dtype
+        tensors = tuple(x.to(cast.torch) if x.is_floating_point() else x for x in tensors)
+    return WriteOptions(module=module, example_inputs=tensors, input_names=example.names,
+                        dynamic_axes=example.dynamic, final_path=final_path)
+
+
 def export(
-    module: nn.Module, path: PathLike, *, example_inputs: tuple[Any, ...] | Any | None = None,
+    module: nn.Module, path: PathLike, *, example_inputs: Any = None, dynamic: Any = None,
     format: str | None = None, arch: ArchSpec | None = None, metadata: dict[str, str] | None = None,
     verify: bool = True, force: bool = False,
 ) -> ConversionReport:
@@ -196,8 +224,11 @@ def export(
     Args:
         module: The model to export (left unchanged).
         path: Output path; the format comes from `format` or the suffix.
-        example_inputs: Sample inputs (a tensor or a tuple) for graph export and the output check;
-            reference models have their own.
+        example_inputs: Sample inputs for graph export and the output check (reference models
+            have their own): a tensor, a tuple of tensors in `forward`'s order, {name: tensor} (the
+            names name the ONNX inputs), or specs as `convert` takes them ("ids=1x16:int64").
+        dynamic: Free axes of the ONNX graph by input name: {"ids": [0, 1]} or ["ids:0", "ids:1"];
+            default: axis 0 of every input.
         format: Output format name.
         arch: The ArchSpec to record (filled in for reference models).
         metadata: str -> str pairs to store with the weights.
@@ -212,12 +243,10 @@ def export(
     started = time.perf_counter()
     path = Path(path)
     fmt = format_for_output(path, format)
-    if example_inputs is not None and not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
     ckpt = Checkpoint.from_module(module, arch=arch, metadata=metadata)
     module = module.eval()
-    options = WriteOptions(module=module, example_inputs=example_inputs, final_path=path)
-    if FORMATS[fmt].has_graph and example_inputs is None and ckpt.arch is None:
+    options = _module_options(module, example_inputs, dynamic, None, final_path=path)
+    if FORMATS[fmt].has_graph and options.example_inputs is None and ckpt.arch is None:
         raise UnsupportedConversionError(type(module).__name__, fmt, "exporting a graph needs example_inputs "
                                          "(a tensor or tuple shaped like real inputs)")
     verify_result, size = write_checkpoint(ckpt, path, fmt, options, force=force, verify=verify,
