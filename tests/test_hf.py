@@ -391,3 +391,17 @@ def test_a_template_injection_in_a_folder_is_refused(with_tokenizer, tmp_path, w
         (folder / where).write_text(json.dumps({**config, "chat_template": payload}))
     with pytest.raises(UnsafeFileError, match="refused"):
         modelkit.load(folder)
+
+
+def test_the_tokenizer_travels_folder_gguf_folder(with_tokenizer, saved, tmp_path):
+    """modelkit.models.gguf_vocab writes the tokenizer keys and rebuilds the files (tested there); here the
+    folder paths call it: the ids and the logits come back."""
+    convert(with_tokenizer, tmp_path / "m.gguf")
+    fields, _ = _fields(tmp_path / "m.gguf")
+    assert (fields["tokenizer.ggml.model"], fields["tokenizer.ggml.pre"]) == ("gpt2", "gpt-2")
+    convert(tmp_path / "m.gguf", tmp_path / "back", to="hf")
+    text = Path(json.__file__).read_text()[:2000]
+    original, back = (transformers.AutoTokenizer.from_pretrained(f) for f in (with_tokenizer, tmp_path / "back"))
+    assert back(text)["input_ids"] == original(text)["input_ids"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert torch.equal(saved["qwen2"].logits_of(loaded), saved["qwen2"].logits)
