@@ -13,7 +13,7 @@ Reading: config.json's `model_type` picks the family (modelkit/models/<family>.p
 one-line error naming it and the known families); the ArchSpec is (family, config.json), the tensors are
 read lazily from the safetensors files (modelkit.storage.safetensors_files, shared with the safetensors
 converter); tokenizer_config.json's chat template goes through the scanner's template check first.
-Writing: the same folder; tied weights (an alias of the embeddings) are left out as transformers leaves
+Writing: the same folder (tinylm, whose names and config are Llama's, as a llama folder); tied weights (an alias of the embeddings) are left out as transformers leaves
 them out, and come back from the shard metadata's "modelkit.aliases" on reading. No torch anywhere.
 """
 from __future__ import annotations
@@ -55,13 +55,7 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
 
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
     """Write the folder at `path`: config.json, the weights (sharded past `options.shard_size`), the assets."""
-    from modelkit.models import hf_families
-
-    families = hf_families()
-    if ckpt.arch is None or ckpt.arch.name not in families:
-        what = f"is a {ckpt.arch.name!r} model" if ckpt.arch else "names no architecture"
-        raise UnsupportedConversionError("checkpoint", "hf", f"a Hugging Face folder holds one of the families "
-                                         f"{', '.join(sorted(families))}; this checkpoint {what}")
+    config = _config(ckpt)
     aliases = json.loads(ckpt.metadata.get(ALIASES_KEY, "{}"))
     tensors: dict[str, LazyTensor] = {}
     for name, entry in ckpt.tensors.items():
@@ -79,9 +73,24 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
         return {**metadata, ALIASES_KEY: json.dumps(tied, sort_keys=True)} if tied else metadata
 
     path.mkdir(exist_ok=True)
-    (path / hf_folder.CONFIG_NAME).write_text(json.dumps(ckpt.arch.config, indent=2, sort_keys=True) + "\n",
-                                              encoding="utf-8")
+    (path / hf_folder.CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     files.write_folder(path, tensors, options.shard_size or DEFAULT_SHARD_SIZE, metadata_for)
     for name, data in ckpt.assets.items():
         if name in hf_folder.ASSETS:              # only the files a folder holds, by their plain names
             (path / name).write_bytes(data)
+
+
+def _config(ckpt: Checkpoint) -> dict:
+    """config.json: a family's ArchSpec config as it is; a zoo model stored by a family's layout (tinylm:
+    Llama's) as that family's config; anything else cannot be a Hugging Face folder."""
+    from modelkit.models import _hf, gguf_conventions, hf_families
+
+    families = hf_families()
+    if ckpt.arch is not None and ckpt.arch.name in families:
+        return ckpt.arch.config
+    rules = gguf_conventions(ckpt.arch)
+    if rules is not None and set(ckpt.tensors) == set(rules.names):
+        return _hf.zoo_config(rules)
+    what = f"is a {ckpt.arch.name!r} model" if ckpt.arch else "names no architecture"
+    raise UnsupportedConversionError("checkpoint", "hf", f"a Hugging Face folder holds one of the families "
+                                     f"{', '.join(sorted(families))} (or tinylm, as llama); this checkpoint {what}")

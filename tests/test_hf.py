@@ -405,3 +405,21 @@ def test_the_tokenizer_travels_folder_gguf_folder(with_tokenizer, saved, tmp_pat
     assert back(text)["input_ids"] == original(text)["input_ids"]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     assert torch.equal(saved["qwen2"].logits_of(loaded), saved["qwen2"].logits)
+
+
+def test_tinylm_becomes_a_llama_folder_transformers_runs(tmp_path):
+    from modelkit.models import build
+
+    tiny = build("tinylm", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}, seed=0)
+    with torch.no_grad():
+        for p in tiny.parameters():
+            p.normal_(0.0, 0.2 if p.ndim == 2 else 1.0)
+    modelkit.save(Checkpoint.from_module(tiny.eval()), tmp_path / "tiny", format="hf")
+    assert modelkit.load(tmp_path / "tiny").arch.name == "llama"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny").eval()
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = tiny(ids), loaded(ids).logits
+    # measured 2026-11-25: 0.0 (logits up to 7.7): the same computation; a little room for other kernels
+    assert (got - expected).abs().max().item() < 1e-5

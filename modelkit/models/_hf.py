@@ -276,3 +276,14 @@ def describe(family_name: str, family: HFFamily, config: Mapping[str, Any], asse
     return {"family": family_name, "model_type": config.get("model_type"), "llama_cpp_architecture": family.architecture,
             "context_length": text.get(family.hparams["context_length"]), "vocab_size": text.get("vocab_size"),
             "tokenizer": tokenizer_summary(dict(assets))}
+
+
+def zoo_config(rules: Conventions) -> dict[str, Any]:
+    """config.json for a zoo model stored by a family's layout (tinylm, whose config fields are named as
+    LlamaConfig's): the family's model_type and class, rope settings as transformers 5 writes them."""
+    config = {k: v for k, v in rules.config.items() if k != "rope_theta"}
+    config.update({"model_type": rules.family.model_types[0], "architectures": [rules.family.hf_class],
+                   "rope_parameters": {"rope_type": "default", "rope_theta": float(rules.config.get("rope_theta", 10000.0))},
+                   "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False})
+    config.update({k: v for k, v in (("bos_token_id", rules.bos_id), ("eos_token_id", rules.eos_id)) if v is not None})
+    return config
