@@ -144,7 +144,7 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         tensors: dict[str, LazyTensor | QuantizedTensor] = {}
         mapped = MappedFile(path)
         for tensor in reader.tensors:
-            if rules is not None and tensor.name == _hf.ROPE_FREQS:    # derived from the config's rope scaling
+            if rules is not None and tensor.name in _hf.DERIVED_TENSORS:    # derived from the config's rope scaling
                 continue
             name, entry = _entry(path, mapped, tensor, records.get(tensor.name, {}), rules, options)
             if name in tensors:
@@ -501,10 +501,9 @@ def _plan(ckpt: Checkpoint) -> tuple[str, KV, list[_Slot]]:
     }
     if rules is not None:
         kv.update(_family_kv(rules, ckpt))
-        factors = _hf.llama3_rope_factors(rules.config) if rules.family.architecture == "llama" else None
-        if factors is not None:         # llama.cpp reads Llama-3 rope scaling from this tensor
+        for stored, factors in _hf.rope_tensors(rules.family, rules.config).items():   # llama.cpp reads rope scaling here
             array = np.asarray(factors, dtype=np.float32)
-            slots.append(_Slot(_hf.ROPE_FREQS, LazyTensor(DTYPES["float32"], array.shape, lambda: array, "rope scaling"),
+            slots.append(_Slot(stored, LazyTensor(DTYPES["float32"], array.shape, lambda array=array: array, "rope scaling"),
                                F32, array.shape, np.dtype("<f4")))
     if ckpt.arch is not None:
         kv[_KEYS.ARCH] = (ckpt.arch.to_json(), GGUFValueType.STRING, None)

@@ -423,3 +423,27 @@ def test_tinylm_becomes_a_llama_folder_transformers_runs(tmp_path):
         expected, got = tiny(ids), loaded(ids).logits
     # measured 2026-11-25: 0.0 (logits up to 7.7): the same computation; a little room for other kernels
     assert (got - expected).abs().max().item() < 1e-5
+
+
+def test_phi3_longrope_travels_as_rope_factors(tmp_path):
+    """Phi-3's long-context rope (longrope) as llama.cpp stores it: the factors as rope_factors_long /
+    short, the attention factor and original context as keys; GGUF -> folder gives the config back."""
+    half = 8
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0 + i / 4 for i in range(half)],
+            "short_factor": [1.0 + i / 16 for i in range(half)]}
+    config = transformers.Phi3Config(**{**COMMON, "max_position_embeddings": 256}, original_max_position_embeddings=64,
+                                     rope_parameters=rope, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "phi")
+    convert(tmp_path / "phi", tmp_path / "phi.gguf")
+    fields, reader = _fields(tmp_path / "phi.gguf")
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    assert np.array_equal(tensors["rope_factors_long.weight"], np.float32(rope["long_factor"]))
+    assert np.array_equal(tensors["rope_factors_short.weight"], np.float32(rope["short_factor"]))
+    assert fields["phi3.rope.scaling.original_context_length"] == 64
+    assert fields["phi3.rope.scaling.attn_factor"] == pytest.approx(np.sqrt(1 + np.log(4) / np.log(64)))
+    convert(tmp_path / "phi.gguf", tmp_path / "back", to="hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)

@@ -47,6 +47,8 @@ DECODER_HPARAMS: dict[str, str] = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
 }
 ROPE_FREQS = "rope_freqs.weight"       # llama.cpp's per-dimension divisors for Llama-3 rope scaling
+ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"     # Phi-3's longrope
+DERIVED_TENSORS = (ROPE_FREQS, ROPE_LONG, ROPE_SHORT)
 
 
 def text_config(family: HFFamily, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -115,9 +117,15 @@ def gguf_hparams(family: HFFamily, config: Mapping[str, Any]) -> dict[str, Any]:
         values["rope.scaling.factor"] = float(rope["factor"])
         if kind == "yarn" and rope.get("original_max_position_embeddings"):
             values["rope.scaling.original_context_length"] = int(rope["original_max_position_embeddings"])
+    elif kind == "longrope":                          # Phi-3 128k: the factors travel as tensors (rope_tensors)
+        original = int(_get(rope, "original_max_position_embeddings", config.get("original_max_position_embeddings")))
+        scale = values.get("context_length", original) / original
+        values["rope.scaling.attn_factor"] = float(_get(rope, "attention_factor", math.sqrt(
+            1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0))
+        values["rope.scaling.original_context_length"] = original
     elif kind not in ("default", "llama3"):           # llama3: the rope_freqs tensor carries it
         raise ConfigError(f"{family.architecture}: rope type {kind!r} has no GGUF form in modelkit "
-                          "(known: default, linear, yarn, llama3)")
+                          "(known: default, linear, yarn, llama3, longrope)")
     return _ordered(values)
 
 
@@ -130,6 +138,19 @@ _KEY_ORDER = ("context_length", "embedding_length", "block_count", "feed_forward
 def _ordered(values: dict[str, Any]) -> dict[str, Any]:
     first = {k: values[k] for k in _KEY_ORDER if k in values}
     return {**first, **{k: v for k, v in values.items() if k not in first}}
+
+
+def rope_tensors(family: HFFamily, config: Mapping[str, Any]) -> dict[str, list[float]]:
+    """The tensors llama.cpp reads rope scaling from, derived from the config (reading drops them again):
+    Llama-3's `rope_freqs.weight`, Phi-3 longrope's `rope_factors_long/short.weight`."""
+    config = text_config(family, config)
+    if family.architecture == "gpt2":
+        return {}
+    rope = rope_parameters(config)
+    if rope["rope_type"] == "longrope":
+        return {ROPE_LONG: [float(v) for v in rope["long_factor"]], ROPE_SHORT: [float(v) for v in rope["short_factor"]]}
+    factors = llama3_rope_factors(config) if family.architecture == "llama" else None
+    return {ROPE_FREQS: factors} if factors is not None else {}
 
 
 def llama3_rope_factors(config: Mapping[str, Any]) -> list[float] | None:
