@@ -13,29 +13,30 @@ What modelkit stores:
 - The Checkpoint's str->str metadata under `modelkit.meta.<key>`, the ArchSpec as JSON under
   `modelkit.arch`, and `modelkit.tensors` (JSON: stored name -> the original name, dtype and shape,
   only where the GGUF tensor alone does not say them), so reading gives back the Checkpoint exactly.
-- A model whose module declares a llama `GGUF` layout (tinylm) follows llama.cpp's `llama`
-  conventions: `llama.*` hyperparameters, `token_embd` / `blk.N.attn_q` / ... tensor names, the
-  Q/K row permutation of convert_hf_to_gguf.py, norms in F32 and the tokenizer the layout names
-  (a 256-token byte vocabulary), so llama.cpp runs the file. Other models (or none) use the
-  architecture "modelkit" and their own tensor names.
+- A Hugging Face family (modelkit/models/<family>.py) and tinylm (through the llama family's table)
+  follow llama.cpp's conventions for their architecture (modelkit.models._hf.Conventions): its
+  `{arch}.*` hyperparameters, `token_embd` / `blk.N.attn_q` / ... tensor names, the family's quirks
+  (Q/K row permutation, Gemma's norms + 1, GPT-2's transposed Conv1D weights, Llama-3's
+  `rope_freqs`), 1-D tensors in F32, and the tokenizer (tinylm's 256-token byte vocabulary; a
+  folder's tokenizer.json through modelkit.models.gguf_vocab), so llama.cpp runs the file. Other
+  models (or none) use the architecture "modelkit" and their own tensor names.
 - Dtypes: F32, F16, BF16, F64 and I8-I64 as themselves; uint8, bool, uint16-64 and float8 as the
   signed integer type of the same width, the original dtype recorded. Nothing is lost.
 
-Reading takes any GGUF file, llama.cpp's own included: llama files get Hugging Face names back
-(the permutation undone); block-quantized tensors (Q4_0, Q8_0, K-quants, ...) become
+Reading takes any GGUF file, llama.cpp's own included: files of a family's architecture get
+Hugging Face names back (the family's storage undone) and the family's ArchSpec; block-quantized tensors (Q4_0, Q8_0, K-quants, ...) become
 QuantizedTensors with layout "gguf", dequantized by gguf-py on load (float32 tensors instead with
 `ReadOptions(dequantize=True)`). Before gguf's reader sees a file, every count and length in its
 header is checked against the file size (the reader trusts them: an array count past the end of
 the file makes it loop without end).
 
-Longer than our usual 400 lines: the llama tables and the header bounds walk are GGUF's alone.
+Longer than our usual 400 lines: the family storage rules and the header bounds walk are GGUF's alone.
 """
 from __future__ import annotations
 
 import json
 import math
 import mmap
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,11 +52,13 @@ from gguf import (
     LlamaFileType,
     TokenType,
 )
+from gguf import dequantize as gguf_dequantize
 
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import META_PREFIX, TENSORS_KEY, tied_names
+from modelkit.models import _hf
 from modelkit.parse import gguf as gguf_header
 from modelkit.parse.detect import gguf as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage.dtypes import DTYPES, DType, dtype_name, narrow_float32, widen_to_float32
@@ -70,20 +73,6 @@ class _KEYS:
     FILE_TYPE = "general.file_type"
     QUANTIZATION_VERSION = "general.quantization_version"
     ALIGNMENT = "general.alignment"
-    # llama hyperparameters ("llama" is the architecture name in each key)
-    CONTEXT_LENGTH = "llama.context_length"
-    EMBEDDING_LENGTH = "llama.embedding_length"
-    BLOCK_COUNT = "llama.block_count"
-    FEED_FORWARD_LENGTH = "llama.feed_forward_length"
-    ROPE_DIMENSION_COUNT = "llama.rope.dimension_count"
-    ROPE_FREQ_BASE = "llama.rope.freq_base"
-    ROPE_SCALING_TYPE = "llama.rope.scaling.type"
-    HEAD_COUNT = "llama.attention.head_count"
-    HEAD_COUNT_KV = "llama.attention.head_count_kv"
-    KEY_LENGTH = "llama.attention.key_length"
-    VALUE_LENGTH = "llama.attention.value_length"
-    RMS_EPS = "llama.attention.layer_norm_rms_epsilon"
-    VOCAB_SIZE = "llama.vocab_size"
     # tokenizer
     TOKENIZER_MODEL = "tokenizer.ggml.model"
     TOKENS = "tokenizer.ggml.tokens"
@@ -91,6 +80,7 @@ class _KEYS:
     TOKEN_TYPE = "tokenizer.ggml.token_type"
     BOS_ID = "tokenizer.ggml.bos_token_id"
     EOS_ID = "tokenizer.ggml.eos_token_id"
+    PAD_ID = "tokenizer.ggml.padding_token_id"
     ADD_BOS = "tokenizer.ggml.add_bos_token"
     ADD_EOS = "tokenizer.ggml.add_eos_token"
     ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
@@ -101,7 +91,6 @@ class _KEYS:
 
 
 _GENERIC_ARCH = "modelkit"
-_LLAMA_ARCH = "llama"
 _MAX_DIMS = gguf_header.MAX_DIMS  # GGML_MAX_DIMS: llama.cpp refuses tensors with more
 _MAX_NAME_BYTES = 63             # GGML_MAX_NAME is 64 including the terminating NUL
 
@@ -130,26 +119,9 @@ _NATIVE: dict[GGMLQuantizationType, DType] = {
 _HALVES = ("float16", "bfloat16")       # kept in F32 as norms by llama.cpp's convention
 _FILE_TYPES = {F32: LlamaFileType.ALL_F32, F16: LlamaFileType.MOSTLY_F16, BF16: LlamaFileType.MOSTLY_BF16}
 
-# Hugging Face Llama name -> llama.cpp name; "{n}" is the block number (gguf-py's tensor_mapping.py
-# lists the same pairs). q_proj / k_proj are permuted on the way (see _to_llama_rope).
-_LLAMA_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_LLAMA_BLOCK_NAMES = {
-    "model.layers.{n}.input_layernorm.weight": "blk.{n}.attn_norm.weight",
-    "model.layers.{n}.self_attn.q_proj.weight": "blk.{n}.attn_q.weight",
-    "model.layers.{n}.self_attn.k_proj.weight": "blk.{n}.attn_k.weight",
-    "model.layers.{n}.self_attn.v_proj.weight": "blk.{n}.attn_v.weight",
-    "model.layers.{n}.self_attn.o_proj.weight": "blk.{n}.attn_output.weight",
-    "model.layers.{n}.post_attention_layernorm.weight": "blk.{n}.ffn_norm.weight",
-    "model.layers.{n}.mlp.gate_proj.weight": "blk.{n}.ffn_gate.weight",
-    "model.layers.{n}.mlp.up_proj.weight": "blk.{n}.ffn_up.weight",
-    "model.layers.{n}.mlp.down_proj.weight": "blk.{n}.ffn_down.weight",
-}
-_FROM_LLAMA_BLOCK = {g.removeprefix("blk.{n}."): h for h, g in _LLAMA_BLOCK_NAMES.items()}
-_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+# The Hugging Face <-> llama.cpp tensor names and hyperparameters of each family are the families' own
+# data (modelkit/models/<family>.py, shared rules in modelkit/models/_hf.py); tinylm uses llama's.
+_LOSSY_RTOL = 2.0 ** -23      # a norm stored + 1 (Gemma) reads back within one float32 ulp of (1 + |w|)
 
 
 # ---------------------------------------------------------------------------------------- read
@@ -166,12 +138,15 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
                   if not name.startswith("GGUF.") and field.types[:1] != [GGUFValueType.ARRAY]}   # skip vocabularies
         ours = _KEYS.TENSORS in fields
         records = _records(path, fields) if ours else {}
-        llama = fields.get(_KEYS.ARCHITECTURE) == _LLAMA_ARCH
-        heads = _head_counts(fields) if llama else None
+        arch = ArchSpec.from_json(fields[_KEYS.ARCH], source=path) if ours and isinstance(fields.get(_KEYS.ARCH), str) \
+            else None
+        rules = _foreign_conventions(path, fields, reader) if not ours else _conventions(path, arch)
         tensors: dict[str, LazyTensor | QuantizedTensor] = {}
         mapped = MappedFile(path)
         for tensor in reader.tensors:
-            name, entry = _entry(path, mapped, tensor, records.get(tensor.name, {}), llama, heads, options)
+            if rules is not None and tensor.name in _hf.DERIVED_TENSORS:    # derived from the config's rope scaling
+                continue
+            name, entry = _entry(path, mapped, tensor, records.get(tensor.name, {}), rules, options)
             if name in tensors:
                 raise FormatError(path, f"two tensors map to the name {name!r}")
             tensors[name] = entry
@@ -182,13 +157,13 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     if ours:
         metadata = {k.removeprefix(_KEYS.META_PREFIX): v for k, v in fields.items()
                     if k.startswith(_KEYS.META_PREFIX) and isinstance(v, str)}
-        arch = ArchSpec.from_json(fields[_KEYS.ARCH], source=path) if isinstance(fields.get(_KEYS.ARCH), str) else None
         for alias, target in tied_names(path, metadata, tensors).items():
             tensors.setdefault(alias, tensors[target])
-    else:   # a file from another tool: its scalar metadata as text, and a tinylm spec if it is one
+    else:   # a file from another tool: its scalar metadata as text, and the spec of the family it follows
         metadata = {k: str(v) for k, v in fields.items()}
-        arch = _tinylm_spec(fields, tensors) if llama else None
-    return Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
+        arch = _foreign_spec(tensors, rules)
+    assets = _tokenizer_assets(reader) if rules is not None and rules.tokenizer == "hf" else {}
+    return Checkpoint(tensors=tensors, metadata=metadata, arch=arch, assets=assets)
 
 
 def _value(field: Any) -> Any:
@@ -207,38 +182,98 @@ def _records(path: Path, fields: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return records
 
 
-def _head_counts(fields: dict[str, Any]) -> tuple[int, int] | None:
-    """(query heads, key/value heads) of a llama file, needed to undo the Q/K permutation; None if absent."""
-    n_head = fields.get(_KEYS.HEAD_COUNT)
-    n_head_kv = fields.get(_KEYS.HEAD_COUNT_KV, n_head)
-    if isinstance(n_head, int) and isinstance(n_head_kv, int) and n_head > 0 and n_head_kv > 0:
-        return n_head, n_head_kv
+def _conventions(path: Path | str, arch: ArchSpec | None) -> _hf.Conventions | None:
+    """The llama.cpp conventions of the model `arch` names (a family, or tinylm), or None."""
+    from modelkit.models import gguf_conventions
+
+    try:
+        return gguf_conventions(arch)
+    except (ConfigError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise FormatError(path, f"the architecture {arch.name!r} has a config llama.cpp's layout cannot use ({e})") from e
+
+
+def _foreign_conventions(path: Path, fields: dict[str, Any], reader: GGUFReader) -> _hf.Conventions | None:
+    """A file from llama.cpp (or another tool): the family its `general.architecture` names, with a config
+    rebuilt from its keys; None for architectures no family follows."""
+    from modelkit.models import hf_families
+
+    architecture = fields.get(_KEYS.ARCHITECTURE)
+    matches = [(name, f) for name, f in hf_families().items() if f.architecture == architecture]
+    if not matches:
+        return None
+    name, family = next(((n, f) for n, f in matches if n == architecture), matches[0])
+    if architecture == "llama" and "mistral" in str(fields.get(_KEYS.NAME, "")).lower():
+        name, family = next(((n, f) for n, f in matches if n == "mistral"), (name, family))
+    tied = all(t.name != "output.weight" for t in reader.tensors)
+    config = _hf.config_from_gguf(family, fields, tied=tied)
+    if "vocab_size" not in config:
+        embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embed is not None:
+            config["vocab_size"] = int(embed.shape[-1])
+    return _conventions(path, ArchSpec(name, config))
+
+
+def _foreign_spec(tensors: dict[str, Any], rules: _hf.Conventions | None) -> ArchSpec | None:
+    """A file from another tool: its family's spec (llama's for any llama file: transformers runs them all),
+    or, for a llama file with a 256-token byte vocabulary that a zoo model holds exactly, that model (tinylm)."""
+    if rules is None or not set(tensors) <= set(rules.names):
+        return None
+    if rules.family.architecture == "llama" and rules.config.get("vocab_size") == 256:
+        spec = _zoo_spec(rules, tensors)
+        if spec is not None:
+            return spec
+    return ArchSpec(rules.family_name, rules.config)
+
+
+def _zoo_spec(rules: _hf.Conventions, tensors: dict[str, Any]) -> ArchSpec | None:
+    """The first registered zoo model following the llama layout (tinylm) whose config holds this file."""
+    from modelkit.models import config_from_dict, config_to_dict, load_model_module, zoo_models
+
+    config = rules.config
+    if config.get("rope_parameters", {}).get("rope_type", "default") != "default" or "head_dim" in config:
+        return None
+    values = {k: config.get(k) for k in ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size",
+                                         "num_hidden_layers", "num_key_value_heads", "max_position_embeddings",
+                                         "rms_norm_eps")}
+    values["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta", 10000.0)
+    for name in zoo_models():
+        layout = getattr(load_model_module(name), "GGUF", None)
+        if layout is None or layout.architecture != "llama":
+            continue
+        try:
+            zoo = config_from_dict(name, values)
+        except (ConfigError, TypeError, ValueError):
+            continue
+        if set(tensors) == set(_hf.tensor_names(rules.family, zoo.num_hidden_layers)):
+            return ArchSpec(name, config_to_dict(zoo))
     return None
 
 
-def _hf_name(name: str) -> tuple[str, str | None]:
-    """llama.cpp name -> (Hugging Face name, "q" or "k" when the rows were permuted)."""
-    for hf, gguf_name in _LLAMA_NAMES.items():
-        if name == gguf_name:
-            return hf, None
-    match = _BLOCK_NAME.fullmatch(name)
-    if match and match.group(2) in _FROM_LLAMA_BLOCK:
-        hf = _FROM_LLAMA_BLOCK[match.group(2)].format(n=int(match.group(1)))
-        return hf, {"attn_q.weight": "q", "attn_k.weight": "k"}.get(match.group(2))
-    return name, None
+def _tokenizer_assets(reader: GGUFReader) -> dict[str, bytes]:
+    """tokenizer.json and friends rebuilt from the file's tokenizer keys (modelkit.models.gguf_vocab),
+    when it has them."""
+    if "tokenizer.ggml.model" not in reader.fields:
+        return {}
+    try:
+        from modelkit.models.gguf_vocab import tokenizer_assets
+    except ModuleNotFoundError as e:     # the vocabulary module lands separately; until then weights only
+        if e.name != "modelkit.models.gguf_vocab":
+            raise
+        return {}
+    fields = {name: _value(field) if field.types[:1] != [GGUFValueType.ARRAY] else field.contents()
+              for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    return tokenizer_assets(fields)
 
 
-def _entry(path: Path, mapped: MappedFile, tensor: Any, record: dict[str, Any], llama: bool,
-           heads: tuple[int, int] | None, options: ReadOptions) -> tuple[str, LazyTensor | QuantizedTensor]:
-    """One ReaderTensor as a Checkpoint entry: (name, lazy tensor)."""
-    name, permuted = _hf_name(tensor.name) if llama else (tensor.name, None)
-    if permuted is not None and heads is None:
-        raise FormatError(path, f"tensor {tensor.name!r} needs positive integers {_KEYS.HEAD_COUNT} and "
-                                f"{_KEYS.HEAD_COUNT_KV} to undo llama.cpp's Q/K permutation")
+def _entry(path: Path, mapped: MappedFile, tensor: Any, record: dict[str, Any], rules: _hf.Conventions | None,
+           options: ReadOptions) -> tuple[str, LazyTensor | QuantizedTensor]:
+    """One ReaderTensor as a Checkpoint entry: (name, lazy tensor), the family's storage undone."""
+    name = rules.from_gguf.get(tensor.name, tensor.name) if rules is not None else tensor.name
     name = record.get("name", name)
     if not isinstance(name, str):
         raise FormatError(path, f"tensor {tensor.name!r}: {_KEYS.TENSORS} records the name {name!r}, not a string")
-    n_heads = None if permuted is None else heads[0] if permuted == "q" else heads[1]
+    undo = _Undo.of(rules, name)
+    n_heads = undo.n_heads
     ggml_type = GGMLQuantizationType(tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))        # GGML order -> numpy order
     source = f"{path}:{tensor.name}"
@@ -248,20 +283,48 @@ def _entry(path: Path, mapped: MappedFile, tensor: Any, record: dict[str, Any], 
         raise FormatError(path, f"tensor {tensor.name!r} of shape {list(data.shape)}: its rows do not "
                                 f"split into RoPE pairs for {n_heads} heads")
     if ggml_type in _NATIVE:
+        if undo.transpose and len(shape) == 2:
+            shape = shape[::-1]
         dtype, shape = _original(path, tensor.name, record, ggml_type, shape)
         if n_heads is not None and not _rows_pair_up(shape, n_heads):
             raise FormatError(path, f"tensor {tensor.name!r}: recorded shape {list(shape)} does not fit {n_heads} heads")
-        same_bytes = n_heads is None and dtype.itemsize == _NATIVE[ggml_type].itemsize
-        return name, LazyTensor(dtype, shape, lambda: _load(mapped, span, ggml_type, dtype, shape, n_heads), source,
+        same_bytes = not undo and dtype.itemsize == _NATIVE[ggml_type].itemsize
+        return name, LazyTensor(dtype, shape, lambda: _load(mapped, span, ggml_type, dtype, shape, undo), source,
                                 span=mapped.span(*span) if same_bytes else None)
+    if undo.offset:                      # a shifted norm in blocks: undone on the float values
+        def values() -> np.ndarray:
+            raw = mapped.view(*span, f"tensor at offset {span[0]}").reshape(data.shape)
+            return gguf_dequantize(raw, ggml_type).reshape(shape) - np.float32(undo.offset)
+        return name, LazyTensor(DTYPES["float32"], shape, values, source)
     byte_shape = tuple(data.shape)       # gguf's reader gives block data as (rows, bytes per row)
     qdata = LazyTensor(DTYPES["uint8"], byte_shape,
-                       lambda: _load(mapped, span, ggml_type, DTYPES["uint8"], byte_shape, n_heads), source)
-    quantized = QuantizedTensor(scheme=ggml_type.name.lower(), layout="gguf", shape=shape, dtype=DTYPES["float32"],
-                                parts={"qdata": qdata}, params={"ggml_type": ggml_type.name}, source=source)
+                       lambda: _load(mapped, span, ggml_type, DTYPES["uint8"], byte_shape, _Undo(undo.n_heads)), source)
+    flipped = undo.transpose and len(shape) == 2        # blocks along the stored rows: the tensor says so
+    params = {"ggml_type": ggml_type.name, **({"transposed": True} if flipped else {})}
+    quantized = QuantizedTensor(scheme=ggml_type.name.lower(), layout="gguf", shape=shape[::-1] if flipped else shape,
+                                dtype=DTYPES["float32"], parts={"qdata": qdata}, params=params, source=source)
     if options.dequantize:
         return name, LazyTensor(DTYPES["float32"], shape, quantized.load, source)
     return name, quantized
+
+
+@dataclass(frozen=True)
+class _Undo:
+    """What a family did to one tensor on the way into GGUF (and reading undoes)."""
+
+    n_heads: int | None = None       # rows permuted for llama.cpp's RoPE
+    transpose: bool = False          # Conv1D (in, out) stored (out, in)
+    offset: float = 0.0              # stored + offset (Gemma's norms)
+
+    def __bool__(self) -> bool:
+        return self.n_heads is not None or self.transpose or bool(self.offset)
+
+    @classmethod
+    def of(cls, rules: _hf.Conventions | None, name: str) -> _Undo:
+        if rules is None:
+            return cls()
+        return cls(rules.heads.get(name), name in rules.transposed,
+                   rules.family.norm_offset if name in rules.offsets else 0.0)
 
 
 def _rows_pair_up(shape: tuple[int, ...], n_heads: int) -> bool:
@@ -286,67 +349,21 @@ def _original(path: Path, name: str, record: dict[str, Any], ggml_type: GGMLQuan
 
 
 def _load(mapped: MappedFile, span: tuple[int, int], ggml_type: GGMLQuantizationType, dtype: DType,
-          shape: tuple[int, ...], n_heads: int | None) -> np.ndarray:
+          shape: tuple[int, ...], undo: _Undo) -> np.ndarray:
     """One tensor's stored bits as a view of the file's pages with its dtype, shape and row order
-    (copied only where a cast or llama.cpp's row permutation needs new memory)."""
+    (copied only where a cast or the family's storage rules need new memory)."""
     raw = mapped.view(*span, f"tensor at offset {span[0]}")
     stored = _NATIVE.get(ggml_type)
+    if undo.offset:
+        raw = raw.view(np.float32) - np.float32(undo.offset)
     if stored is None or dtype.itemsize == stored.itemsize:
         array = raw.view(dtype.numpy)
     else:       # F32 -> f16/bf16: exact, the values were f16/bf16 to begin with
         array = narrow_float32(raw.view(np.float32), dtype)
+    if undo.transpose and len(shape) == 2:
+        return np.ascontiguousarray(array.reshape(shape[::-1]).T)
     array = array.reshape(shape)        # sizes were checked against the header when the file was opened
-    return array if n_heads is None else _from_llama_rope(array, n_heads)
-
-
-
-def _layout(name: str) -> Any:
-    """The GGUFLayout registered model `name` declares (modelkit.models.plugin), or None."""
-    from modelkit.models import MODELS, load_model_module
-
-    layout = load_model_module(name).GGUF if name in MODELS else None
-    return layout if layout is not None and layout.architecture == _LLAMA_ARCH else None
-
-
-def _llama_models() -> list[str]:
-    """Registered models that follow llama.cpp's llama conventions: tinylm, ..."""
-    from modelkit.models import MODELS
-
-    return [name for name in MODELS if _layout(name) is not None]
-
-
-def _tinylm_spec(fields: dict[str, Any], tensors: dict[str, Any]) -> ArchSpec | None:
-    """The ArchSpec of a llama file from another tool, naming the first registered llama model (tinylm)
-    that can run it exactly; else None."""
-    from modelkit.models import config_from_dict, config_to_dict
-
-    n_embd, n_head = fields.get(_KEYS.EMBEDDING_LENGTH), fields.get(_KEYS.HEAD_COUNT)
-    embed = tensors.get("model.embed_tokens.weight")
-    if not isinstance(n_embd, int) or not isinstance(n_head, int) or n_head <= 0 or embed is None:
-        return None
-    head_dim = n_embd // n_head
-    if fields.get(_KEYS.ROPE_SCALING_TYPE, "none") != "none" or any(
-            fields.get(key, head_dim) != head_dim for key in (_KEYS.ROPE_DIMENSION_COUNT, _KEYS.KEY_LENGTH, _KEYS.VALUE_LENGTH)):
-        return None
-    eps = fields.get(_KEYS.RMS_EPS)
-    values = {
-        "vocab_size": embed.shape[0], "hidden_size": n_embd, "num_attention_heads": n_head,
-        "intermediate_size": fields.get(_KEYS.FEED_FORWARD_LENGTH), "num_hidden_layers": fields.get(_KEYS.BLOCK_COUNT),
-        "num_key_value_heads": fields.get(_KEYS.HEAD_COUNT_KV, n_head),
-        "max_position_embeddings": fields.get(_KEYS.CONTEXT_LENGTH),
-        "rope_theta": fields.get(_KEYS.ROPE_FREQ_BASE, 10000.0),
-        # stored as float32: 1e-5 reads back as 9.99999974e-06; 7 digits give the written value back
-        "rms_norm_eps": float(f"{eps:.7g}") if isinstance(eps, float) else None,
-    }
-    for name in _llama_models():
-        try:
-            config = config_from_dict(name, values)
-        except (ConfigError, TypeError, ValueError):
-            continue
-        if set(tensors) == set(_llama_names(config.num_hidden_layers)):
-            return ArchSpec(name, config_to_dict(config))
-    return None
-
+    return array if undo.n_heads is None else _from_llama_rope(array, undo.n_heads)
 
 # --------------------------------------------------------------------------------------- write
 
@@ -372,13 +389,13 @@ class _Slot:
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]              # stored shape, numpy order
     view: np.dtype                      # numpy type whose bytes gguf gets (uint8 for block-quantized data)
-    n_heads: int | None = None          # permute rows for llama.cpp's RoPE
-    widen: bool = False                 # f16/bf16 norm stored in F32
+    undo: _Undo = _Undo()               # the family's storage rules (row permutation, transpose, offset)
+    widen: bool = False                 # f16/bf16 1-D tensor stored in F32
 
     def array(self) -> np.ndarray | _SpanData:
         """Load the tensor, convert it for storage and return its bytes' numpy view (or, for bytes
         stored unchanged from another file, what copies them there file to file)."""
-        if isinstance(self.entry, LazyTensor) and self.entry.span is not None and self.n_heads is None \
+        if isinstance(self.entry, LazyTensor) and self.entry.span is not None and not self.undo \
                 and not self.widen and self.entry.dtype.itemsize == self.view.itemsize:
             return _SpanData(self.entry.span)
         if isinstance(self.entry, QuantizedTensor):
@@ -386,8 +403,12 @@ class _Slot:
         else:
             array = self.entry.array()
             array = widen_to_float32(array, self.entry.dtype) if self.widen else np.ascontiguousarray(array).view(self.view)
-        if self.n_heads is not None:
-            array = _to_llama_rope(array, self.n_heads)
+            if self.undo.offset:           # Gemma: llama.cpp multiplies by the stored weight, Gemma by 1 + weight
+                array = array.astype(np.float32) + np.float32(self.undo.offset)
+            if self.undo.transpose:
+                array = array.T
+        if self.undo.n_heads is not None:
+            array = _to_llama_rope(array, self.undo.n_heads)
         return np.ascontiguousarray(array).reshape(self.shape if self.view != _BYTES else array.shape)
 
 
@@ -414,48 +435,88 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
         writer.close()
 
 
-def _plan(ckpt: Checkpoint) -> tuple[str, dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]], list[_Slot]]:
-    """Architecture name, metadata and tensor slots; every check that can refuse happens here."""
+def verify_plan(ckpt: Checkpoint) -> tuple[set[str], dict[str, float]]:
+    """What reading the written file back cannot give exactly, for the write path's check: the names a
+    family drops on purpose (GPT-2's mask buffers) and, per tensor, the relative tolerance of values a
+    family stores shifted (Gemma's norms + 1, rounded in float32)."""
+    rules = _rules_for(ckpt)
+    if rules is None:
+        return set(), {}
+    return ({n for n in ckpt.tensors if rules.dropped(n)},
+            {n: _LOSSY_RTOL for n in ckpt.tensors if n in rules.offsets})
+
+
+def _rules_for(ckpt: Checkpoint) -> _hf.Conventions | None:
+    """The checkpoint's llama.cpp conventions when its names are the ones they map; for a Hugging Face
+    family any other name is an error (llama.cpp would not run the file), for a zoo model (tinylm pruned
+    into another shape...) the generic layout is used instead."""
+    rules = _conventions("checkpoint", ckpt.arch)
+    if rules is None:
+        return None
+    aliases = _aliases(ckpt)
+    names = {n for n in ckpt.tensors if not (n in aliases and aliases[n] in ckpt.tensors) and not rules.dropped(n)}
+    if rules.tokenizer == "bytes":
+        return rules if names == set(rules.names) else None
+    unknown = sorted(names - set(rules.names))
+    if unknown:
+        raise UnsupportedConversionError(
+            rules.family_name, "gguf", f"tensor {unknown[0]!r} has no llama.cpp name in the {rules.family_name} family "
+                                       f"(modelkit/models/{rules.family_name}.py)")
+    return rules
+
+
+def _aliases(ckpt: Checkpoint) -> dict[str, str]:
     try:
-        aliases = dict(json.loads(ckpt.metadata.get(ALIASES_KEY, "{}")))
+        return dict(json.loads(ckpt.metadata.get(ALIASES_KEY, "{}")))
     except (json.JSONDecodeError, TypeError, ValueError) as e:
         raise ConfigError(f"the checkpoint's {ALIASES_KEY} metadata is not a JSON object of names ({e})") from e
-    names = [n for n in ckpt.tensors if not (n in aliases and aliases[n] in ckpt.tensors)]
-    llama = _llama_config(ckpt)
-    mapping = _llama_names(llama.num_hidden_layers) if llama else {}
+
+
+KV = dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]
+
+
+def _plan(ckpt: Checkpoint) -> tuple[str, KV, list[_Slot]]:
+    """Architecture name, metadata and tensor slots; every check that can refuse happens here."""
+    aliases = _aliases(ckpt)
+    rules = _rules_for(ckpt)
+    names = [n for n in ckpt.tensors if not (n in aliases and aliases[n] in ckpt.tensors)
+             and not (rules is not None and rules.dropped(n))]
+    mapping = rules.names if rules else {}
     slots, records, taken = [], {}, set(names)
     for index, name in enumerate(names):
         stored = mapping.get(name, name)
         if len(stored.encode("utf-8")) > _MAX_NAME_BYTES:     # llama.cpp's limit; the record keeps the name
             stored = next(s for n in range(len(taken) + 1) if (s := f"modelkit.{index}.{n}") not in taken)
             taken.add(stored)
-        n_heads = None
-        if llama and name.endswith(("q_proj.weight", "k_proj.weight")):
-            n_heads = llama.num_attention_heads if name.endswith("q_proj.weight") else llama.num_key_value_heads
-        slot, record = _slot(ckpt.tensors[name], name, stored, n_heads, widen_norm=bool(llama))
+        slot, record = _slot(ckpt.tensors[name], name, stored, _Undo.of(rules, name), f32_vectors=rules is not None)
         if stored != mapping.get(name, name):
             record["name"] = name
         if record:
             records[stored] = record
         slots.append(slot)
-    kv: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] = {
-        _KEYS.NAME: (ckpt.arch.name if ckpt.arch else _GENERIC_ARCH, GGUFValueType.STRING, None),
+    kv: KV = {
+        _KEYS.NAME: (_display_name(ckpt, rules), GGUFValueType.STRING, None),
         _KEYS.FILE_TYPE: (int(_file_type(slots)), GGUFValueType.UINT32, None),
         _KEYS.QUANTIZATION_VERSION: (GGML_QUANT_VERSION, GGUFValueType.UINT32, None),
     }
-    if llama:
-        kv.update(_llama_kv(llama, _layout(ckpt.arch.name)))
+    if rules is not None:
+        kv.update(_family_kv(rules, ckpt))
+        for stored, factors in _hf.rope_tensors(rules.family, rules.config).items():   # llama.cpp reads rope scaling here
+            array = np.asarray(factors, dtype=np.float32)
+            slots.append(_Slot(stored, LazyTensor(DTYPES["float32"], array.shape, lambda array=array: array, "rope scaling"),
+                               F32, array.shape, np.dtype("<f4")))
     if ckpt.arch is not None:
         kv[_KEYS.ARCH] = (ckpt.arch.to_json(), GGUFValueType.STRING, None)
     kv[_KEYS.TENSORS] = (json.dumps(records, sort_keys=True, separators=(",", ":")), GGUFValueType.STRING, None)
     for key, value in ckpt.metadata.items():
         kv[_KEYS.META_PREFIX + key] = (value, GGUFValueType.STRING, None)
-    return (_LLAMA_ARCH if llama else _GENERIC_ARCH), kv, slots
+    return (rules.family.architecture if rules else _GENERIC_ARCH), kv, slots
 
 
-def _slot(entry: LazyTensor | QuantizedTensor, name: str, stored: str, n_heads: int | None,
-          *, widen_norm: bool) -> tuple[_Slot, dict[str, Any]]:
+def _slot(entry: LazyTensor | QuantizedTensor, name: str, stored: str, undo: _Undo,
+          *, f32_vectors: bool) -> tuple[_Slot, dict[str, Any]]:
     """How one entry is stored, and what `modelkit.tensors` must record to give it back exactly."""
+    n_heads = undo.n_heads
     if isinstance(entry, QuantizedTensor):
         if entry.layout != "gguf" or "qdata" not in entry.parts:
             raise UnsupportedConversionError(
@@ -465,34 +526,42 @@ def _slot(entry: LazyTensor | QuantizedTensor, name: str, stored: str, n_heads: 
         if ggml_type is None:
             raise UnsupportedConversionError("quantized checkpoint", "gguf",
                                              f"tensor {name!r} names no GGML type ({entry.params!r})")
+        flipped = bool(entry.params.get("transposed"))      # blocks already along the stored rows
+        if undo.offset or undo.transpose != flipped:
+            raise UnsupportedConversionError("quantized checkpoint", "gguf",
+                                             f"tensor {name!r} is quantized in another layout than its family stores "
+                                             "(transposed or shifted); quantize it from the float weights")
         if n_heads is not None and not _rows_pair_up(entry.parts["qdata"].shape, n_heads):
             raise _bad_rows(name, entry.shape, n_heads)
-        return _Slot(stored, entry, ggml_type, entry.shape, _BYTES, n_heads), {}
+        return _Slot(stored, entry, ggml_type, entry.shape[::-1] if flipped else entry.shape, _BYTES,
+                     _Undo(n_heads)), {}
     if entry.dtype.name not in _STORAGE:
         raise UnsupportedConversionError(dtype_name(entry.dtype), "gguf",
                                          f"tensor {name!r} has a dtype GGUF cannot hold, even as raw bytes")
     ggml_type, view = _STORAGE[entry.dtype.name]
     record: dict[str, Any] = {}
-    widen = widen_norm and len(entry.shape) == 1 and entry.dtype.name in _HALVES
-    if widen:                          # llama.cpp keeps norms in F32; f16/bf16 -> f32 is exact
+    widen = f32_vectors and len(entry.shape) == 1 and entry.dtype.name in _HALVES
+    if widen:                          # llama.cpp keeps norms and vectors in F32; f16/bf16 -> f32 is exact
         ggml_type, view = F32, np.dtype("<f4")
     if _NATIVE[ggml_type] is not entry.dtype:
         record["dtype"] = dtype_name(entry.dtype)
     shape = entry.shape
+    if undo.transpose and len(shape) == 2:
+        shape = shape[::-1]
     if not shape:                       # gguf's reader cannot give a 0-d BF16 tensor back: store (1,)
         shape = (1,)
     elif len(shape) > _MAX_DIMS:        # llama.cpp allows 4 dimensions: fold the leading ones
         shape = (math.prod(shape[:-_MAX_DIMS + 1]), *shape[-_MAX_DIMS + 1:])
-    if shape != entry.shape:
+    if shape != entry.shape and not undo.transpose:
         record["shape"] = list(entry.shape)
     if n_heads is not None and not _rows_pair_up(shape, n_heads):
         raise _bad_rows(name, entry.shape, n_heads)
-    return _Slot(stored, entry, ggml_type, shape, view, n_heads, widen), record
+    return _Slot(stored, entry, ggml_type, shape, view, undo, widen), record
 
 
 def _bad_rows(name: str, shape: tuple[int, ...], n_heads: int) -> UnsupportedConversionError:
-    return UnsupportedConversionError("tinylm", "gguf", f"tensor {name!r} of shape {list(shape)} does not split "
-                                                        f"into {n_heads} heads of RoPE pairs; check the ArchSpec")
+    return UnsupportedConversionError("checkpoint", "gguf", f"tensor {name!r} of shape {list(shape)} does not split "
+                                                            f"into {n_heads} heads of RoPE pairs; check the ArchSpec")
 
 
 def _file_type(slots: list[_Slot]) -> LlamaFileType:
@@ -509,49 +578,62 @@ def _file_type(slots: list[_Slot]) -> LlamaFileType:
     return getattr(LlamaFileType, f"MOSTLY_{main.name}", LlamaFileType.GUESSED)
 
 
-def _llama_config(ckpt: Checkpoint) -> Any:
-    """The config of a model that declares GGUF = "llama" (tinylm), when the checkpoint has exactly its
-    Hugging Face names; else None."""
-    from modelkit.models import config_from_dict
-
-    if ckpt.arch is None or _layout(ckpt.arch.name) is None:
-        return None
-
-    config = config_from_dict(ckpt.arch.name, ckpt.arch.config)
-    return config if set(ckpt.tensors) == set(_llama_names(config.num_hidden_layers)) else None
+_VALUE_TYPES = ((bool, GGUFValueType.BOOL), (int, GGUFValueType.UINT32), (float, GGUFValueType.FLOAT32),
+                (str, GGUFValueType.STRING))
 
 
-def _llama_names(n_layers: int) -> dict[str, str]:
-    names = dict(_LLAMA_NAMES)
-    for n in range(n_layers):
-        names.update({hf.format(n=n): g.format(n=n) for hf, g in _LLAMA_BLOCK_NAMES.items()})
-    return names
+def _family_kv(rules: _hf.Conventions, ckpt: Checkpoint) -> KV:
+    """llama.cpp's hyperparameters (`{arch}.*`) for the model's config, and its tokenizer's keys."""
+    try:
+        values = _hf.gguf_hparams(rules.family, rules.config)
+    except (ConfigError, KeyError, TypeError, ZeroDivisionError) as e:
+        raise UnsupportedConversionError(rules.family_name, "gguf", f"the config cannot be stored for llama.cpp ({e})") from e
+    kv: KV = {}
+    for suffix, value in values.items():
+        vtype = next(t for cls, t in _VALUE_TYPES if isinstance(value, cls))
+        kv[f"{rules.family.architecture}.{suffix}"] = (value, vtype, None)
+    if rules.tokenizer == "bytes":
+        kv.update(_byte_vocab_kv(int(values.get("vocab_size", 256)), rules))
+    elif "tokenizer.json" in ckpt.assets:
+        from modelkit.models.gguf_vocab import gguf_tokenizer_kv
+
+        kv.update(gguf_tokenizer_kv(ckpt.assets, int(values.get("vocab_size", 0))))
+    else:                  # no tokenizer files: the special token ids config.json names (as llama.cpp's SpecialVocab reads them)
+        for key, config_key in _SPECIAL_IDS.items():
+            value = rules.config.get(config_key)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < int(values.get("vocab_size", 2**31)):
+                kv[key] = (value, GGUFValueType.UINT32, None)
+    return kv
 
 
-def _llama_kv(config: Any, layout: Any) -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
-    """llama.cpp's hyperparameters for a Hugging Face Llama config, and the tokenizer `layout` names."""
-    if layout.tokenizer != "bytes":
-        raise UnsupportedConversionError(type(config).__name__, "gguf", f"no GGUF writer for the {layout.tokenizer!r} "
-                                         "tokenizer (known: 'bytes')")
-    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+_SPECIAL_IDS = {_KEYS.BOS_ID: "bos_token_id", _KEYS.EOS_ID: "eos_token_id", _KEYS.PAD_ID: "pad_token_id"}
+
+
+def _display_name(ckpt: Checkpoint, rules: _hf.Conventions | None) -> str:
+    """general.name: the zoo model's name; for a Hugging Face family the folder's `_name_or_path` or the
+    family's class ("Mistral": transformers' GGUF loader treats a file named exactly "mistral" as a
+    Mistral architecture gguf-py does not have)."""
+    if ckpt.arch is None:
+        return _GENERIC_ARCH
+    if rules is None or rules.tokenizer == "bytes":
+        return ckpt.arch.name
+    source = rules.config.get("_name_or_path")
+    if isinstance(source, str) and source.strip("/"):
+        return source.rstrip("/").rsplit("/", 1)[-1]
+    return rules.family.hf_class.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
+
+
+def _byte_vocab_kv(vocab_size: int, rules: _hf.Conventions) -> KV:
+    """tinylm's tokenizer: token i is byte i, as llama.cpp's SentencePiece-style byte vocabulary."""
+    u32 = GGUFValueType.UINT32
     tokens, types = _byte_vocab()
     return {
-        _KEYS.CONTEXT_LENGTH: (config.max_position_embeddings, u32, None),
-        _KEYS.EMBEDDING_LENGTH: (config.hidden_size, u32, None),
-        _KEYS.BLOCK_COUNT: (config.num_hidden_layers, u32, None),
-        _KEYS.FEED_FORWARD_LENGTH: (config.intermediate_size, u32, None),
-        _KEYS.ROPE_DIMENSION_COUNT: (config.head_dim, u32, None),
-        _KEYS.HEAD_COUNT: (config.num_attention_heads, u32, None),
-        _KEYS.HEAD_COUNT_KV: (config.num_key_value_heads, u32, None),
-        _KEYS.RMS_EPS: (config.rms_norm_eps, f32, None),
-        _KEYS.ROPE_FREQ_BASE: (config.rope_theta, f32, None),
-        _KEYS.VOCAB_SIZE: (config.vocab_size, u32, None),
         _KEYS.TOKENIZER_MODEL: ("llama", GGUFValueType.STRING, None),
-        _KEYS.TOKENS: (tokens[:config.vocab_size], GGUFValueType.ARRAY, GGUFValueType.STRING),
-        _KEYS.SCORES: ([0.0] * min(256, config.vocab_size), GGUFValueType.ARRAY, f32),
-        _KEYS.TOKEN_TYPE: (types[:config.vocab_size], GGUFValueType.ARRAY, GGUFValueType.INT32),
-        _KEYS.BOS_ID: (layout.bos_id, u32, None),
-        _KEYS.EOS_ID: (layout.eos_id, u32, None),
+        _KEYS.TOKENS: (tokens[:vocab_size], GGUFValueType.ARRAY, GGUFValueType.STRING),
+        _KEYS.SCORES: ([0.0] * min(256, vocab_size), GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
+        _KEYS.TOKEN_TYPE: (types[:vocab_size], GGUFValueType.ARRAY, GGUFValueType.INT32),
+        _KEYS.BOS_ID: (rules.bos_id, u32, None),
+        _KEYS.EOS_ID: (rules.eos_id, u32, None),
         _KEYS.ADD_BOS: (False, GGUFValueType.BOOL, None),
         _KEYS.ADD_EOS: (False, GGUFValueType.BOOL, None),
         _KEYS.ADD_SPACE_PREFIX: (False, GGUFValueType.BOOL, None),

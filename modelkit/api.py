@@ -4,6 +4,7 @@ Loading, saving and measuring live in modelkit.pipeline; they are named here too
 the CLI find every entry point in one module."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,7 @@ class Inspection:
     arch: ArchSpec | None
     file_bytes: int
     metrics: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] | None = None        # a Hugging Face family's summary (modelkit.models._hf.describe)
 
     @property
     def num_parameters(self) -> int:
@@ -76,6 +78,7 @@ class Inspection:
             "metadata": self.metadata,
             "arch": None if self.arch is None else {"name": self.arch.name, "config": self.arch.config},
             "metrics": self.metrics,
+            "model": self.model,
         }
 
 
@@ -96,7 +99,30 @@ def inspect(path: PathLike, *, format: str | None = None, trust: bool = False, k
     ]
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
     metadata = {k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}
-    return Inspection(path, fmt, tensors, metadata, ckpt.arch, size, ckpt.metrics)
+    return Inspection(path, fmt, tensors, metadata, ckpt.arch, size, ckpt.metrics, _model_summary(path, ckpt, tensors))
+
+
+def _model_summary(path: Path, ckpt: Any, tensors: list[TensorInfo]) -> dict[str, Any] | None:
+    """A Hugging Face family's facts (modelkit.models._hf.describe), the dtype holding most matrix weights,
+    and a folder's shard layout; None for other models."""
+    from collections import Counter
+
+    from modelkit.models import _hf, hf_family
+
+    family = hf_family(ckpt.arch.name) if ckpt.arch is not None else None
+    if family is None:
+        return None
+    summary = _hf.describe(ckpt.arch.name, family, ckpt.arch.config, ckpt.assets)
+    weights: Counter[str] = Counter()
+    for t in tensors:
+        if len(t.shape) == 2:
+            weights[t.quantized or t.dtype] += t.nbytes
+    summary["dtype"] = weights.most_common(1)[0][0] if weights else None
+    summary["parameters"] = sum(math.prod(t.shape) for t in tensors)
+    if path.is_dir():
+        shards = sorted(path.glob("*.safetensors"))
+        summary["shards"] = {"files": len(shards), "bytes": sum(p.stat().st_size for p in shards)}
+    return summary
 
 
 def generate(path: PathLike, prompt: str | bytes, *, max_new_bytes: int = 200, temperature: float = 0.0,

@@ -72,7 +72,7 @@ def _with_checkpoint_entries(ckpt: Checkpoint, module: nn.Module) -> Checkpoint:
         elif replacements[owner] is not None:
             tensors.update(replacements[owner])
             replacements[owner] = None       # emitted once, where the submodule's first key was
-    return Checkpoint(tensors, ckpt.metadata, ckpt.arch)
+    return Checkpoint(tensors, ckpt.metadata, ckpt.arch, ckpt.assets)
 
 
 @dataclass
@@ -89,11 +89,17 @@ class Checkpoint:
     tensors: Mapping[str, TensorEntry]
     metadata: dict[str, str] = field(default_factory=dict)
     arch: ArchSpec | None = None
+    # Files that travel with the weights, by file name: a Hugging Face folder's tokenizer.json,
+    # tokenizer_config.json, special_tokens_map.json, generation_config.json, tokenizer.model.
+    assets: Mapping[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = [k for k, v in self.metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise ConfigError(f"checkpoint metadata must map str to str; bad entry {bad[0]!r}")
+        bad = [k for k, v in self.assets.items() if not isinstance(k, str) or not isinstance(v, bytes)]
+        if bad:
+            raise ConfigError(f"checkpoint assets must map file names to bytes; bad entry {bad[0]!r}")
 
     @classmethod
     def from_state_dict(
@@ -213,6 +219,10 @@ def instantiate(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source:
     # A quantized layer's own keys (packed data, scales) come from its QuantizedTensor, its bias from the file.
     owners = {n.rpartition(".")[0] for n in quantized}
     wanted = {k for k in expected if k.rpartition(".")[0] not in owners or k.rpartition(".")[2] == "bias"}
+    # Weights the module ties to another (transformers' tied output head) come with their target:
+    # a Hugging Face folder stores them once.
+    tied = {alias for alias, target in _tied_names(expected).items() if alias not in state and target in state}
+    wanted -= tied
     missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ConfigError(
@@ -223,5 +233,5 @@ def instantiate(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source:
     if wrong:
         raise ConfigError(f"{source}: weights do not fit architecture {label!r}; {wrong[0]} is "
                           f"{list(state[wrong[0]].shape)}, the model expects {list(expected[wrong[0]].shape)}")
-    model.load_state_dict(state, strict=not quantized)
+    model.load_state_dict(state, strict=not (quantized or tied))
     return model.eval()

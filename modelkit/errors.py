@@ -44,11 +44,11 @@ class UnknownFormatError(ModelkitError, ValueError):
 class UnknownModelError(ModelkitError, ValueError):
     """A reference-model name that is not in the MODELS table."""
 
-    def __init__(self, name: str, *, known: Iterable[str]) -> None:
+    def __init__(self, name: str, *, known: Iterable[str], message: str | None = None) -> None:
         self.name = name
         self.known = sorted(known)
         super().__init__(
-            f"unknown model {name!r}; known: {', '.join(self.known)}{did_you_mean(name, self.known)}"
+            message or f"unknown model {name!r}; known: {', '.join(self.known)}{did_you_mean(name, self.known)}"
         )
 
 

@@ -32,12 +32,14 @@ class FormatInfo:
     has_graph: bool = False        # the file holds the computation, not only weights
     runs_pickle: bool = False      # loading unpickles: scan first, then weights_only=True
     companions: tuple[str, ...] = ()   # sidecar files a write may add: "<name><suffix>" (atomic_path)
+    folder: bool = False           # the output is a folder (a Hugging Face model folder): no suffix, --to names it
     maps_module: bool = False      # the writer maps a user's module to a layout of its own (HDF5: Keras layers)
 
 
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
     FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf"),
     FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5", maps_module=True),
+    FormatInfo("hf",          (),                                "modelkit.converters.hf", folder=True),
     FormatInfo("npz",         (".npz",),                         "modelkit.converters.npz"),
     FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True,
                companions=(".data",)),

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -378,7 +378,13 @@ def dequantize(data: torch.Tensor, type_name: str, shape: tuple[int, ...] | None
 
 
 def dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
-    """Layout "gguf": block bytes in parts["qdata"], the block type in params["ggml_type"]."""
+    """Layout "gguf": block bytes in parts["qdata"], the block type in params["ggml_type"]; with
+    params["transposed"], the blocks run along the rows of the transposed matrix (GPT-2's Conv1D weights
+    as llama.cpp stores them) and the values come back in `q.shape`."""
+    if q.params.get("transposed"):
+        stored = replace(q, shape=tuple(reversed(q.shape)),
+                                     params={k: v for k, v in q.params.items() if k != "transposed"})
+        return dequantize_layout(stored).T.contiguous()
     ggml_type = str(q.params.get("ggml_type", ""))
     if ggml_type.lower() in BLOCK_TYPES:
         return dequantize(q.parts["qdata"].load(), ggml_type, q.shape).to(q.dtype.torch)

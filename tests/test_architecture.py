@@ -11,7 +11,15 @@ import pytest
 
 from modelkit.formats import FORMATS, load_format
 from modelkit.models import MODELS, load_model_module
-from modelkit.models.plugin import PLUGIN_NAMES, DistillDefaults, GGUFLayout, KerasLayout, PruneGroup, QualityBar
+from modelkit.models.plugin import (
+    PLUGIN_NAMES,
+    DistillDefaults,
+    GGUFLayout,
+    HFFamily,
+    KerasLayout,
+    PruneGroup,
+    QualityBar,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,10 +40,12 @@ TORCH_FREE_FOLDERS = ("parse", "scan", "storage", "cli")
 TORCH_USERS = {"modelkit.storage.qdq"}      # ONNX's QDQ layouts, in torch ops: only the ONNX converter uses them
 TORCH_FREE = (
     "modelkit", "modelkit.errors", "modelkit.metadata", "modelkit.checkpoint", "modelkit.formats", "modelkit.schemes",
-    "modelkit.api", "modelkit.models", "modelkit.models.plugin", "modelkit.models.keras_map",
+    "modelkit.api", "modelkit.models", "modelkit.models.plugin", "modelkit.models.keras_map", "modelkit.models._hf",
+    *(f"modelkit.models.{family}" for family in ("gemma2", "gemma3", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3")),
     "modelkit.pipeline.convert", "modelkit.pipeline.inputs", "modelkit.pipeline.load", "modelkit.pipeline.quantize", "modelkit.pipeline.quantize_weights",
     "modelkit.pipeline.reports", "modelkit.pipeline.verify", "modelkit.pipeline.write",
-    "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.npz", "modelkit.converters.pth",
+    "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.hf", "modelkit.converters.npz",
+    "modelkit.converters.pth",
     "modelkit.converters.safetensors", "modelkit.converters.torchscript", "modelkit.quantizers.gguf_arrays",
 )
 
@@ -94,7 +104,7 @@ def test_every_format_module_has_detect_read_write(name):
         assert callable(getattr(module, attribute, None)), f"{name} lacks {attribute}"
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(n for n, info in MODELS.items() if not info.hf))
 def test_every_model_module_has_the_plugin_names(name):
     module = load_model_module(name)
     for attribute in PLUGIN_NAMES:
@@ -110,6 +120,18 @@ def test_every_model_module_has_the_plugin_names(name):
     assert isinstance(module.DISTILL, DistillDefaults) and isinstance(module.QUALITY, QualityBar)
     assert isinstance(module.STUDENT, dict) and isinstance(module.GGUF, (GGUFLayout, type(None)))
     module.CONFIG(**module.STUDENT)                          # the default student builds
+
+
+@pytest.mark.parametrize("name", sorted(n for n, info in MODELS.items() if info.hf))
+def test_every_hf_family_declares_its_family_as_data(name):
+    """A Hugging Face family module is plain data (FAMILY); the registry gives it the zoo's other names."""
+    module = load_model_module(name)
+    family = module.FAMILY
+    assert isinstance(family, HFFamily) and family.model_types and family.architecture
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in family.tensors.items())
+    assert {"embedding_length", "block_count", "attention.head_count"} <= set(family.hparams)
+    assert all(hasattr(module, attribute) for attribute in PLUGIN_NAMES) and module.TRAINING is None
+    assert "torch" not in _imports(Path(module.__file__))
 
 
 def test_model_modules_import_nothing_above_the_models_layer():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from modelkit.errors import ConfigError, UnknownModelError
-from modelkit.models import MODELS, arch_spec, build, build_from_spec, config_from_dict, load_model_module
+from modelkit.models import arch_spec, build, build_from_spec, config_from_dict, load_model_module, zoo_models
 from modelkit.models.tinylm import TinyLMConfig, apply_rotary, generate, rotary_tables
 
 
@@ -104,7 +104,7 @@ def test_generate_is_deterministic_and_respects_length():
 
 
 def test_every_registered_model_builds_with_defaults():
-    for name in MODELS:
+    for name in zoo_models():
         assert build(name).config == load_model_module(name).CONFIG()
 
 

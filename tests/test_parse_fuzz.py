@@ -317,7 +317,7 @@ def samples(tmp_path_factory) -> dict[str, bytes]:
     tiny = build("tinylm", {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                             "num_key_value_heads": 1, "max_position_embeddings": 16, "vocab_size": 32}, seed=0)
     out = {}
-    for fmt in sorted(FORMATS):
+    for fmt in sorted(f for f in FORMATS if not FORMATS[f].folder):      # hf: a folder, its files are these
         out[fmt] = modelkit.save(mlp, folder / f"m{FORMATS[fmt].suffixes[0]}", format=fmt).read_bytes()
     out["gguf-llama"] = modelkit.save(Checkpoint.from_module(tiny), folder / "l.gguf").read_bytes()
     out["onnx-tinylm"] = modelkit.save(Checkpoint.from_module(tiny), folder / "l.onnx").read_bytes()
@@ -329,7 +329,7 @@ def samples(tmp_path_factory) -> dict[str, bytes]:
     return out
 
 
-_VARIANTS = sorted([*FORMATS, "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain", "npz-numpy"])
+_VARIANTS = sorted([*(f for f in FORMATS if not FORMATS[f].folder), "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain", "npz-numpy"])
 _PREFIXES = {"safetensors": struct.pack("<Q", 40), "gguf": b"GGUF\x03\x00\x00\x00", "onnx": b"\x08\x0a\x3a",
              "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE, "npz": b"PK\x03\x04"}
 

@@ -16,7 +16,7 @@ import modelkit
 from modelkit import schemes
 from modelkit.checkpoint import Checkpoint, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError
-from modelkit.models import MODELS, load_model_module
+from modelkit.models import load_model_module, zoo_models
 from modelkit.quantizers import _affine
 
 # (model, scheme) -> (max |q(x) - f(x)| / max |f(x)|, stored bytes / float32 bytes), each pinned
@@ -66,7 +66,7 @@ def _config(scheme: str):
 
 
 def test_expected_table_covers_every_scheme_and_model():
-    assert set(EXPECTED) == {(m, s) for m in MODELS for s in SCHEME_NAMES}
+    assert set(EXPECTED) == {(m, s) for m in zoo_models() for s in SCHEME_NAMES}
 
 
 def one_model(name: str):
@@ -529,13 +529,13 @@ TAMPERING = [
 @pytest.mark.parametrize("tamper,match", TAMPERING)
 @one_model("cnn")
 def test_tampered_quantized_metadata_is_a_format_error(small_model, tmp_path, tamper, match):
-    from modelkit.converters import safetensors as st
     from modelkit.pipeline.quantize import save_quantized
     from modelkit.storage import quantized_layout
+    from modelkit.storage.safetensors_files import read_file
 
     path = tmp_path / "m.safetensors"
     save_quantized(schemes.apply(small_model, _config("int8")), path, config=_config("int8"))
-    ckpt = st._read_file(path, group=False)
+    ckpt = Checkpoint(*read_file(path))
     record = json.loads(ckpt.metadata[quantized_layout.QUANTIZED_KEY])
     tamper(record)
     ckpt.metadata[quantized_layout.QUANTIZED_KEY] = json.dumps(record)

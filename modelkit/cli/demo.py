@@ -32,6 +32,8 @@ def _conversions(results: dict, out: Path) -> list[dict]:
     rows = []
     for name, result in results.items():
         for fmt, info in FORMATS.items():
+            if info.folder:                     # Hugging Face folders hold Hugging Face families, not the zoo
+                continue
             target = out / name / "formats" / f"model{info.suffixes[0]}"
             target.parent.mkdir(parents=True, exist_ok=True)
             try:

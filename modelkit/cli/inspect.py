@@ -39,7 +39,9 @@ def inspect(file: str, limit: int | None, source_format: str | None, trust: bool
         click.echo(f"... {len(info.tensors) - len(shown)} more tensors")
     click.echo(f"total: {len(info.tensors)} tensors, {info.num_parameters:,} parameters, "
                f"{human_bytes(info.tensor_bytes)} of tensor data")
-    if info.arch:
+    if info.model:
+        _echo_model(info.model)
+    elif info.arch:
         click.echo(f"arch: {info.arch.name} {json.dumps(info.arch.config, sort_keys=True)}")
     else:
         click.echo("arch: none recorded (pass --arch to commands that need a model)")
@@ -49,3 +51,18 @@ def inspect(file: str, limit: int | None, source_format: str | None, trust: bool
     for split in ("val", "test"):
         if isinstance(info.metrics.get(split), dict):
             click.echo(f"metrics {split}: {format_metrics(info.metrics[split])}")
+
+
+def _echo_model(model: dict) -> None:
+    """A Hugging Face family's summary, one fact a line."""
+    click.echo(f"arch: {model['family']} (model_type {model['model_type']}; llama.cpp {model['llama_cpp_architecture']})")
+    click.echo(f"parameters: {model['parameters']:,}, dtype {model['dtype']}, context length {model['context_length']}, "
+               f"vocabulary {model['vocab_size']}")
+    tokenizer = model["tokenizer"]
+    if tokenizer is None:
+        click.echo("tokenizer: none (no tokenizer files)")
+    else:
+        click.echo(f"tokenizer: {tokenizer['kind']}, {tokenizer['style']}, {tokenizer['vocab_size']} tokens, "
+                   f"chat template {'present' if tokenizer['chat_template'] else 'absent'}")
+    if "shards" in model:
+        click.echo(f"shards: {model['shards']['files']} safetensors file(s), {human_bytes(model['shards']['bytes'])}")

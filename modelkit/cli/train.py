@@ -9,7 +9,7 @@ import click
 from modelkit.cli.options import device_option, force_option, output_options
 from modelkit.cli.output import Progress, emit_json, format_metrics, note
 from modelkit.errors import ConfigError
-from modelkit.models import MODELS
+from modelkit.models import zoo_models
 
 
 def _parse_settings(values: tuple[str, ...]) -> dict[str, object]:
@@ -27,7 +27,7 @@ def _parse_settings(values: tuple[str, ...]) -> dict[str, object]:
 
 
 @click.command()
-@click.argument("model", type=click.Choice(sorted(MODELS)))
+@click.argument("model", type=click.Choice(zoo_models()))
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for model.safetensors and the training state.")
 @click.option("--epochs", type=int, help="Passes over the training data (default: the model's own).")
 @click.option("--batch-size", type=int, help="Global batch size; split across ranks under torchrun.")

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelkit.errors import ConfigError, FormatError, UnknownModelError, did_you_mean
 from modelkit.metadata import ARCH_KEY
-from modelkit.models.plugin import PLUGIN_NAMES
+from modelkit.models.plugin import PLUGIN_NAMES, HFFamily, hf_plugin_defaults
 
 if TYPE_CHECKING:
     from torch import nn
@@ -50,6 +50,7 @@ class ModelInfo:
     name: str          # the ArchSpec name and the CLI's `modelkit train NAME`
     module: str        # imported on first use
     summary: str
+    hf: bool = False   # a Hugging Face family (declares FAMILY: built by transformers, nothing to train)
 
 
 _ZOO = (
@@ -57,6 +58,17 @@ _ZOO = (
     ModelInfo("mlp", "modelkit.models.mlp", "Linear-ReLU-Linear-ReLU-Linear on two interleaved 2-D spirals"),
     ModelInfo("tinylm", "modelkit.models.tinylm", "byte-level Llama decoder trained on the Python standard library"),
 )
+# Hugging Face families: a save_pretrained folder's config.json `model_type` picks one (family_for_config).
+_FAMILIES = tuple(ModelInfo(name, f"modelkit.models.{name}", summary, hf=True) for name, summary in (
+    ("gemma2", "Hugging Face Gemma 2 (Gemma2ForCausalLM; llama.cpp gemma2)"),
+    ("gemma3", "Hugging Face Gemma 3 language model (Gemma3ForCausalLM; llama.cpp gemma3)"),
+    ("gpt2", "Hugging Face GPT-2 (GPT2LMHeadModel; llama.cpp gpt2)"),
+    ("llama", "Hugging Face Llama (LlamaForCausalLM; llama.cpp llama), Llama-3 rope scaling included"),
+    ("mistral", "Hugging Face Mistral (MistralForCausalLM; llama.cpp llama)"),
+    ("phi3", "Hugging Face Phi-3 (Phi3ForCausalLM; llama.cpp phi3)"),
+    ("qwen2", "Hugging Face Qwen2 (Qwen2ForCausalLM; llama.cpp qwen2)"),
+    ("qwen3", "Hugging Face Qwen3 (Qwen3ForCausalLM; llama.cpp qwen3)"),
+))
 
 
 class _Registry(Mapping[str, ModelInfo]):
@@ -113,7 +125,7 @@ class _Registry(Mapping[str, ModelInfo]):
         return name in self._infos
 
 
-MODELS = _Registry(_ZOO)
+MODELS = _Registry(_ZOO + _FAMILIES)
 
 
 def register_model(name: str, module: str | ModuleType, *, summary: str = "") -> None:
@@ -148,6 +160,14 @@ def unregister_model(name: str) -> None:
 
 
 def _checked(name: str, module: ModuleType) -> ModuleType:
+    family = getattr(module, "FAMILY", None)
+    if family is not None:
+        if not isinstance(family, HFFamily):
+            raise ConfigError(f"model {name!r}: {module.__name__}.FAMILY must be a modelkit.models.plugin.HFFamily")
+        for attribute, default in hf_plugin_defaults().items():     # what the zoo's commands look up
+            if not hasattr(module, attribute):
+                setattr(module, attribute, default)
+        return module
     missing = [n for n in PLUGIN_NAMES if not hasattr(module, n)]
     if missing:
         raise ConfigError(f"model {name!r} ({module.__name__}) does not define {', '.join(missing)}; "
@@ -229,7 +249,10 @@ def load_model_module(name: str) -> ModuleType:
 
 def config_from_dict(name: str, values: Mapping[str, Any] | None = None) -> Any:
     """Build model `name`'s config dataclass from plain values (unknown keys are an error)."""
-    config_cls = load_model_module(name).CONFIG
+    module = load_model_module(name)
+    if getattr(module, "FAMILY", None) is not None:       # a Hugging Face family: the config.json dict itself
+        return dict(values or {})
+    config_cls = module.CONFIG
     values = dict(values or {})
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(values) - fields)
@@ -269,6 +292,10 @@ def build(name: str, config: Mapping[str, Any] | None = None, *, seed: int | Non
         import torch
 
         torch.manual_seed(seed)
+    if getattr(module, "FAMILY", None) is not None:
+        from modelkit.models import _hf
+
+        return _hf.build(module.FAMILY, cfg)
     return module.MODEL(cfg)
 
 
@@ -326,3 +353,56 @@ def _current_directory_first() -> Iterator[None]:
     finally:
         with contextlib.suppress(ValueError):
             sys.path.remove(cwd)
+
+
+def zoo_models() -> list[str]:
+    """Registered models modelkit builds and trains itself (the zoo and plugins), without the Hugging Face families."""
+    return sorted(name for name, info in MODELS.items() if not info.hf)
+
+
+def hf_family(name: str) -> HFFamily | None:
+    """The HFFamily registered model `name` declares, or None (a zoo model, or not registered)."""
+    info = MODELS.get(name)
+    return getattr(load_model_module(name), "FAMILY", None) if info is not None and info.hf else None
+
+
+def hf_families() -> dict[str, HFFamily]:
+    """Every registered Hugging Face family by name (the family modules are plain data: no torch)."""
+    return {name: load_model_module(name).FAMILY for name, info in MODELS.items() if info.hf}
+
+
+def family_for_config(config: Mapping[str, Any], *, source: str | Path = "config.json") -> str:
+    """The registered family whose `model_types` hold config.json's `model_type`.
+
+    Raises:
+        UnknownModelError: no family knows the model_type (the message names it and the known families).
+    """
+    model_type = config.get("model_type")
+    families = hf_families()
+    for name, family in families.items():
+        if model_type in family.model_types:
+            return name
+    known = sorted(t for f in families.values() for t in f.model_types)
+    listing = ", ".join(f"{n} ({'/'.join(f.model_types)})" for n, f in sorted(families.items()))
+    raise UnknownModelError(str(model_type), known=known, message=(
+        f"{source}: model_type {model_type!r} is not a family modelkit knows; known families: {listing}"))
+
+
+def gguf_conventions(spec: ArchSpec | None) -> Any:
+    """How llama.cpp stores the model `spec` names (modelkit.models._hf.Conventions), or None when it
+    follows no llama.cpp architecture: a Hugging Face family, or a zoo model whose GGUF layout names one
+    (tinylm: llama's table, with its byte vocabulary)."""
+    if spec is None or spec.name not in MODELS:
+        return None
+    from modelkit.models import _hf
+
+    family = hf_family(spec.name)
+    if family is not None:
+        return _hf.conventions(spec.name, family, spec.config)
+    layout = getattr(load_model_module(spec.name), "GGUF", None)
+    family = hf_family(layout.architecture) if layout is not None else None
+    if family is None:
+        return None
+    config = config_to_dict(config_from_dict(spec.name, spec.config))
+    return dataclasses.replace(_hf.conventions(layout.architecture, family, config), tokenizer=layout.tokenizer,
+                               bos_id=layout.bos_id, eos_id=layout.eos_id)

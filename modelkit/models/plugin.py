@@ -193,3 +193,67 @@ class QualityBar:
 
     def met(self, value: float) -> bool:
         return value >= self.bar if self.direction == "higher" else value <= self.bar
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """A Hugging Face transformers model family (a `save_pretrained` folder's config.json `model_type`)
+    and how llama.cpp stores it in GGUF, as plain data. A family module declares `FAMILY = HFFamily(...)`
+    and nothing else: the shared mechanics (building transformers' module, the hyperparameter rules,
+    the GGUF writer and reader) read it. See docs/models.md.
+
+    Args:
+        model_types: config.json `model_type` values this family accepts ("llama"; "gemma3_text", "gemma3").
+        hf_class: transformers' causal-LM class ("LlamaForCausalLM"), written to `architectures`.
+        architecture: llama.cpp's architecture name (`general.architecture`, the key prefix).
+        tensors: Hugging Face name -> llama.cpp name; "{n}" is the block number. Names missing here
+            (buffers, ...) are refused when writing GGUF unless `dropped` matches them.
+        hparams: llama.cpp key suffix ("context_length") -> config.json key: the values copied as they are.
+            Derived values (head dims, rope dimension count and base, rope scaling, vocabulary size) are
+            computed by the shared rules in modelkit.models._hf.
+        rope_permute: Q/K rows reordered from Hugging Face's rotate-half layout to ggml's pairs (llama, mistral).
+        norm_offset: Added to every `norm.weight` in GGUF (Gemma stores weight - 1; llama.cpp wants weight).
+        transposed: Hugging Face names ("{n}" as above) stored as Conv1D (in, out): transposed for GGUF (GPT-2).
+        dropped: Regular expressions of Hugging Face names that are not weights (GPT-2's attn.bias masks).
+        head_dims: Always write attention.key_length / value_length (Gemma), not only when head_dim
+            differs from hidden_size / heads.
+        text_config: config.json key holding the language model's config in a multimodal folder
+            (gemma3's "text_config"); the family reads the text part only.
+    """
+
+    model_types: tuple[str, ...]
+    hf_class: str
+    architecture: str
+    tensors: dict[str, str] = field(hash=False)
+    hparams: dict[str, str] = field(hash=False)
+    rope_permute: bool = False
+    norm_offset: float = 0.0
+    transposed: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    head_dims: bool = False
+    text_config: str | None = None
+
+
+def _sequence_axis(config: Any) -> dict[int, Axis]:
+    return {1: Axis("sequence")}
+
+
+def _no_layout(config: Any) -> None:
+    return None
+
+
+def _token_ids(batch_size: int = 2, *, seed: int = 0, seq_len: int = 16) -> Any:
+    """Token ids below 256 (every family's vocabulary is larger): (B, T) int64."""
+    import torch
+
+    return torch.randint(0, 256, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_plugin_defaults() -> dict[str, Any]:
+    """What a Hugging Face family module gets for the zoo's plugin names it does not declare: its config
+    is the config.json dict, transformers builds the module (modelkit.models.build), nothing is trained
+    (TASK, TRAINING, QUALITY None), no Keras layout or pruning groups, the sequence axis free in ONNX,
+    and its GGUF conventions are the FAMILY's own (GGUF None)."""
+    return {"CONFIG": dict, "MODEL": None, "TASK": None, "TRAINING": None, "example_inputs": _token_ids,
+            "keras_layers": _no_layout, "onnx_axes": _sequence_axis, "prune_groups": _no_layout,
+            "DISTILL": DistillDefaults(), "STUDENT": {}, "QUALITY": None, "GGUF": None}

@@ -12,6 +12,7 @@ from pathlib import Path
 from modelkit.errors import ParseError
 from modelkit.parse import gguf as gguf_header
 from modelkit.parse import hdf5 as hdf5_header
+from modelkit.parse import hf as hf_folder
 from modelkit.parse import npz as npz_members
 from modelkit.parse import safetensors as safetensors_header
 from modelkit.parse import zipdir
@@ -31,10 +32,16 @@ def _head(path: Path, size: int) -> bytes:
         return f.read(size)
 
 
+def hf(path: Path) -> bool:
+    """A Hugging Face model folder: config.json naming a model_type, plus safetensors weights."""
+    return hf_folder.is_model_folder(path)
+
+
 def safetensors(path: Path) -> bool:
-    """A safetensors file (plausible 8-byte header length, then '{'), a sharded folder or its index."""
+    """A safetensors file (plausible 8-byte header length, then '{'), a sharded folder or its index.
+    A folder that is a Hugging Face model folder (config.json with a model_type) is `hf`'s."""
     if path.is_dir():
-        return (path / SAFETENSORS_INDEX).is_file() or (path / SAFETENSORS_SINGLE).is_file()
+        return ((path / SAFETENSORS_INDEX).is_file() or (path / SAFETENSORS_SINGLE).is_file()) and not hf(path)
     if path.name.endswith(".safetensors.index.json"):
         return path.is_file()
     try:

@@ -101,7 +101,7 @@ def _cast(ckpt: Checkpoint, dtype: DType | None) -> Checkpoint:
             tensors[name] = LazyTensor(dtype, t.shape, lambda t=t: _cast_array(t, dtype), t.source)
         else:
             tensors[name] = t
-    return Checkpoint(tensors, dict(ckpt.metadata), ckpt.arch)
+    return Checkpoint(tensors, dict(ckpt.metadata), ckpt.arch, ckpt.assets)
 
 
 def _cast_array(t: LazyTensor, dtype: DType) -> Any:
@@ -128,7 +128,7 @@ def convert(
         arch: For graph targets (and HDF5's Keras layout) when `src` names no architecture: a
             registered model name or a factory "module:function" / "module:Class", imported with
             the current directory first on the path (never taken from a file).
-        shard_size: safetensors only: split into shards of at most this size ("2GB" or bytes).
+        shard_size: safetensors and hf only: split into shards of at most this size ("2GB" or bytes).
         verify: Check the output (on by default); a failure raises VerificationError, no output.
         force: Overwrite an existing `dst`.
         trust: Allow inputs that run code when loaded (whole-module pickles, TorchScript).
@@ -160,8 +160,8 @@ def convert(
     if to is None and shard_bytes is not None and not dst.suffix:
         to = "safetensors"                      # a sharded checkpoint is a folder
     out_fmt = format_for_output(dst, to)
-    if shard_bytes is not None and out_fmt != "safetensors":
-        raise ConfigError(f"--shard-size applies to safetensors output only, not {out_fmt}")
+    if shard_bytes is not None and out_fmt not in ("safetensors", "hf"):
+        raise ConfigError(f"--shard-size applies to safetensors and hf output only, not {out_fmt}")
     if dst.resolve() == src.resolve():
         raise ConfigError(f"{dst} is the input file; choose another output path (inputs are never modified)")
 
@@ -170,7 +170,7 @@ def convert(
     if isinstance(arch, str) and ":" not in arch:
         arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
     if isinstance(arch, ArchSpec):
-        ckpt = Checkpoint(ckpt.tensors, ckpt.metadata, arch)
+        ckpt = Checkpoint(ckpt.tensors, ckpt.metadata, arch, ckpt.assets)
     ckpt = _cast(ckpt, cast)
 
     module = None

@@ -7,8 +7,10 @@ type, as llama.cpp's quantizer chooses them; every other tensor is stored as it 
 quantized as the GGUF writer pulls them (one in memory at a time) and the written file is
 verified bit for bit: every block read back equals a fresh quantization of the source tensor.
 
-A file that names an architecture keeps the module path (modelkit.pipeline.quantize), where the
-model decides which layers are quantized and the rebuilt model's outputs are checked.
+A Hugging Face folder (or any file naming a Hugging Face family) streams the same way and is written in
+llama.cpp's layout for its family. A file that names a zoo model keeps the module path
+(modelkit.pipeline.quantize), where the model decides which layers are quantized and the rebuilt
+model's outputs are checked.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from modelkit.checkpoint import Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError
 from modelkit.formats import ReadOptions, check_readable, detect_format, load_format
 from modelkit.metadata import METRICS_KEY, QUANT_KEY
+from modelkit.models import gguf_conventions, hf_family
 from modelkit.pipeline.reports import QuantizeReport
 from modelkit.pipeline.write import ProgressFn, write_checkpoint
 from modelkit.quantizers.gguf_arrays import BLOCK, TYPE_SIZES, BlockConfig, quantize_array
@@ -58,45 +61,54 @@ def _float32(entry: LazyTensor) -> np.ndarray:
     return array.astype(np.float32, copy=False)
 
 
-def _quantizable(name: str, entry: Any, skip: tuple[str, ...]) -> str | None:
-    """None if `entry` becomes blocks; otherwise why it stays as it is (for the log)."""
+def _quantizable(name: str, entry: Any, skip: tuple[str, ...], *, row: int | None = None) -> str | None:
+    """None if `entry` becomes blocks; otherwise why it stays as it is (for the log). `row`: the length of
+    the rows the blocks run along, when it is not the last dimension (a transposed weight)."""
     if not isinstance(entry, LazyTensor) or not entry.dtype.is_floating_point or not entry.dtype.exact \
             and entry.dtype.name != "bfloat16":
         return "not a floating-point tensor"
     if not name.endswith("weight") or len(entry.shape) != 2:
         return "not a 2-D weight (llama.cpp keeps those as they are)"
-    if entry.shape[-1] % BLOCK:
-        return f"rows of {entry.shape[-1]} weights are not whole {BLOCK}-weight blocks"
+    row = entry.shape[-1] if row is None else row
+    if row % BLOCK:
+        return f"rows of {row} weights are not whole {BLOCK}-weight blocks"
     module = name.rpartition(".")[0]
     if any(fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(name, pattern) for pattern in skip):
         return "skipped"
     return None
 
 
-def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | None = None) -> Checkpoint:
-    """`ckpt` with its quantizable weights as GGUF blocks of `config.scheme`, quantized on read."""
+def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | None = None,
+                     transposed: frozenset[str] = frozenset()) -> Checkpoint:
+    """`ckpt` with its quantizable weights as GGUF blocks of `config.scheme`, quantized on read.
+    `transposed` names weights GGUF stores transposed (a family's Conv1D weights): their blocks run
+    along the stored rows, and the QuantizedTensor says so (params["transposed"])."""
     type_name = config.scheme
     ggml_type = type_name.upper()
     tensors: dict[str, Any] = {}
     for name, entry in ckpt.tensors.items():
-        reason = _quantizable(name, entry, config.skip)
+        flip = name in transposed and isinstance(entry, LazyTensor) and len(entry.shape) == 2
+        reason = _quantizable(name, entry, config.skip, row=entry.shape[0] if flip else None)
         if reason is not None:
             logger.info("kept %s as %s: %s", name, entry.dtype, reason)
             tensors[name] = entry
             continue
-        rows, cols = entry.shape
+        rows, cols = entry.shape[::-1] if flip else entry.shape
         qdata = LazyTensor(DTYPES["uint8"], (rows, cols // BLOCK * TYPE_SIZES[type_name]),
-                           lambda entry=entry, name=name: _quantized(entry, name, type_name, threads), entry.source)
+                           lambda entry=entry, name=name, flip=flip: _quantized(entry, name, type_name, threads, flip),
+                           entry.source)
         # dtype float32: what dequantizing GGUF blocks gives back, as the GGUF reader says
+        params = {"ggml_type": ggml_type, **({"transposed": True} if flip else {})}
         tensors[name] = QuantizedTensor(scheme=type_name, layout="gguf", shape=entry.shape, dtype=DTYPES["float32"],
-                                        parts={"qdata": qdata}, params={"ggml_type": ggml_type}, source=entry.source)
+                                        parts={"qdata": qdata}, params=params, source=entry.source)
     metadata = {**{k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}, QUANT_KEY: schemes.config_to_json(config)}
-    return Checkpoint(tensors, metadata, ckpt.arch)
+    return Checkpoint(tensors, metadata, ckpt.arch, ckpt.assets)
 
 
-def _quantized(entry: LazyTensor, name: str, type_name: str, threads: int | None) -> np.ndarray:
+def _quantized(entry: LazyTensor, name: str, type_name: str, threads: int | None, flip: bool = False) -> np.ndarray:
     try:
-        return quantize_array(_float32(entry), type_name, threads=threads)
+        values = _float32(entry)
+        return quantize_array(np.ascontiguousarray(values.T) if flip else values, type_name, threads=threads)
     except ConfigError as e:
         raise ConfigError(f"{name}: {e}") from e
 
@@ -116,18 +128,20 @@ def quantize_weights(src: PathLike, dst: PathLike, *, config: BlockConfig, sourc
     check_readable(src)
     fmt = source_format or detect_format(src)
     ckpt = load_format(fmt).read(src, ReadOptions(trust=trust, key=key))
-    if require_no_arch and ckpt.arch is not None:
-        return None
+    rules = gguf_conventions(ckpt.arch) if ckpt.arch is not None and hf_family(ckpt.arch.name) is not None else None
+    if require_no_arch and ckpt.arch is not None and rules is None:
+        return None             # a zoo model: its module chooses the layers (a Hugging Face family streams here)
     if any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
         raise ConfigError(f"{src} is already quantized; quantize the float model instead")
     started = time.perf_counter()
-    blocks = block_checkpoint(ckpt, config)
+    blocks = block_checkpoint(ckpt, config, transposed=rules.transposed if rules is not None else frozenset())
     verified, size = write_checkpoint(blocks, dst, "gguf", force=force, verify=verify, progress=progress)
     seconds = time.perf_counter() - started     # quantizing happens as the writer pulls each tensor
     source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) if src.is_dir() else src.stat().st_size
     stats = checkpoint_stats(blocks)
     kept = len(blocks) - stats["quantized_tensors"]
-    notes = [f"no architecture: {stats['quantized_tensors']} 2-D weights quantized, {kept} tensors kept as they are"]
+    what = f"{ckpt.arch.name} (Hugging Face family, llama.cpp's layout)" if rules is not None else "no architecture"
+    notes = [f"{what}: {stats['quantized_tensors']} 2-D weights quantized, {kept} tensors kept as they are"]
     return QuantizeReport(scheme=config.scheme, config=schemes.config_to_dict(config),
                           source={"path": str(src), "format": fmt, "bytes": source_bytes},
                           target={"path": str(dst), "format": "gguf", "bytes": size}, stats=stats,

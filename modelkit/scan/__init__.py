@@ -204,6 +204,24 @@ def gate(path: PathLike, *, trust: bool, limits: Limits = Limits()) -> ScanRepor
     return report
 
 
+def gate_template(path: PathLike, template: str) -> None:
+    """The chat-template check of `gate` for a template kept in a file of its own (a Hugging Face folder's
+    chat_template.jinja), which is not a format the scanner reads: a template-injection payload is refused.
+
+    Raises:
+        UnsafeFileError: the template holds a DANGEROUS pattern.
+    """
+    from modelkit.scan import headers
+
+    label = str(path)
+    ctx = Context(display=label, directory=None, limits=Limits(), deadline=time.monotonic() + 60)
+    headers.check_template(template, os.path.basename(label), ctx, label)
+    report = ScanReport(findings=ctx.findings)
+    dangerous = report.at_least(Severity.DANGEROUS)
+    if dangerous:
+        raise UnsafeFileError(path, report, f"{path}: refused: {_summary(dangerous)}")
+
+
 def _summary(findings: list[Finding]) -> str:
     shown = "; ".join(f"{f.rule} {f.callable or f.name}".rstrip() + f" in {f.path}" for f in findings[:3])
     return shown + (f" and {len(findings) - 3} more" if len(findings) > 3 else "")

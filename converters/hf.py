@@ -1,0 +1,96 @@
+"""hf: a Hugging Face model folder, as transformers' `save_pretrained` writes it and `from_pretrained` reads it.
+
+Layout (https://huggingface.co/docs/transformers/main_classes/model#transformers.PreTrainedModel.save_pretrained):
+
+    config.json                       the architecture: `model_type` + hyperparameters (the ArchSpec's config)
+    model.safetensors                 the weights, or, past the shard size,
+    model-00001-of-0000N.safetensors  shards, with
+    model.safetensors.index.json      {"metadata": {"total_size": N}, "weight_map": {name: shard}}
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json,
+    tokenizer.model                   carried along as Checkpoint.assets, byte for byte
+
+Reading: config.json's `model_type` picks the family (modelkit/models/<family>.py; an unknown one is a
+one-line error naming it and the known families); the ArchSpec is (family, config.json), the tensors are
+read lazily from the safetensors files (modelkit.storage.safetensors_files, shared with the safetensors
+converter); tokenizer_config.json's chat template goes through the scanner's template check first.
+Writing: the same folder (tinylm, whose names and config are Llama's, as a llama folder); tied weights (an alias of the embeddings) are left out as transformers leaves
+them out, and come back from the shard metadata's "modelkit.aliases" on reading. No torch anywhere.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
+from modelkit.errors import UnsupportedConversionError
+from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.parse import hf as hf_folder
+from modelkit.parse.detect import hf as detect  # noqa: F401  (the converter's detect)
+from modelkit.storage import safetensors_files as files
+
+DEFAULT_SHARD_SIZE = 5 * 1024**3      # transformers' max_shard_size default before 5.0 ("5GB")
+
+
+def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
+    """Open a model folder: config.json, the assets, and the weights' headers (data is read on load)."""
+    from modelkit.models import family_for_config
+
+    folder = path if path.is_dir() else path.parent
+    config = hf_folder.read_config(folder)
+    family = family_for_config(config, source=folder / hf_folder.CONFIG_NAME)
+    assets = {name: hf_folder.read_bytes(folder / name) for name in hf_folder.ASSETS if (folder / name).is_file()}
+    if "tokenizer_config.json" in assets:         # a chat template is a Jinja program some runtimes render
+        from modelkit.scan import gate
+
+        gate(folder / "tokenizer_config.json", trust=options.trust)
+    if "chat_template.jinja" in assets:
+        from modelkit.scan import gate_template
+
+        gate_template(folder / "chat_template.jinja", assets["chat_template.jinja"].decode("utf-8", "replace"))
+    tensors, metadata, _ = files.read_folder(folder)
+    for key in ("format", ARCH_KEY):              # the folder's config.json is the architecture
+        metadata.pop(key, None)
+    return Checkpoint(tensors=tensors, metadata=metadata, arch=ArchSpec(family, config), assets=assets)
+
+
+def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
+    """Write the folder at `path`: config.json, the weights (sharded past `options.shard_size`), the assets."""
+    config = _config(ckpt)
+    aliases = json.loads(ckpt.metadata.get(ALIASES_KEY, "{}"))
+    tensors: dict[str, LazyTensor] = {}
+    for name, entry in ckpt.tensors.items():
+        if isinstance(entry, QuantizedTensor):
+            raise UnsupportedConversionError("quantized checkpoint", "hf", f"tensor {name!r} is quantized "
+                                             f"({entry.scheme}); dequantize it first")
+        if entry.dtype.code is None:
+            raise UnsupportedConversionError(str(entry.dtype), "hf", f"tensor {name!r} has a dtype safetensors lacks")
+        if not (name in aliases and aliases[name] in ckpt.tensors):
+            tensors[name] = entry
+    metadata = {"format": "pt", **{k: v for k, v in ckpt.metadata.items() if k != ALIASES_KEY}}
+
+    def metadata_for(shard: dict[str, LazyTensor]) -> dict[str, str]:
+        tied = {a: t for a, t in aliases.items() if t in shard}
+        return {**metadata, ALIASES_KEY: json.dumps(tied, sort_keys=True)} if tied else metadata
+
+    path.mkdir(exist_ok=True)
+    (path / hf_folder.CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    files.write_folder(path, tensors, options.shard_size or DEFAULT_SHARD_SIZE, metadata_for)
+    for name, data in ckpt.assets.items():
+        if name in hf_folder.ASSETS:              # only the files a folder holds, by their plain names
+            (path / name).write_bytes(data)
+
+
+def _config(ckpt: Checkpoint) -> dict:
+    """config.json: a family's ArchSpec config as it is; a zoo model stored by a family's layout (tinylm:
+    Llama's) as that family's config; anything else cannot be a Hugging Face folder."""
+    from modelkit.models import _hf, gguf_conventions, hf_families
+
+    families = hf_families()
+    if ckpt.arch is not None and ckpt.arch.name in families:
+        return ckpt.arch.config
+    rules = gguf_conventions(ckpt.arch)
+    if rules is not None and set(ckpt.tensors) == set(rules.names):
+        return _hf.zoo_config(rules)
+    what = f"is a {ckpt.arch.name!r} model" if ckpt.arch else "names no architecture"
+    raise UnsupportedConversionError("checkpoint", "hf", f"a Hugging Face folder holds one of the families "
+                                     f"{', '.join(sorted(families))} (or tinylm, as llama); this checkpoint {what}")

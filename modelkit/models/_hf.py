@@ -1,0 +1,310 @@
+"""What every Hugging Face family shares: the tables they extend, llama.cpp's hyperparameter rules and
+building transformers' module. The families (llama.py, qwen2.py, ...) are plain data (`HFFamily`);
+everything that computes lives here, once.
+
+Learned from llama.cpp's convert_hf_to_gguf.py (TextModel.set_gguf_parameters and the per-family
+classes) and transformers' GGUF loader (integrations/ggml.py); written for modelkit. No torch at
+import; `build` imports transformers when it runs.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from modelkit.errors import ConfigError, MissingDependencyError
+from modelkit.models.plugin import HFFamily
+
+# Hugging Face Llama-style decoder names -> llama.cpp's (gguf-py's tensor_mapping.py has the same pairs).
+# Families copy this and add or replace entries.
+DECODER_TENSORS: dict[str, str] = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{n}.input_layernorm.weight": "blk.{n}.attn_norm.weight",
+    "model.layers.{n}.self_attn.q_proj.weight": "blk.{n}.attn_q.weight",
+    "model.layers.{n}.self_attn.k_proj.weight": "blk.{n}.attn_k.weight",
+    "model.layers.{n}.self_attn.v_proj.weight": "blk.{n}.attn_v.weight",
+    "model.layers.{n}.self_attn.o_proj.weight": "blk.{n}.attn_output.weight",
+    "model.layers.{n}.post_attention_layernorm.weight": "blk.{n}.ffn_norm.weight",
+    "model.layers.{n}.mlp.gate_proj.weight": "blk.{n}.ffn_gate.weight",
+    "model.layers.{n}.mlp.up_proj.weight": "blk.{n}.ffn_up.weight",
+    "model.layers.{n}.mlp.down_proj.weight": "blk.{n}.ffn_down.weight",
+}
+QK_BIASES = {f"model.layers.{{n}}.self_attn.{p}_proj.bias": f"blk.{{n}}.attn_{p}.bias" for p in "qkv"}
+QK_NORMS = {f"model.layers.{{n}}.self_attn.{p}_norm.weight": f"blk.{{n}}.attn_{p}_norm.weight" for p in "qk"}
+
+# llama.cpp key suffix ("{arch}." + suffix) -> config.json key, for the Llama-style configs.
+DECODER_HPARAMS: dict[str, str] = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+}
+ROPE_FREQS = "rope_freqs.weight"       # llama.cpp's per-dimension divisors for Llama-3 rope scaling
+ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"     # Phi-3's longrope
+DERIVED_TENSORS = (ROPE_FREQS, ROPE_LONG, ROPE_SHORT)
+
+
+def text_config(family: HFFamily, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's config: the folder's config.json, or its `text_config` part (gemma3)."""
+    if family.text_config and isinstance(config.get(family.text_config), dict):
+        return dict(config[family.text_config])
+    return dict(config)
+
+
+def _get(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = config.get(key)
+    return default if value is None else value
+
+
+def head_dim(config: Mapping[str, Any]) -> int:
+    """head_dim as transformers computes it: explicit, else hidden_size / num_attention_heads."""
+    heads = _get(config, "num_attention_heads", _get(config, "n_head"))
+    hidden = _get(config, "hidden_size", _get(config, "n_embd"))
+    return int(_get(config, "head_dim", hidden // heads))
+
+
+def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The rope settings of the full-attention layers: transformers 5's `rope_parameters` (per layer type
+    for Gemma 3), or the older `rope_theta` + `rope_scaling` pair."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    if not isinstance(params, dict):
+        params = {"rope_theta": _get(config, "rope_theta", 10000.0), **(config.get("rope_scaling") or {})}
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def gguf_hparams(family: HFFamily, config: Mapping[str, Any]) -> dict[str, Any]:
+    """llama.cpp's hyperparameters for a config.json, as key suffixes -> Python values (int, float, str).
+
+    Raises:
+        ConfigError: the config lacks a value llama.cpp needs, or uses a rope scaling llama.cpp's
+            family cannot express.
+    """
+    config = text_config(family, config)
+    values: dict[str, Any] = {}
+    for suffix, key in family.hparams.items():
+        if config.get(key) is not None:
+            values[suffix] = config[key]
+    if "feed_forward_length" not in values and "n_embd" in config:          # GPT-2: n_inner or 4 x n_embd
+        values["feed_forward_length"] = _get(config, "n_inner", 4 * config["n_embd"])
+    missing = [s for s in ("embedding_length", "block_count", "attention.head_count") if s not in values]
+    if missing:
+        raise ConfigError(f"{family.architecture}: config.json lacks {family.hparams.get(missing[0], missing[0])!r}")
+    values.setdefault("attention.head_count_kv", values["attention.head_count"])
+    if "vocab_size" in config:
+        values["vocab_size"] = config["vocab_size"]
+    if family.architecture == "gpt2":                 # learned positions: no rope keys
+        return _ordered(values)
+    dim = head_dim(config)
+    if family.head_dims or dim * values["attention.head_count"] != values["embedding_length"]:
+        values["attention.key_length"] = values["attention.value_length"] = dim
+    rope = rope_parameters(config)
+    values["rope.dimension_count"] = int(dim * float(rope.get("partial_rotary_factor", 1.0)))
+    values["rope.freq_base"] = float(rope.get("rope_theta", 10000.0))
+    kind = rope["rope_type"]
+    if kind in ("linear", "yarn"):
+        values["rope.scaling.type"] = kind
+        values["rope.scaling.factor"] = float(rope["factor"])
+        if kind == "yarn" and rope.get("original_max_position_embeddings"):
+            values["rope.scaling.original_context_length"] = int(rope["original_max_position_embeddings"])
+    elif kind == "longrope":                          # Phi-3 128k: the factors travel as tensors (rope_tensors)
+        original = int(_get(rope, "original_max_position_embeddings", config.get("original_max_position_embeddings")))
+        scale = values.get("context_length", original) / original
+        values["rope.scaling.attn_factor"] = float(_get(rope, "attention_factor", math.sqrt(
+            1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0))
+        values["rope.scaling.original_context_length"] = original
+    elif kind not in ("default", "llama3"):           # llama3: the rope_freqs tensor carries it
+        raise ConfigError(f"{family.architecture}: rope type {kind!r} has no GGUF form in modelkit "
+                          "(known: default, linear, yarn, llama3, longrope)")
+    return _ordered(values)
+
+
+# The order keys are written in (tinylm's llama.cpp golden file pins its bytes); others follow as computed.
+_KEY_ORDER = ("context_length", "embedding_length", "block_count", "feed_forward_length", "rope.dimension_count",
+              "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+              "rope.freq_base", "vocab_size")
+
+
+def _ordered(values: dict[str, Any]) -> dict[str, Any]:
+    first = {k: values[k] for k in _KEY_ORDER if k in values}
+    return {**first, **{k: v for k, v in values.items() if k not in first}}
+
+
+def rope_tensors(family: HFFamily, config: Mapping[str, Any]) -> dict[str, list[float]]:
+    """The tensors llama.cpp reads rope scaling from, derived from the config (reading drops them again):
+    Llama-3's `rope_freqs.weight`, Phi-3 longrope's `rope_factors_long/short.weight`."""
+    config = text_config(family, config)
+    if family.architecture == "gpt2":
+        return {}
+    rope = rope_parameters(config)
+    if rope["rope_type"] == "longrope":
+        return {ROPE_LONG: [float(v) for v in rope["long_factor"]], ROPE_SHORT: [float(v) for v in rope["short_factor"]]}
+    factors = llama3_rope_factors(config) if family.architecture == "llama" else None
+    return {ROPE_FREQS: factors} if factors is not None else {}
+
+
+def llama3_rope_factors(config: Mapping[str, Any]) -> list[float] | None:
+    """Llama-3 rope scaling as llama.cpp stores it: one divisor per rotary frequency (`rope_freqs.weight`).
+
+    Frequencies whose wavelength is short next to the original context keep their value (1), long ones
+    are slowed by `factor`, and those between are blended smoothly (Meta's Llama 3.1 rule).
+    """
+    rope = rope_parameters(config)
+    if rope["rope_type"] != "llama3":
+        return None
+    dim, base = head_dim(config), float(rope.get("rope_theta", 10000.0))
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    context = float(rope.get("original_max_position_embeddings", 8192))
+    factors = []
+    for i in range(0, dim, 2):
+        wavelength = 2 * math.pi * base ** (i / dim)
+        if wavelength < context / high:
+            factors.append(1.0)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return factors
+
+
+def tensor_names(family: HFFamily, n_layers: int) -> dict[str, str]:
+    """Every Hugging Face name of a model with `n_layers` blocks -> its llama.cpp name."""
+    names: dict[str, str] = {}
+    for hf, gguf_name in family.tensors.items():
+        if "{n}" in hf:
+            names.update({hf.format(n=n): gguf_name.format(n=n) for n in range(n_layers)})
+        else:
+            names[hf] = gguf_name
+    return names
+
+
+def block_count(family: HFFamily, config: Mapping[str, Any]) -> int:
+    key = family.hparams["block_count"]
+    return int(text_config(family, config)[key])
+
+
+def config_from_gguf(family: HFFamily, fields: Mapping[str, Any], *, tied: bool) -> dict[str, Any]:
+    """A config.json rebuilt from a llama.cpp file's keys (for files that do not carry ours)."""
+    arch = family.architecture
+    value = {s: fields[f"{arch}.{s}"] for s in (*family.hparams, "vocab_size", "attention.key_length",
+                                                 "rope.freq_base", "rope.scaling.type", "rope.scaling.factor")
+             if f"{arch}.{s}" in fields}
+    config: dict[str, Any] = {"architectures": [family.hf_class], "model_type": family.model_types[0],
+                              "tie_word_embeddings": tied}
+    for suffix, key in family.hparams.items():
+        if suffix in value:
+            v = value[suffix]
+            # float32 in the file: 1e-5 reads back as 9.99999974e-06; 7 digits give the written value back
+            config[key] = float(f"{v:.7g}") if isinstance(v, float) else v
+    if "vocab_size" in value:
+        config["vocab_size"] = value["vocab_size"]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):      # the special tokens llama.cpp keeps
+        gguf_key = f"tokenizer.ggml.{'padding' if key == 'pad_token_id' else key.removesuffix('_token_id')}_token_id"
+        if isinstance(fields.get(gguf_key), int):
+            config[key] = fields[gguf_key]
+    if "attention.key_length" in value:
+        config["head_dim"] = value["attention.key_length"]
+    if arch != "gpt2":
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(f"{value.get('rope.freq_base', 10000.0):.7g}")}
+        if value.get("rope.scaling.type") in ("linear", "yarn"):
+            rope.update(rope_type=value["rope.scaling.type"], factor=float(f"{value['rope.scaling.factor']:.7g}"))
+        config["rope_parameters"] = rope
+    return config
+
+
+def build(family: HFFamily, config: Mapping[str, Any]) -> Any:
+    """transformers' causal-LM module for a config.json dict (random weights; the caller loads them).
+
+    Raises:
+        MissingDependencyError: transformers is not installed.
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise MissingDependencyError(f"building a {family.hf_class} needs transformers: pip install 'modelkit[hf]'") from e
+    config = text_config(family, config)
+    model_type = config.get("model_type", family.model_types[0])
+    values = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    hf_config = transformers.AutoConfig.for_model(model_type, **values)
+    return getattr(transformers, family.hf_class)(hf_config).eval()
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """How one model's tensors are stored for llama.cpp: its family's rules applied to its config.
+
+    `names` maps every Hugging Face name to llama.cpp's; `heads` gives the heads whose rows are
+    permuted (Q/K of llama), `transposed` the Conv1D weights, `offsets` the norms stored + offset.
+    """
+
+    family_name: str
+    family: HFFamily
+    config: dict[str, Any]                      # the language model's config.json values
+    names: dict[str, str]
+    heads: dict[str, int]
+    transposed: frozenset[str]
+    offsets: frozenset[str]
+    tokenizer: str = "hf"                       # "hf": the folder's tokenizer files; "bytes": tinylm's byte vocabulary
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+    @property
+    def from_gguf(self) -> dict[str, str]:
+        return {g: h for h, g in self.names.items()}
+
+    def dropped(self, name: str) -> bool:
+        return any(re.fullmatch(p, name) for p in self.family.dropped)
+
+
+def conventions(family_name: str, family: HFFamily, config: Mapping[str, Any]) -> Conventions:
+    """The Conventions of a model of `family` with this config.json."""
+    config = text_config(family, config)
+    n_layers = block_count(family, config)
+    names = tensor_names(family, n_layers)
+    heads: dict[str, int] = {}
+    if family.rope_permute:
+        n_head = int(config["num_attention_heads"])
+        n_kv = int(_get(config, "num_key_value_heads", n_head))
+        for hf, gguf_name in names.items():
+            if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+                heads[hf] = n_head
+            elif gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+                heads[hf] = n_kv
+    transposed = frozenset(tensor_names(family, n_layers).keys() & {t.format(n=n) for t in family.transposed
+                                                                     for n in range(n_layers)})
+    offsets = frozenset(h for h, g in names.items() if family.norm_offset and g.endswith("norm.weight"))
+    return Conventions(family_name, family, config, names, heads, transposed, offsets)
+
+
+def describe(family_name: str, family: HFFamily, config: Mapping[str, Any], assets: Mapping[str, bytes]) -> dict[str, Any]:
+    """What `modelkit inspect` says of a Hugging Face family's model: family, model_type, llama.cpp's
+    architecture, context length, vocabulary size, tokenizer (kind, style, chat template)."""
+    from modelkit.parse.hf import tokenizer_summary
+
+    text = text_config(family, config)
+    return {"family": family_name, "model_type": config.get("model_type"), "llama_cpp_architecture": family.architecture,
+            "context_length": text.get(family.hparams["context_length"]), "vocab_size": text.get("vocab_size"),
+            "tokenizer": tokenizer_summary(dict(assets))}
+
+
+def zoo_config(rules: Conventions) -> dict[str, Any]:
+    """config.json for a zoo model stored by a family's layout (tinylm, whose config fields are named as
+    LlamaConfig's): the family's model_type and class, rope settings as transformers 5 writes them."""
+    config = {k: v for k, v in rules.config.items() if k != "rope_theta"}
+    config.update({"model_type": rules.family.model_types[0], "architectures": [rules.family.hf_class],
+                   "rope_parameters": {"rope_type": "default", "rope_theta": float(rules.config.get("rope_theta", 10000.0))},
+                   "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False})
+    config.update({k: v for k, v in (("bos_token_id", rules.bos_id), ("eos_token_id", rules.eos_id)) if v is not None})
+    return config
