@@ -47,12 +47,12 @@ def test_inspect_human_and_json(runner, trained_mlp):
 
 
 def test_inspect_does_not_read_tensor_data(runner, tmp_path, monkeypatch, trained_mlp):
-    from modelkit.converters import safetensors as st
+    from modelkit.storage import safetensors_files
 
     def refuse(*args, **kwargs):
         raise AssertionError("inspect read tensor data")
 
-    monkeypatch.setattr(st._File, "get", refuse)
+    monkeypatch.setattr(safetensors_files._File, "get", refuse)
     result = runner.invoke(main, ["inspect", str(trained_mlp), "--json"])
     assert result.exit_code == EXIT_OK, result.output
 
@@ -171,4 +171,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 def test_models_lists_the_zoo(runner):
     doc = json.loads(runner.invoke(main, ["models", "--json"]).stdout)
-    assert [m["name"] for m in doc["models"]] == ["cnn", "mlp", "tinylm"]
+    assert [m["name"] for m in doc["models"] if m["kind"] == "zoo"] == ["cnn", "mlp", "tinylm"]
+    families = {m["name"]: m for m in doc["models"] if m["kind"] == "hf"}
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2"} <= set(families)
+    assert families["gemma3"]["model_types"] == ["gemma3_text", "gemma3"] and families["mistral"]["gguf_architecture"] == "llama"

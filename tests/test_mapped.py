@@ -55,7 +55,7 @@ def test_conversions_copy_unchanged_tensors_file_to_file(tmp_path, monkeypatch, 
         copied.append(span.nbytes)
         real(span, out)
 
-    monkeypatch.setattr("modelkit.converters.safetensors.copy_span", counting)
+    monkeypatch.setattr("modelkit.storage.safetensors_files.copy_span", counting)
     monkeypatch.setattr("modelkit.converters.gguf.copy_span", counting)
     report = modelkit.convert(src, tmp_path / f"out{suffix}")
     assert report.verify["method"] == "bit-exact"
