@@ -289,6 +289,16 @@ def test_tokenizer_config_chat_template_injection(tmp_path):
     assert "gguf.chat_template.injection" in _rules(scan(tmp_path / "tokenizer_config.json"))
 
 
+def test_chat_template_jinja_is_read_as_a_template(tmp_path):
+    """A Hugging Face folder's chat_template.jinja (transformers 5 keeps the template there): a benign one is
+    clean, not malformed JSON although it starts with "{%"; an injection is dangerous."""
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    report = scan(tmp_path / "chat_template.jinja")
+    assert report.findings == [] and report.files[0].format == "chat template"
+    (tmp_path / "chat_template.jinja").write_text("{% if 1 %}{{ cycler.__init__.__globals__.os.popen('id') }}{% endif %}")
+    assert "gguf.chat_template.injection" in _rules(scan(tmp_path / "chat_template.jinja"))
+
+
 def test_polyglot_pickle_that_is_also_azip_bytes(tmp_path):
     zipped = zip_bytes({"archive/data.pkl": pickle.dumps({}, protocol=2)})
     report = _scan_bytes(tmp_path, pickle.dumps(Reduce(os.system, "true"), protocol=2) + zipped, "poly.pt")

@@ -89,6 +89,19 @@ def scan_buffer(buf, start: int, end: int, ctx: Context, label: str, *, hint: st
     return fmt
 
 
+def _scan_template(buf, start: int, end: int, ctx: Context, label: str) -> str:
+    """A chat template kept in a file of its own: the check GGUF and tokenizer_config.json templates get."""
+    from modelkit.scan import headers
+
+    try:
+        template = bytes(buf[start:end]).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ScanFailure("a .jinja chat template that is not UTF-8 text") from e
+    headers.check_template(template, "chat_template", ctx, label)
+    ctx.examined.append(f"{label}: chat template")
+    return "chat template"
+
+
 def _sniff_text(buf, start: int, end: int, ctx: Context, label: str, hint: str) -> str:
     """Protocol 0/1 pickles, JSON, Python source and text; anything else cannot be scanned."""
     probe = Sink(label, start)
@@ -109,6 +122,8 @@ def _sniff_text(buf, start: int, end: int, ctx: Context, label: str, hint: str) 
         if len(head) < 4096 or e.start < len(head) - 4:
             raise ScanFailure("unrecognised content: not a model format modelkit can scan") from e
     stripped = head.lstrip()
+    if hint.endswith(".jinja"):         # a Hugging Face folder's chat_template.jinja: Jinja, often starting with "{%"
+        return _scan_template(buf, start, end, ctx, label)
     if stripped[:1] in (b"{", b"["):
         from modelkit.scan import keras
         return keras.scan_json(buf, start, end, ctx, label)
