@@ -116,11 +116,10 @@ class Checkpoint:
     def from_module(
         cls, module: nn.Module, *, arch: ArchSpec | None = None, metadata: Mapping[str, str] | None = None,
     ) -> Checkpoint:
-        """Wrap a module's state_dict; a reference model's ArchSpec is filled in automatically."""
-        if arch is None and getattr(type(module), "arch", None):
-            from modelkit.models import arch_spec
-
-            arch = arch_spec(module)
+        """Wrap a module's state_dict; the ArchSpec of a reference model or of a transformers model of a
+        registered family is filled in automatically."""
+        if arch is None and (getattr(type(module), "arch", None) or models.hf_config_of(module) is not None):
+            arch = models.arch_spec(module)
         ckpt = cls.from_state_dict(module.state_dict(), arch=arch, metadata=metadata)
         return _with_checkpoint_entries(ckpt, module)
 

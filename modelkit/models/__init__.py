@@ -299,8 +299,24 @@ def build(name: str, config: Mapping[str, Any] | None = None, *, seed: int | Non
     return module.MODEL(cfg)
 
 
+def hf_config_of(model: Any) -> dict[str, Any] | None:
+    """A transformers model's config as its save_pretrained folder's config.json holds it, or None for any
+    other module (duck-typed: transformers is not imported here)."""
+    config = getattr(model, "config", None)
+    if not isinstance(getattr(config, "model_type", None), str) or not callable(getattr(config, "to_json_string", None)):
+        return None
+    values = json.loads(config.to_json_string(use_diff=True))
+    values.pop("transformers_version", None)
+    values.setdefault("model_type", config.model_type)
+    return values
+
+
 def arch_spec(model: nn.Module) -> ArchSpec:
-    """The ArchSpec that rebuilds `model` (a reference model built by `build`)."""
+    """The ArchSpec that rebuilds `model`: a reference model built by `build`, or a transformers model of a
+    registered Hugging Face family (ArchSpec(family, its config.json values))."""
+    hf_config = hf_config_of(model)
+    if hf_config is not None:
+        return ArchSpec(family_for_config(hf_config, source=type(model).__name__), hf_config)
     name = getattr(type(model), "arch", None)
     if name not in MODELS:
         raise ConfigError(f"{type(model).__name__} is not a registered reference model; known: {', '.join(MODELS)}")
