@@ -15,19 +15,31 @@ read lazily from the safetensors files (modelkit.storage.safetensors_files, shar
 converter); tokenizer_config.json's chat template goes through the scanner's template check first.
 Writing: the same folder (tinylm, whose names and config are Llama's, as a llama folder); tied weights (an alias of the embeddings) are left out as transformers leaves
 them out, and come back from the shard metadata's "modelkit.aliases" on reading. No torch anywhere.
+
+Quantized folders (int4, int8, gptq, int8-dynamic weights): compressed-tensors' layout, as llm-compressor
+writes it and transformers (with the `compressed-tensors` package) and vLLM load it: config.json carries
+`quantization_config` (modelkit.storage.compressed_tensors.compressed_tensors_config), the shards hold the
+packed parts (`N_packed`, `N_scale`, `N_zero_point`, `N_shape`; int8-dynamic: `N` int8 and `N_scale`), and
+each shard's metadata carries modelkit's "modelkit.quantized" record (modelkit.storage.quantized_layout), from
+which reading puts the same QuantizedTensors back together. The ArchSpec's config never holds
+`quantization_config`: it describes how the weights are stored, which the tensors say; the writer derives it.
+GGUF block types have no compressed-tensors form and are refused. See docs/formats/hf.md.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import UnsupportedConversionError
+from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor
+from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.metadata import QUANTIZED_KEY
 from modelkit.parse import hf as hf_folder
 from modelkit.parse.detect import hf as detect  # noqa: F401  (the converter's detect)
+from modelkit.storage import compressed_tensors, quantized_layout
 from modelkit.storage import safetensors_files as files
 
+QUANTIZATION_CONFIG = "quantization_config"     # config.json's key for how the weights are quantized
 DEFAULT_SHARD_SIZE = 5 * 1024**3      # transformers' max_shard_size default before 5.0 ("5GB")
 
 
@@ -47,21 +59,28 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         from modelkit.scan import gate_template
 
         gate_template(folder / "chat_template.jinja", assets["chat_template.jinja"].decode("utf-8", "replace"))
-    tensors, metadata, _ = files.read_folder(folder)
+    tensors, metadata, where = files.read_folder(folder)
     for key in ("format", ARCH_KEY):              # the folder's config.json is the architecture
         metadata.pop(key, None)
-    return Checkpoint(tensors=tensors, metadata=metadata, arch=ArchSpec(family, config), assets=assets)
+    stored = config.pop(QUANTIZATION_CONFIG, None)     # how the weights are stored: the tensors say it
+    if stored is not None and QUANTIZED_KEY not in metadata:
+        raise FormatError(folder / hf_folder.CONFIG_NAME, "a quantized folder modelkit did not write (config.json's "
+                          f"quantization_config, {_describe(stored)}); modelkit reads the quantized folders it writes, "
+                          "and float folders: dequantize it with transformers first")
+    ckpt = Checkpoint(tensors=tensors, metadata=metadata, arch=ArchSpec(family, config), assets=assets)
+    return quantized_layout.group(where, ckpt)
 
 
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
     """Write the folder at `path`: config.json, the weights (sharded past `options.shard_size`), the assets."""
-    config = _config(ckpt)
+    config = {k: v for k, v in _config(ckpt).items() if k != QUANTIZATION_CONFIG}
+    quantization = _quantization_config(ckpt)
+    if quantization is not None:
+        config[QUANTIZATION_CONFIG] = quantization
+        ckpt, _ = quantized_layout.flatten(ckpt, target="hf")
     aliases = json.loads(ckpt.metadata.get(ALIASES_KEY, "{}"))
     tensors: dict[str, LazyTensor] = {}
     for name, entry in ckpt.tensors.items():
-        if isinstance(entry, QuantizedTensor):
-            raise UnsupportedConversionError("quantized checkpoint", "hf", f"tensor {name!r} is quantized "
-                                             f"({entry.scheme}); dequantize it first")
         if entry.dtype.code is None:
             raise UnsupportedConversionError(str(entry.dtype), "hf", f"tensor {name!r} has a dtype safetensors lacks")
         if not (name in aliases and aliases[name] in ckpt.tensors):
@@ -78,6 +97,23 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     for name, data in ckpt.assets.items():
         if name in hf_folder.ASSETS:              # only the files a folder holds, by their plain names
             (path / name).write_bytes(data)
+
+
+def _quantization_config(ckpt: Checkpoint) -> dict | None:
+    """compressed-tensors' config for the quantized weights (None when there are none); what it cannot
+    describe (GGUF blocks, 2- or 3-bit values) is refused in one line."""
+    try:
+        return compressed_tensors.compressed_tensors_config(ckpt)
+    except UnsupportedConversionError as e:
+        raise UnsupportedConversionError("quantized checkpoint", "hf", f"{e.reason}; a Hugging Face folder holds "
+                                         "int4, int8, gptq or int8-dynamic weights (compressed-tensors), "
+                                         "GGUF blocks go to .gguf or .safetensors") from e
+
+
+def _describe(quantization: object) -> str:
+    if not isinstance(quantization, dict):
+        return "not an object"
+    return f"quant_method {quantization.get('quant_method')!r}, format {quantization.get('format')!r}"
 
 
 def _config(ckpt: Checkpoint) -> dict:

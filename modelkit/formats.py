@@ -147,8 +147,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
                             f"known formats: {', '.join(FORMATS)}")
 
 
-def format_for_output(path: str | os.PathLike[str], to: str | None = None) -> str:
-    """The format to write: `to` if given (checked, with "did you mean"), else from the suffix."""
+def format_for_output(path: str | os.PathLike[str], to: str | None = None, *, source: str | None = None) -> str:
+    """The format to write: `to` if given (checked, with "did you mean"), else from the suffix; a path whose
+    suffix names no format, when the input (`source`) is a folder format (a Hugging Face folder), is that format."""
     if to is not None:
         if to not in FORMATS:
             raise UnknownFormatError(to, known=FORMATS)
@@ -157,6 +158,8 @@ def format_for_output(path: str | os.PathLike[str], to: str | None = None) -> st
     for info in FORMATS.values():
         if suffix in info.suffixes:
             return info.name
+    if source in FORMATS and FORMATS[source].folder:      # "out", "Llama-3.2-1B-int4": a folder like the input
+        return source
     raise ConfigError(
         f"cannot tell the output format of {Path(path).name!r} from its suffix; "
         f"pass --to with one of: {', '.join(FORMATS)}"

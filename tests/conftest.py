@@ -212,3 +212,27 @@ def keras(tmp_path_factory):
     if keras.backend.backend() != "torch" or keras.config.image_data_format() != "channels_last":
         pytest.skip("keras was already imported with another backend or data format")
     return keras
+
+
+@pytest.fixture
+def from_pretrained(caplog):
+    """load(folder, dequantize=False) -> (model in eval mode, loading info, transformers' warnings about missing,
+    unexpected, mismatched or newly initialized weights): transformers' own reading of a (compressed-tensors) folder."""
+    import logging
+
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers.utils import logging as hf_logging
+
+    def load(folder: Path, *, dequantize: bool = False) -> tuple[torch.nn.Module, dict, list[str]]:
+        kwargs = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if dequantize else {}
+        caplog.clear()
+        hf_logging.enable_propagation()
+        try:
+            with caplog.at_level(logging.WARNING):
+                model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
+        finally:
+            hf_logging.disable_propagation()
+        noisy = [r.getMessage() for r in caplog.records if any(
+            w in r.getMessage().lower() for w in ("missing", "unexpected", "mismatch", "newly initialized"))]
+        return model.eval(), info, noisy
+    return load

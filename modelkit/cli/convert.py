@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from modelkit.cli.options import force_option, input_options, output_options, read_options
+from modelkit.cli.options import force_option, input_options, kv_cache_option, output_options, read_options
 from modelkit.cli.output import Progress, emit_json, human_bytes, note
 from modelkit.formats import FORMATS
 
@@ -28,11 +28,12 @@ def describe_verify(verify: dict | None) -> str:
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Check the output before it takes its name.")
 @read_options()
 @input_options
+@kv_cache_option
 @force_option
 @output_options
 def convert(src: str, dst: str, to: str | None, source_format: str | None, dtype: str | None, arch: str | None,
             key: str | None, shard_size: str | None, verify: bool, trust: bool, force: bool, as_json: bool,
-            example_inputs: tuple[str, ...], dynamic: tuple[str, ...]) -> None:
+            example_inputs: tuple[str, ...], dynamic: tuple[str, ...], kv_cache: bool) -> None:
     """Convert SRC to DST. The input format is detected from content; the output's from --to or DST's suffix.
 
     Weight formats (safetensors, pth, hdf5, gguf) convert tensor by tensor and are checked bit for
@@ -53,13 +54,16 @@ def convert(src: str, dst: str, to: str | None, source_format: str | None, dtype
       modelkit convert w.safetensors lm.onnx --arch user_model:Net \\
           --input-shape ids=1x16:int64 --dynamic ids:0 --dynamic ids:1
       modelkit convert w.safetensors m.weights.h5 --arch user_model:make
+      modelkit convert Llama-3.2-1B/ llama.onnx --kv-cache
+      modelkit convert Llama-3.2-1B/ llama-copy       # a Hugging Face folder's suffix-less output: a folder
     """
     from modelkit.pipeline.convert import convert as run_convert
 
     with Progress("convert", enabled=not as_json, unit="bytes") as progress:
         report = run_convert(src, dst, to=to, source_format=source_format, dtype=dtype, arch=arch,
                              shard_size=shard_size, verify=verify, force=force, trust=trust, key=key,
-                             progress=progress, example_inputs=example_inputs or None, dynamic=dynamic or None)
+                             progress=progress, example_inputs=example_inputs or None, dynamic=dynamic or None,
+                             kv_cache=kv_cache)
     if as_json:
         emit_json({"schema": "modelkit.convert/1", "ok": True, **report.to_dict()})
         return

@@ -3,6 +3,7 @@
 - read options, on every command that reads a model file: `--format`, `--trust`, `--key`, `--arch`
 - the write option, on every command that writes: `--force`
 - input options, on every command that exports a user's module: `--input-shape` (also `--example-input`), `--dynamic`
+- `--kv-cache`, on every command that exports a causal LM's graph (convert)
 - output options, on every command (and on the group, before the command): `--json`, `-q`, `-v`, `--debug`
 
 Choices come from the tables (FORMATS, MODELS, the runtimes); nothing here imports torch.
@@ -123,6 +124,13 @@ def input_options(f: Callable[..., Any]) -> Callable[..., Any]:
                              "repeat for several: input=1x3x224x224:float32, ids=1x16:int64. Seeded random "
                              "values: floats standard normal, bool 0/1, integers in LOW..HIGH (HIGH excluded), "
                              "else [0, smallest nn.Embedding size), else [0, 100).")(f)
+
+
+def kv_cache_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """`--kv-cache`, passed as kv_cache: ONNX of a Hugging Face causal LM with past/present key-value tensors."""
+    return click.option("--kv-cache", "kv_cache", is_flag=True,
+                        help="ONNX of a Hugging Face causal LM: also take past_key_values.N.key/value and return "
+                             "present.N.key/value (a decode step with the cache); checked on a prefill and a decode step.")(f)
 
 
 def force_option(f: Callable[..., Any]) -> Callable[..., Any]:

@@ -30,4 +30,5 @@ FAMILY = HFFamily(
     },
     transposed=tuple(f"transformer.h.{{n}}.{c}.weight" for c in _CONV1D),
     dropped=(r"transformer\.h\.\d+\.attn\.(masked_)?bias",),
+    float_modules=("transformer.wte", "transformer.wpe", "lm_head"),
 )

@@ -219,6 +219,10 @@ class HFFamily:
             differs from hidden_size / heads.
         text_config: config.json key holding the language model's config in a multimodal folder
             (gemma3's "text_config"); the family reads the text part only.
+        float_modules: Module names (fnmatch patterns) that `modelkit quantize` keeps in float by default
+            for the module schemes (int4, int8, gptq, int8-dynamic): the token embeddings, which
+            transformers cannot load as a compressed nn.Embedding, and the output head, which
+            llm-compressor's recipes leave in float too. `--skip` adds to them.
     """
 
     model_types: tuple[str, ...]
@@ -232,6 +236,7 @@ class HFFamily:
     dropped: tuple[str, ...] = ()
     head_dims: bool = False
     text_config: str | None = None
+    float_modules: tuple[str, ...] = ("model.embed_tokens", "lm_head")
 
 
 def _sequence_axis(config: Any) -> dict[int, Axis]:

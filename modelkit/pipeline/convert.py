@@ -17,7 +17,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +115,7 @@ def convert(
     src: PathLike, dst: PathLike, *, to: str | None = None, source_format: str | None = None,
     dtype: str | DType | torch.dtype | None = None, arch: ArchSpec | str | None = None, shard_size: int | str | None = None,
     verify: bool = True, force: bool = False, trust: bool = False, key: str | None = None,
-    progress: ProgressFn | None = None, example_inputs: Any = None, dynamic: Any = None,
+    progress: ProgressFn | None = None, example_inputs: Any = None, dynamic: Any = None, kv_cache: bool = False,
 ) -> ConversionReport:
     """Convert a model file to another format (or dtype), verified before it takes its final name.
 
@@ -140,6 +140,8 @@ def convert(
             run on them, verification compares on them, HDF5's Keras layout takes their shapes.
         dynamic: Free axes of the ONNX graph: ["input:0", "ids:1"] or {"ids": [0, 1]}; default:
             axis 0 of every input.
+        kv_cache: ONNX of a Hugging Face causal LM: also past_key_values.N.key/value in and
+            present.N.key/value out, checked on a prefill and a decode step (docs/formats/onnx.md).
 
     Returns:
         ConversionReport: source, target (path, format, bytes), verification result, seconds.
@@ -157,9 +159,10 @@ def convert(
         load_format(source_format)
     cast = parse_dtype(dtype)
     shard_bytes = parse_size(shard_size) if shard_size is not None else None
-    if to is None and shard_bytes is not None and not dst.suffix:
-        to = "safetensors"                      # a sharded checkpoint is a folder
-    out_fmt = format_for_output(dst, to)
+    if to is None and shard_bytes is not None and not dst.suffix and not FORMATS[in_fmt].folder:
+        to = "safetensors"                      # a sharded checkpoint is a folder (a Hugging Face folder's: hf)
+    out_fmt = format_for_output(dst, to, source=in_fmt)
+    _check_kv_cache(kv_cache, out_fmt)
     if shard_bytes is not None and out_fmt not in ("safetensors", "hf"):
         raise ConfigError(f"--shard-size applies to safetensors and hf output only, not {out_fmt}")
     if dst.resolve() == src.resolve():
@@ -182,7 +185,7 @@ def convert(
                              dequantize=True)
         if cast is not None:
             module = module.to(cast.torch)
-        options = _module_options(module, example_inputs, dynamic, cast, final_path=dst)
+        options = replace(_module_options(module, example_inputs, dynamic, cast, final_path=dst), kv_cache=kv_cache)
     elif example_inputs is not None or dynamic:
         raise ConfigError(f"example inputs and dynamic axes apply to graph outputs (onnx, torchscript) and HDF5's "
                           f"Keras layout of a user's module, not to {out_fmt}")
@@ -197,6 +200,11 @@ def convert(
         tensors=len(ckpt), parameters=ckpt.num_parameters, verify=verify_result,
         seconds=time.perf_counter() - started, notes=notes,
     )
+
+
+def _check_kv_cache(kv_cache: bool, fmt: str) -> None:
+    if kv_cache and fmt != "onnx":
+        raise ConfigError(f"--kv-cache (API: kv_cache=True) applies to ONNX output of a causal LM, not to {fmt}")
 
 
 def _module_options(module: nn.Module, given: Any, dynamic: Any, cast: DType | None, *,
@@ -224,7 +232,7 @@ def _makes_own_inputs(module: nn.Module) -> bool:
 def export(
     module: nn.Module, path: PathLike, *, example_inputs: Any = None, dynamic: Any = None,
     format: str | None = None, arch: ArchSpec | None = None, metadata: dict[str, str] | None = None,
-    verify: bool = True, force: bool = False,
+    verify: bool = True, force: bool = False, kv_cache: bool = False,
 ) -> ConversionReport:
     """Save any nn.Module (not only the zoo) to any format, verified: the export-script case.
 
@@ -241,6 +249,7 @@ def export(
         metadata: str -> str pairs to store with the weights.
         verify: Check the written file (on by default).
         force: Overwrite an existing file.
+        kv_cache: ONNX of a Hugging Face causal LM: past key/values in, present key/values out.
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 2))                                     # doctest: +SKIP
@@ -250,9 +259,10 @@ def export(
     started = time.perf_counter()
     path = Path(path)
     fmt = format_for_output(path, format)
+    _check_kv_cache(kv_cache, fmt)
     ckpt = Checkpoint.from_module(module, arch=arch, metadata=metadata)
     module = module.eval()
-    options = _module_options(module, example_inputs, dynamic, None, final_path=path)
+    options = replace(_module_options(module, example_inputs, dynamic, None, final_path=path), kv_cache=kv_cache)
     if FORMATS[fmt].has_graph and options.example_inputs is None and ckpt.arch is None and not _makes_own_inputs(module):
         raise UnsupportedConversionError(type(module).__name__, fmt, "exporting a graph needs example_inputs "
                                          "(a tensor or tuple shaped like real inputs)")

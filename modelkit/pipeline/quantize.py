@@ -12,8 +12,8 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,8 @@ PathLike = str | os.PathLike[str]
 # 2026-11-21 (torch 2.13.0, onnxruntime 1.31.1), max over cnn and tinylm, small test configs and
 # the trained runs/ (docs/formats/onnx.md): weight-only 1.1e-06, int8-dynamic 0.024. Pinned at 9x / 4x.
 RUNTIME_RTOL: dict[str | None, float] = {None: 1e-5, "int8-dynamic": 0.1}
+# Tokens per gptq calibration window for a Hugging Face model (the zoo's tinylm calibrates on 128-byte windows).
+CALIBRATION_TOKENS = 128
 
 
 # ------------------------------------------------------------------------------- configs
@@ -126,13 +128,22 @@ def train_qat(model: nn.Module, config: Any, *, epochs: int = 1, lr: float | Non
 # ------------------------------------------------------------------------------- files
 
 
+@dataclass
+class _Source:
+    """A float model to quantize and what travels from its file to the output."""
+
+    model: nn.Module
+    info: dict[str, Any]                                   # the report's "source": path, format, bytes
+    metadata: dict[str, str] = field(default_factory=dict)
+    assets: dict[str, bytes] = field(default_factory=dict)  # a Hugging Face folder's tokenizer files
+
+
 def _load_float(src: PathLike | nn.Module, *, source_format: str | None = None, trust: bool = False,
-                key: str | None = None, arch: ArchSpec | str | None = None,
-                ) -> tuple[nn.Module, dict[str, Any], dict[str, str]]:
+                key: str | None = None, arch: ArchSpec | str | None = None) -> _Source:
     from modelkit.pipeline.load import load, load_module
 
     if not isinstance(src, (str, os.PathLike)):
-        return src.eval(), {"path": None, "module": type(src).__name__}, {}
+        return _Source(src.eval(), {"path": None, "module": type(src).__name__})
     path = Path(src)
     fmt = source_format or detect_format(path)
     ckpt = load(path, format=fmt, trust=trust, key=key)
@@ -141,15 +152,62 @@ def _load_float(src: PathLike | nn.Module, *, source_format: str | None = None, 
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
     metadata = {k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}
     model = load_module(path, format=fmt, trust=trust, key=key, arch=arch)
-    return model, {"path": str(path), "format": fmt, "bytes": size}, metadata
+    return _Source(model, {"path": str(path), "format": fmt, "bytes": size}, metadata, dict(ckpt.assets))
+
+
+def _family(model: nn.Module) -> Any:
+    """The Hugging Face family (HFFamily) of a transformers model, or None for any other module."""
+    from modelkit.models import family_for_config, hf_config_of, hf_family
+
+    config = hf_config_of(model)
+    return None if config is None else hf_family(family_for_config(config, source=type(model).__name__))
+
+
+def _family_defaults(config: Any, model: nn.Module) -> Any:
+    """A Hugging Face family's modules kept in float (HFFamily.float_modules: embeddings, output head)
+    joined to the config's skip patterns, for the module schemes; other models' configs unchanged."""
+    family = _family(model)
+    if family is None or is_block_scheme(config):
+        return config
+    return replace(config, skip=(*family.float_modules, *(p for p in config.skip if p not in family.float_modules)))
+
+
+def _calibration(model: nn.Module, config: Any, assets: Mapping[str, bytes], source: str) -> list[Any] | None:
+    """gptq's calibration batches for a Hugging Face model: the standard library's source text (as the zoo's
+    tinylm trains on) tokenized with the folder's own tokenizer.json, in windows of CALIBRATION_TOKENS;
+    None for other schemes and for reference models (gptq takes their training split)."""
+    if type(config).scheme != "gptq" or _family(model) is None:
+        return None
+    if "tokenizer.json" not in assets:
+        raise ConfigError(f"{source}: gptq calibrates a Hugging Face model on text tokenized with its folder's "
+                          "tokenizer.json, and this input has none; copy the tokenizer files in, or use int4")
+    import torch
+    from tokenizers import Tokenizer
+
+    from modelkit.models._data import stdlib_corpus
+
+    tokenizer = Tokenizer.from_str(assets["tokenizer.json"].decode("utf-8"))
+    wanted = config.calibration_samples * CALIBRATION_TOKENS
+    text = stdlib_corpus("train", max_bytes=wanted * 8).decode("utf-8", "replace")   # ~2-4 bytes a token
+    ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+    windows = len(ids) // CALIBRATION_TOKENS
+    vocab = int(model.config.vocab_size)
+    if windows < 1 or int(ids.max()) >= vocab:
+        raise ConfigError(f"{source}: the folder's tokenizer gives {len(ids)} calibration tokens with ids up to "
+                          f"{int(ids.max()) if len(ids) else None} for a vocabulary of {vocab}; gptq cannot calibrate on them")
+    blocks = ids[:windows * CALIBRATION_TOKENS].reshape(windows, CALIBRATION_TOKENS)          # (windows, T)
+    order = torch.randperm(windows, generator=torch.Generator().manual_seed(config.seed))[:config.calibration_samples]
+    return list(blocks[order].split(config.batch_size))
 
 
 def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str | None = None, force: bool = False,
-                   metadata: dict[str, str] | None = None, verify: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+                   metadata: dict[str, str] | None = None, verify: bool = True,
+                   assets: Mapping[str, bytes] | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Write a quantized model, read it back and check it: the stored tensors bit for bit, the
     model rebuilt from the file against `model` on sample inputs (identical outputs expected),
     and for graph formats the file run by its runtime (within RUNTIME_RTOL).
 
+    `assets` (a Hugging Face folder's tokenizer files) travel to outputs that hold them (hf).
     Returns (target info, verification result).
     """
     from modelkit.testing import compare_outputs
@@ -158,18 +216,17 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
     fmt = format_for_output(dst, format)
     meta = {**(metadata or {}), QUANT_KEY: schemes.config_to_json(config)}
     ckpt = Checkpoint.from_module(model, metadata=meta)
+    ckpt = Checkpoint(ckpt.tensors, ckpt.metadata, ckpt.arch, dict(assets or {}))
     if fmt == "gguf":
         ckpt = _as_gguf_blocks(ckpt)
 
     def rebuilt_model(tmp: Path, written: Checkpoint) -> dict[str, Any]:
-        name = getattr(type(model), "arch", None)
-        if name is None:
+        inputs = _check_inputs(model)
+        if inputs is None:
             return {}
-        from modelkit.models import load_model_module
-
         rebuilt = instantiate(written, source=str(dst))
-        inputs = load_model_module(name).example_inputs(3)
-        compared = compare_outputs(model.cpu().eval(), rebuilt, [inputs], label=f"{dst} (rebuilt)")
+        reference, candidate = _comparable(model.cpu().eval()), _comparable(rebuilt)
+        compared = compare_outputs(reference, candidate, inputs, label=f"{dst} (rebuilt)")
         checks: dict[str, Any] = {"rebuilt_outputs": "identical", "max_abs_err": compared["max_abs_err"]}
         if FORMATS[fmt].has_graph:          # the file's own runtime runs the graph it holds
             run = load_format(fmt).runnable(tmp, ReadOptions(trust=True))
@@ -182,13 +239,39 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
     return {"path": str(dst), "format": fmt, "bytes": size}, result
 
 
-def _check_runtime(model: nn.Module, run: Callable[..., Any], inputs: Any, *, scheme: str, label: str) -> dict[str, Any]:
+def _check_inputs(model: nn.Module) -> list[tuple[Any, ...]] | None:
+    """Inputs the written model is checked on: a Hugging Face causal LM's token batches (input_ids,
+    attention_mask, position_ids; modelkit.testing.causal_lm), a reference model's own example; None
+    for anything else (nothing to run it on)."""
+    from modelkit.testing import causal_lm
+
+    if causal_lm.is_causal_lm(model):
+        return causal_lm.check_inputs(model, kv_cache=False)
+    name = getattr(type(model), "arch", None)
+    if name is None:
+        return None
+    from modelkit.models import load_model_module
+
+    return [(load_model_module(name).example_inputs(3),)]
+
+
+def _comparable(model: nn.Module) -> Callable[..., Any]:
+    """What the checks compare: a causal LM's logits at real tokens (causal_lm.Compared), else the model."""
+    from modelkit.testing import causal_lm
+
+    return causal_lm.Compared(causal_lm.graph(model, kv_cache=False)) if causal_lm.is_causal_lm(model) else model
+
+
+def _check_runtime(model: nn.Module, run: Callable[..., Any], inputs: list[tuple[Any, ...]], *, scheme: str,
+                   label: str) -> dict[str, Any]:
     """A graph file run by its runtime (onnxruntime) against the quantized torch model, within
     RUNTIME_RTOL[scheme] (default RUNTIME_RTOL[None]) of the largest output."""
     from modelkit.pipeline.verify import verify_outputs
+    from modelkit.testing import causal_lm
 
     rtol = RUNTIME_RTOL.get(scheme, RUNTIME_RTOL[None])
-    return verify_outputs(model, run, [(inputs,)], rtol=rtol, label=f"{label} (onnxruntime)")
+    candidate = causal_lm.candidate(run) if causal_lm.is_causal_lm(model) else run
+    return verify_outputs(_comparable(model), candidate, inputs, rtol=rtol, label=f"{label} (onnxruntime)")
 
 
 def _as_gguf_blocks(ckpt: Checkpoint) -> Checkpoint:
@@ -250,8 +333,11 @@ def quantize(
         return quantize_onnx(src, dst, scheme=scheme, group_size=group_size, skip=skip, evaluate=evaluate,
                              latency=latency, verify=verify, force=force, reference=reference)
     config = make_config(scheme, group_size=group_size, skip=skip)
-    weights_only = (isinstance(src, (str, os.PathLike)) and dst is not None and is_block_scheme(config) and arch is None
-                    and not (qat or evaluate or latency) and format_for_output(dst, format) == "gguf")
+    is_file = isinstance(src, (str, os.PathLike))
+    if dst is not None:          # "out" of a Hugging Face folder is a folder (format_for_output)
+        format = format_for_output(dst, format, source=source_format or (detect_format(src) if is_file else None))
+    weights_only = (is_file and dst is not None and is_block_scheme(config) and arch is None
+                    and not (qat or evaluate or latency) and format == "gguf")
     if weights_only:        # no model needed, unless the file names one (then the model picks its layers)
         report = quantize_weights(src, dst, config=config, source_format=source_format, trust=trust, key=key,
                                   force=force, verify=verify, progress=progress)
@@ -259,14 +345,17 @@ def quantize(
             return report
     from modelkit.pipeline import distributed
 
-    model, source, metadata = _load_float(src, source_format=source_format, trust=trust, key=key, arch=arch)
+    loaded = _load_float(src, source_format=source_format, trust=trust, key=key, arch=arch)
+    model, source, metadata = loaded.model, loaded.info, loaded.metadata
+    config = _family_defaults(config, model)
     started = time.perf_counter()
     if qat:
         quantized = train_qat(model, config, epochs=epochs, lr=lr, steps=steps, progress=progress)
         if not distributed.from_environment().is_main:
             return None                 # under torchrun every rank trains; rank 0 writes and reports
     else:
-        quantized = quantize_module(model, config)
+        calibration = _calibration(model, config, loaded.assets, str(src))
+        quantized = quantize_module(model, config, calibration=calibration)
     seconds = time.perf_counter() - started
     notes = [f"QAT: {epochs} epoch(s){f' of {steps} steps' if steps else ''} at lr {lr or 'recipe/10'}"] if qat else []
     ckpt = Checkpoint.from_module(quantized)
@@ -274,7 +363,7 @@ def quantize(
     target, verified = {"path": None, "format": None, "bytes": None}, None
     if dst is not None:
         target, verified = save_quantized(quantized, dst, config=config, format=format, force=force,
-                                          metadata=metadata, verify=verify)
+                                          metadata=metadata, verify=verify, assets=loaded.assets)
     stats = checkpoint_stats(ckpt)
     ratio = round(ckpt.nbytes / max(float_ckpt.nbytes, 1), 4)
     if target["bytes"] is not None:
@@ -335,8 +424,7 @@ def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], fo
         reference = float_reference(src)
     elif evaluate:
         reading = {k: options[k] for k in ("source_format", "trust", "key", "arch") if k in options}
-        model, _, _ = _load_float(src, **reading)
-        reference = measure_float(model)
+        reference = measure_float(_load_float(src, **reading).model)
     suffix = ".onnx" if str(src).endswith(".onnx") else FORMATS[format].suffixes[0]
     reports = []
     for done, name in enumerate(scheme_names, start=1):

@@ -93,7 +93,7 @@ def flatten(ckpt: Checkpoint, *, target: str) -> tuple[Checkpoint, dict[str, Any
         record[name] = {**info, "parts": parts}
     metadata = dict(ckpt.metadata)
     metadata[QUANTIZED_KEY] = json.dumps(record, sort_keys=True, separators=(",", ":"))
-    return type(ckpt)(tensors, metadata, ckpt.arch), record
+    return type(ckpt)(tensors, metadata, ckpt.arch, ckpt.assets), record
 
 
 def parse_record(path: Path, raw: str) -> dict[str, dict[str, Any]]:
@@ -175,4 +175,4 @@ def group(path: Path, ckpt: Checkpoint, *, also_drop: tuple[str, ...] = ()) -> C
             if q_name not in ordered and name in record[q_name]["parts"].values():
                 ordered[q_name] = q
     metadata = {k: v for k, v in ckpt.metadata.items() if k != QUANTIZED_KEY and k not in also_drop}
-    return type(ckpt)(ordered, metadata, ckpt.arch)
+    return type(ckpt)(ordered, metadata, ckpt.arch, ckpt.assets)
