@@ -15,6 +15,7 @@ from modelkit.formats import FORMATS
 READS_A_MODEL = {"convert", "quantize", "prune", "distill", "eval", "generate", "inspect"}
 WRITES = {"convert", "quantize", "prune", "distill", "train"}
 EXPORTS_A_USER_MODULE = {"convert"}       # --input-shape (also --example-input), --dynamic
+EXPORTS_A_CAUSAL_LM = {"convert"}         # --kv-cache
 # Where a shared option does not apply, and why (docs/cli.md says the same).
 WITHOUT = {
     ("inspect", "--arch"): "inspect reads headers only; it never builds a model",
@@ -31,7 +32,7 @@ def _option_names(name: str) -> set[str]:
 
 
 def test_the_tables_name_every_command():
-    assert READS_A_MODEL | WRITES | EXPORTS_A_USER_MODULE <= set(COMMANDS)
+    assert READS_A_MODEL | WRITES | EXPORTS_A_USER_MODULE | EXPORTS_A_CAUSAL_LM <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -53,6 +54,11 @@ def test_every_writing_command_takes_force(name):
 @pytest.mark.parametrize("name", sorted(EXPORTS_A_USER_MODULE))
 def test_every_exporting_command_takes_the_input_options(name):
     assert {"--input-shape", "--example-input", "--dynamic"} <= _option_names(name)
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTS_A_CAUSAL_LM))
+def test_every_causal_lm_exporting_command_takes_kv_cache(name):
+    assert "--kv-cache" in _option_names(name)
 
 
 @pytest.mark.parametrize("name", sorted(READS_A_MODEL))
