@@ -153,6 +153,27 @@ def test_the_cli_writes_a_folder_with_to_hf(folders, tmp_path):
     assert report["target"]["format"] == "hf" and (tmp_path / "q.v1" / "config.json").is_file()
 
 
+def test_several_schemes_make_a_folder_each(folders, tmp_path):
+    result = CliRunner().invoke(main, ["quantize", str(folders["qwen2"]), str(tmp_path / "all"), "--to", "hf",
+                                       "--scheme", "int8,int4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [r["target"]["format"] for r in json.loads(result.stdout)["reports"]] == ["hf", "hf"]
+    assert all((tmp_path / "all" / s / "config.json").is_file() for s in ("int8", "int4"))
+
+
+def test_a_compressed_folder_modelkit_did_not_write_is_refused(folders, tmp_path):
+    """llm-compressor's folders carry quantization_config but not modelkit's record of the parts."""
+    from modelkit.errors import FormatError
+
+    other = tmp_path / "other"
+    shutil.copytree(folders["llama"], other)
+    config = json.loads((other / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FormatError, match="quant_method 'compressed-tensors', format 'pack-quantized'"):
+        modelkit.load(other)
+
+
 def test_large_folders_are_sharded(folders, tmp_path, monkeypatch):
     from modelkit.converters import hf
 

@@ -425,7 +425,7 @@ def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], fo
     elif evaluate:
         reading = {k: options[k] for k in ("source_format", "trust", "key", "arch") if k in options}
         reference = measure_float(_load_float(src, **reading).model)
-    suffix = ".onnx" if str(src).endswith(".onnx") else FORMATS[format].suffixes[0]
+    suffix = ".onnx" if str(src).endswith(".onnx") else next(iter(FORMATS[format].suffixes), "")   # hf: a folder each
     reports = []
     for done, name in enumerate(scheme_names, start=1):
         fmt = None if suffix == ".onnx" else format
