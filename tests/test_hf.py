@@ -173,6 +173,22 @@ def test_building_a_family_without_transformers_names_the_extra(monkeypatch):
         _hf.build(hf_families()["llama"], {"model_type": "llama"})
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_folder_converts_to_torchscript_traced_as_a_causal_lm(saved, family, tmp_path):
+    """TorchScript of a folder: the ONNX graph's signature (input_ids, attention_mask, position_ids -> logits),
+    traced; verified on token batches, its weights read back under their Hugging Face names."""
+    report = convert(saved[family].folder, tmp_path / "m.ts")
+    assert report.verify["passed"] and report.verify["max_abs_err"] <= 1e-5
+    state = saved[family].model.state_dict()
+    back = modelkit.load(tmp_path / "m.ts")
+    assert set(back.tensors) <= set(state) and all(torch.equal(t.load(), state[n]) for n, t in back.tensors.items())
+    scripted = torch.jit.load(tmp_path / "m.ts")
+    mask = torch.ones_like(IDS)
+    positions = torch.arange(IDS.shape[1]).expand_as(IDS)
+    with torch.no_grad():
+        assert torch.allclose(scripted(IDS, mask, positions), saved[family].logits, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
 def test_instantiate_builds_transformers_model_from_a_folder(saved, family):
     model = instantiate(modelkit.load(saved[family].folder))
