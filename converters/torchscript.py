@@ -14,7 +14,8 @@ Layout: a zip archive whose members sit under one folder `<archive>/`:
     extra/<name>         `_extra_files`: modelkit writes extra/modelkit.json (layout below)
     version | byteorder | .data/serialization_id
 extra/modelkit.json: {"format": "modelkit.torchscript/1", "export": "script" | "trace",
-    "arch": ArchSpec JSON or null, "metadata": {str: str}, "state_dict": [names in order]}
+    "arch": ArchSpec JSON or null, "metadata": {str: str}, "state_dict": [names in order],
+    "prefix": where those names are in data.pkl when the module was wrapped (a causal LM's graph: "model.")}
 
 Reading weights runs no TorchScript and needs no torch: modelkit.parse.torch_format reads data.pkl
 symbolically (never unpickled; each `__torch__` object a ScriptObject of its class name and attribute
@@ -134,11 +135,13 @@ def _read(archive: _Archive) -> Checkpoint:
     info = _modelkit_info(archive)
     records = _tensor_records(path, parsed.value)
     names = info.get("state_dict")
+    prefix = info.get("prefix", "")                 # the module's weights under a wrapper (a causal LM's graph)
     if names is None:                               # not written by modelkit: every tensor attribute
         names = list(records)
-    missing = [n for n in names if n not in records]
+    missing = [n for n in names if prefix + n not in records]
     if missing:
         raise FormatError(path, f"tensor {missing[0]!r} listed in extra/{EXTRA_NAME} is not in data.pkl")
+    records = {name: records[prefix + name] for name in names}
     tensors = {name: _lazy(path, parsed, name, records[name]) for name in names}
     metadata = dict(info.get("metadata", {}))
     if "export" in info:
@@ -252,7 +255,8 @@ def _modelkit_info(archive: _Archive) -> dict[str, Any]:
     names = info.get("state_dict", []) if isinstance(info, dict) else None
     ok = (isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
           and isinstance(names, list) and all(isinstance(n, str) for n in names)
-          and isinstance(info.get("arch"), str | None) and info.get("export", "script") in ("script", "trace"))
+          and isinstance(info.get("arch"), str | None) and info.get("export", "script") in ("script", "trace")
+          and isinstance(info.get("prefix", ""), str))
     if not ok:
         raise FormatError(archive.path, f'{member} must look like {{"metadata": {{str: str}}, "arch": JSON or null, '
                                         '"state_dict": [names], "export": "script" | "trace"}')
@@ -293,16 +297,28 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     import torch
 
     from modelkit.checkpoint import instantiate
+    from modelkit.testing import causal_lm
 
     module = options.module
     if module is None:
         module = instantiate(ckpt, source="the checkpoint", target="torchscript", dequantize=True)
-    compiled, how = _compile(module, options)
+    if causal_lm.is_causal_lm(module):
+        # A Hugging Face causal LM: the ONNX graph's signature (input_ids, attention_mask, position_ids ->
+        # logits), traced on token batches; transformers' modules do not script.
+        if options.kv_cache:
+            raise UnsupportedConversionError(type(module).__name__, "torchscript", "--kv-cache is an ONNX option")
+        graph = causal_lm.graph(module, kv_cache=False)
+        compiled, how = _trace(graph, causal_lm.export_inputs(module, kv_cache=False), None)
+        prefix = "model."                          # CausalLMGraph.model
+    else:
+        compiled, how = _compile(module, options)
+        prefix = ""
     info = {
         "format": _LAYOUT, "export": how,
         "arch": ckpt.arch.to_json() if ckpt.arch is not None else None,
         "metadata": {k: v for k, v in ckpt.metadata.items() if k != EXPORT_KEY},
         "state_dict": list(module.state_dict()),
+        **({"prefix": prefix} if prefix else {}),
     }
     extra = {EXTRA_NAME: json.dumps(info, sort_keys=True)}
     with warnings.catch_warnings():
@@ -331,20 +347,33 @@ def _compile(module: torch.nn.Module, options: WriteOptions) -> tuple[torch.jit.
         raise UnsupportedConversionError(name, "torchscript", f"torch.jit.script failed ({reason}) and there are no "
                                          "example inputs to trace it with; pass --input-shape NAME=DIMS[:DTYPE] "
                                          "(API: example_inputs=...)")
+    return _trace(module, inputs, f"torch.jit.script failed ({reason})")
+
+
+def _trace(module: torch.nn.Module, inputs: tuple[Any, ...], why: str | None) -> tuple[torch.jit.ScriptModule, str]:
+    """(traced module, "trace"); the tracer's warnings summarised in one log line. `why`: why scripting was
+    not used, for the warning; None when tracing is the module's own way (a causal LM)."""
+    import torch
+
+    name = type(module).__name__
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             traced = torch.jit.trace(module, inputs)
         except Exception as e:  # tracing runs the model: any error of the model's own
-            raise UnsupportedConversionError(name, "torchscript", f"torch.jit.script failed ({reason}) and so did "
-                                             f"torch.jit.trace ({_first_line(e)})") from e
+            raise UnsupportedConversionError(name, "torchscript", f"{why or 'tracing'}: torch.jit.trace failed "
+                                             f"({_first_line(e)})") from e
     tracer = sorted({_first_line(w.message).split(". ")[0] for w in caught if issubclass(w.category, torch.jit.TracerWarning)})
     for w in caught:
-        if not issubclass(w.category, (torch.jit.TracerWarning, DeprecationWarning)):
+        # FutureWarning: the traced library's notes about its own internals (transformers'), not the user's
+        if not issubclass(w.category, (torch.jit.TracerWarning, DeprecationWarning, FutureWarning)):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    logger.warning("%s: torch.jit.script failed (%s); traced it with example inputs instead, so control flow "
-                   "is fixed to the path those inputs took%s", name, reason,
-                   f" (tracer: {'; '.join(tracer)})" if tracer else "")
+    note = f" (tracer: {'; '.join(tracer)})" if tracer else ""
+    if why is None:
+        logger.info("%s: traced on example inputs%s", name, note)
+    else:
+        logger.warning("%s: %s; traced it with example inputs instead, so control flow "
+                       "is fixed to the path those inputs took%s", name, why, note)
     return traced, "trace"
 
 

@@ -11,6 +11,7 @@ with modelkit.models.gguf_vocab).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,9 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     # transformers' GGUF reader takes Qwen3's head_dim from its default (128): the test model uses it
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=128),
-    "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=16),
-    "gemma3": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=16),
+    # query_pre_attn_scalar = head_dim, as released Gemmas have it: llama.cpp can store no other query scale
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=16, query_pre_attn_scalar=16),
+    "gemma3": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=16, query_pre_attn_scalar=16),
     "phi3": lambda: transformers.Phi3Config(**COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                                             bos_token_id=0, eos_token_id=0),
@@ -171,6 +173,22 @@ def test_building_a_family_without_transformers_names_the_extra(monkeypatch):
         _hf.build(hf_families()["llama"], {"model_type": "llama"})
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_folder_converts_to_torchscript_traced_as_a_causal_lm(saved, family, tmp_path):
+    """TorchScript of a folder: the ONNX graph's signature (input_ids, attention_mask, position_ids -> logits),
+    traced; verified on token batches, its weights read back under their Hugging Face names."""
+    report = convert(saved[family].folder, tmp_path / "m.ts")
+    assert report.verify["passed"] and report.verify["max_abs_err"] <= 1e-5
+    state = saved[family].model.state_dict()
+    back = modelkit.load(tmp_path / "m.ts")
+    assert set(back.tensors) <= set(state) and all(torch.equal(t.load(), state[n]) for n, t in back.tensors.items())
+    scripted = torch.jit.load(tmp_path / "m.ts")
+    mask = torch.ones_like(IDS)
+    positions = torch.arange(IDS.shape[1]).expand_as(IDS)
+    with torch.no_grad():
+        assert torch.allclose(scripted(IDS, mask, positions), saved[family].logits, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
 def test_instantiate_builds_transformers_model_from_a_folder(saved, family):
     model = instantiate(modelkit.load(saved[family].folder))
@@ -207,6 +225,26 @@ def test_gguf_follows_llama_cpp_and_transformers_reads_the_same_logits(saved, gg
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "n_embd", "n_layer"):
         if key in config:
             assert config[key] == getattr(original, key), key
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_gemma_query_scale_llama_cpp_cannot_hold_is_refused(saved, family, tmp_path):
+    """llama.cpp scales Gemma's queries by 1/sqrt(head_dim) (hidden/heads for the 27B models): a config.json
+    saying otherwise would give other logits there, so it is refused; a GGUF read back gets the value."""
+    folder = tmp_path / family
+    shutil.copytree(saved[family].folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": 256}))
+    with pytest.raises(UnsupportedConversionError, match="query_pre_attn_scalar is 256, but llama.cpp scales this model's queries as if it were 16"):
+        convert(folder, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+    from modelkit.models import _hf
+
+    fields = {f"{family}.{k}": v for k, v in (("embedding_length", 64), ("block_count", 2), ("attention.head_count", 4),
+                                               ("attention.key_length", 16))}
+    assert _hf.config_from_gguf(hf_families()[family], fields, tied=True)["query_pre_attn_scalar"] == 16
+    fields[f"{family}.block_count"] = hf_families()[family].query_scale_27b
+    assert _hf.config_from_gguf(hf_families()[family], fields, tied=True)["query_pre_attn_scalar"] == 64 // 4
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gpt2"])

@@ -155,8 +155,9 @@ def transformers_logits(folder: Path, gguf_file: Path | None, ids: list[int]) ->
 # Measured 2026-11-25 (llama-cpp-python 0.3.36, F32 KV cache, 1 thread; every family's figure is in
 # fixtures/llama_cpp/golden_hf.json "measured"): f32 3e-07 (llama, mistral, qwen2, qwen3, phi3), 1.8e-05
 # (gpt2), 3.4e-04 (gemma3: ggml's GELU table); f16 6e-04 (gemma3); q8_0 1.8e-02, q4_0 1.7e-02 (gemma3):
-# llama.cpp rounds activations to q8 in its block dot products (tinylm's q8_0/q4_0: 0.6%, pinned 2.6%).
-RTOL = {"f32": 1e-3, "f16": 1e-3, "q8_0": 0.03, "q4_0": 0.03}
+# llama.cpp rounds activations to q8 in its block dot products. q8_0/q4_0 pinned at tinylm's own margin
+# (tests/test_quantizers.py: 0.01 on logits up to 0.39, 2.6%).
+RTOL = {"f32": 1e-3, "f16": 1e-3, "q8_0": 0.026, "q4_0": 0.026}
 
 
 @pytest.fixture(scope="module")

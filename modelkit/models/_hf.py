@@ -106,6 +106,13 @@ def gguf_hparams(family: HFFamily, config: Mapping[str, Any]) -> dict[str, Any]:
     if family.architecture == "gpt2":                 # learned positions: no rope keys
         return _ordered(values)
     dim = head_dim(config)
+    if family.query_scale_27b is not None:
+        expected = query_pre_attn_scalar(family, values["block_count"], values["embedding_length"],
+                                         values["attention.head_count"], dim)
+        if config.get("query_pre_attn_scalar", 256) != expected:
+            raise ConfigError(f"{family.architecture}: query_pre_attn_scalar is {config.get('query_pre_attn_scalar', 256)}, "
+                              f"but llama.cpp scales this model's queries as if it were {expected} (its head_dim, or "
+                              "hidden_size / heads for the 27B models) and a GGUF cannot hold another value")
     if family.head_dims or dim * values["attention.head_count"] != values["embedding_length"]:
         values["attention.key_length"] = values["attention.value_length"] = dim
     rope = rope_parameters(config)
@@ -195,6 +202,11 @@ def block_count(family: HFFamily, config: Mapping[str, Any]) -> int:
     return int(text_config(family, config)[key])
 
 
+def query_pre_attn_scalar(family: HFFamily, blocks: int, hidden: int, heads: int, dim: int) -> int:
+    """The query_pre_attn_scalar llama.cpp's Gemma graphs use: head_dim, or hidden / heads for the 27B models."""
+    return hidden // heads if blocks == family.query_scale_27b else dim
+
+
 def config_from_gguf(family: HFFamily, fields: Mapping[str, Any], *, tied: bool) -> dict[str, Any]:
     """A config.json rebuilt from a llama.cpp file's keys (for files that do not carry ours)."""
     arch = family.architecture
@@ -216,6 +228,10 @@ def config_from_gguf(family: HFFamily, fields: Mapping[str, Any], *, tied: bool)
             config[key] = fields[gguf_key]
     if "attention.key_length" in value:
         config["head_dim"] = value["attention.key_length"]
+    if family.query_scale_27b is not None and {"embedding_length", "block_count", "attention.head_count"} <= set(value):
+        hidden, heads = value["embedding_length"], value["attention.head_count"]
+        config["query_pre_attn_scalar"] = query_pre_attn_scalar(family, value["block_count"], hidden, heads,
+                                                                value.get("attention.key_length", hidden // heads))
     if arch != "gpt2":
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(f"{value.get('rope.freq_base', 10000.0):.7g}")}
         if value.get("rope.scaling.type") in ("linear", "yarn"):

@@ -22,4 +22,5 @@ FAMILY = HFFamily(
              "final_logit_softcapping": "final_logit_softcapping"},
     norm_offset=1.0,
     head_dims=True,
+    query_scale_27b=46,
 )

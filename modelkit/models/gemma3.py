@@ -13,5 +13,6 @@ FAMILY = HFFamily(
     hparams={**DECODER_HPARAMS, "attention.sliding_window": "sliding_window"},
     norm_offset=1.0,
     head_dims=True,
+    query_scale_27b=62,
     text_config="text_config",
 )

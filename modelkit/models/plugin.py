@@ -219,6 +219,9 @@ class HFFamily:
             differs from hidden_size / heads.
         text_config: config.json key holding the language model's config in a multimodal folder
             (gemma3's "text_config"); the family reads the text part only.
+        query_scale_27b: Gemma: llama.cpp scales queries by 1/sqrt(head_dim), except in models with this
+            many blocks (the 27B ones), by 1/sqrt(hidden_size / heads); config.json's query_pre_attn_scalar
+            must be that value (a GGUF cannot hold another), and a config rebuilt from a GGUF gets it back.
         float_modules: Module names (fnmatch patterns) that `modelkit quantize` keeps in float by default
             for the module schemes (int4, int8, gptq, int8-dynamic): the token embeddings, which
             transformers cannot load as a compressed nn.Embedding, and the output head, which
@@ -236,6 +239,7 @@ class HFFamily:
     dropped: tuple[str, ...] = ()
     head_dims: bool = False
     text_config: str | None = None
+    query_scale_27b: int | None = None
     float_modules: tuple[str, ...] = ("model.embed_tokens", "lm_head")
 
 

@@ -69,32 +69,33 @@ def verify_weights(expected: Checkpoint, written: Checkpoint, *, label: str, dro
     if missing:
         raise VerificationError(f"{label}: tensor {missing[0]!r} is missing from the output", max_abs_err=float("inf"), atol=0.0)
     for name, entry in expected.tensors.items():
-        if name in dropped:
-            continue
-        other = written.tensors[name]
-        if entry.dtype is not other.dtype or entry.shape != other.shape:
-            raise VerificationError(f"{label}: tensor {name!r} differs ({dtype_name(entry.dtype)} {list(entry.shape)} "
-                                    f"vs {dtype_name(other.dtype)} {list(other.shape)})", max_abs_err=float("inf"), atol=0.0)
-        if _both_quantized(entry, other):      # packed parts compared as stored: no dequantizing, no torch
-            pairs = [(entry.parts[p].array(), other.parts[p].array()) for p in entry.parts]
-            if entry.parts.keys() == other.parts.keys() and all(_same_bits(x, y) for x, y in pairs):
-                continue
-            raise VerificationError(f"{label}: quantized tensor {name!r} differs in its stored parts",
-                                    max_abs_err=float("inf"), atol=0.0)
-        want, got = _stored(entry), _stored(other)
-        if not _same_bits(want, got) and name in rtol:
-            error = _max_error(want, got, entry)
-            bound = rtol[name] * (1.0 + float(np.abs(want.astype(np.float64)).max(initial=0.0)))
-            if error <= bound:
-                worst = max(worst, error)
-                continue
-        if not _same_bits(want, got):
-            raise VerificationError(f"{label}: tensor {name!r} differs ({dtype_name(entry.dtype)} {list(entry.shape)})",
-                                    max_abs_err=_max_error(want, got, entry), atol=0.0)
+        if name not in dropped:      # one tensor at a time: its arrays are freed before the next is read
+            worst = max(worst, _check_tensor(name, entry, written.tensors[name], rtol.get(name), label))
     if rtol or dropped:
         return {"method": "bit-exact except the format's own conventions", "tensors_checked": len(expected.tensors) - len(dropped),
                 "max_abs_err": worst, "atol": 0.0, "passed": True}
     return {"method": "bit-exact", "tensors_checked": len(expected.tensors), "max_abs_err": 0.0, "atol": 0.0, "passed": True}
+
+
+def _check_tensor(name: str, entry: Any, other: Any, rtol: float | None, label: str) -> float:
+    """One tensor of verify_weights: 0.0 when the bits are equal, the error when `rtol` allows it; else raises."""
+    if entry.dtype is not other.dtype or entry.shape != other.shape:
+        raise VerificationError(f"{label}: tensor {name!r} differs ({dtype_name(entry.dtype)} {list(entry.shape)} "
+                                f"vs {dtype_name(other.dtype)} {list(other.shape)})", max_abs_err=float("inf"), atol=0.0)
+    if _both_quantized(entry, other):      # packed parts compared as stored: no dequantizing, no torch
+        if entry.parts.keys() == other.parts.keys() and all(_same_bits(entry.parts[p].array(), other.parts[p].array())
+                                                            for p in entry.parts):
+            return 0.0
+        raise VerificationError(f"{label}: quantized tensor {name!r} differs in its stored parts",
+                                max_abs_err=float("inf"), atol=0.0)
+    want, got = _stored(entry), _stored(other)
+    if _same_bits(want, got):
+        return 0.0
+    error = _max_error(want, got, entry)
+    if rtol is not None and error <= rtol * (1.0 + float(np.abs(want.astype(np.float64)).max(initial=0.0))):
+        return error
+    raise VerificationError(f"{label}: tensor {name!r} differs ({dtype_name(entry.dtype)} {list(entry.shape)})",
+                            max_abs_err=error, atol=0.0)
 
 
 def _both_quantized(a: Any, b: Any) -> bool:
