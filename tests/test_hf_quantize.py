@@ -125,6 +125,26 @@ def test_the_folder_holds_config_assets_and_float_embeddings(quantized, folders,
     assert bits == ({4} if case.startswith("int4") or case == "gptq" else {8})
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reading_back_gives_the_tensors_quantize_module_makes(quantized, folders, family):
+    """int4 g32 is deterministic: the folder read back holds exactly what quantizing the float model
+    in memory gives (the family's float modules skipped), part for part."""
+    from modelkit.checkpoint import Checkpoint
+    from modelkit.pipeline.quantize import quantize_module
+
+    model = modelkit.load_module(folders[family])
+    expected = Checkpoint.from_module(quantize_module(model, Int4Config(group_size=32,
+                                                                        skip=("model.embed_tokens", "lm_head"))))
+    back = modelkit.load(quantized[family, "int4-g32"][0])
+    assert set(back.tensors) == set(expected.tensors)
+    for name, entry in expected.tensors.items():
+        got = back.tensors[name]
+        assert isinstance(got, QuantizedTensor) == isinstance(entry, QuantizedTensor), name
+        parts = entry.parts if isinstance(entry, QuantizedTensor) else {"": entry}
+        stored = got.parts if isinstance(got, QuantizedTensor) else {"": got}
+        assert all(np.array_equal(parts[p].array(), stored[p].array()) for p in parts), name
+
+
 @pytest.mark.parametrize("family, case", [("llama", "int4-g32"), ("qwen2", "gptq")])
 def test_reading_back_gives_the_same_quantized_tensors(quantized, family, case, tmp_path):
     """Our folder read back, written again as safetensors, read again: the same stored parts bit for bit;
