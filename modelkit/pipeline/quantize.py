@@ -295,8 +295,10 @@ def quantize(
     """Quantize a model file (or module) with one scheme, write it, and measure the cost.
 
     Args:
-        src: A float model file any reader handles (with an ArchSpec), or an nn.Module.
-        dst: Output file; its format comes from `format` or the suffix (None: measure only).
+        src: A float model file any reader handles (with an ArchSpec), a Hugging Face folder, or an nn.Module.
+        dst: Output file; its format comes from `format` or the suffix (None: measure only). A Hugging
+            Face folder's `dst` whose suffix names no format is a folder ("hf": compressed-tensors'
+            layout, docs/formats/hf.md); its family's embeddings and output head stay float.
         scheme: A name from modelkit.schemes.SCHEMES or a config object.
         group_size: int4 / gptq group size.
         skip: fnmatch patterns of module names kept in float.
