@@ -147,12 +147,15 @@ class PruneGroup:
         index: Which entry of a list-valued config field (mlp's `hidden[i]`); None for a plain field.
         buckets: The units fall in this many equal runs that each keep the same count (query heads
             per key/value head, so grouped-query attention stays uniform).
+        pinned: Config values written explicitly once the group is applied (head_dim, which a config
+            would otherwise derive from hidden_size / num_attention_heads).
     """
 
     slices: tuple[PruneSlice, ...]
     config_key: str
     index: int | None = None
     buckets: int = 1
+    pinned: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,8 @@ class HFFamily:
         query_scale_27b: Gemma: llama.cpp scales queries by 1/sqrt(head_dim), except in models with this
             many blocks (the 27B ones), by 1/sqrt(hidden_size / heads); config.json's query_pre_attn_scalar
             must be that value (a GGUF cannot hold another), and a config rebuilt from a GGUF gets it back.
+        prunable: Structured pruning applies (modelkit.models._hf.decoder_prune_groups): separate
+            q/k/v/o and gate/up/down projections with Llama's names.
     """
 
     model_types: tuple[str, ...]
@@ -236,6 +241,7 @@ class HFFamily:
     head_dims: bool = False
     text_config: str | None = None
     query_scale_27b: int | None = None
+    prunable: bool = False
 
 
 def _sequence_axis(config: Any) -> dict[int, Axis]:
@@ -256,8 +262,9 @@ def _token_ids(batch_size: int = 2, *, seed: int = 0, seq_len: int = 16) -> Any:
 def hf_plugin_defaults() -> dict[str, Any]:
     """What a Hugging Face family module gets for the zoo's plugin names it does not declare: its config
     is the config.json dict, transformers builds the module (modelkit.models.build), nothing is trained
-    (TASK, TRAINING, QUALITY None), no Keras layout or pruning groups, the sequence axis free in ONNX,
-    and its GGUF conventions are the FAMILY's own (GGUF None)."""
+    (TASK, TRAINING, QUALITY None), no Keras layout, pruning groups when the family is `prunable` (the
+    registry binds modelkit.models._hf.prune_groups to it), the sequence axis free in ONNX, and its GGUF
+    conventions are the FAMILY's own (GGUF None)."""
     return {"CONFIG": dict, "MODEL": None, "TASK": None, "TRAINING": None, "example_inputs": _token_ids,
             "keras_layers": _no_layout, "onnx_axes": _sequence_axis, "prune_groups": _no_layout,
             "DISTILL": DistillDefaults(), "STUDENT": {}, "QUALITY": None, "GGUF": None}
