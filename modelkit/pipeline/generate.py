@@ -29,6 +29,7 @@ class Generation:
     prompt_seconds: float
     decode_seconds: float
     stopped: str
+    token_ids: list[int]               # the new tokens (tinylm: the bytes)
     chat: bool = False
 
     @property
@@ -55,7 +56,7 @@ def generate_bytes(model: nn.Module, prompt: str, *, max_new_tokens: int, temper
     started = time.perf_counter()
     out = generate(model, data, max_new_bytes=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
     seconds = time.perf_counter() - started
-    return Generation(prompt, out, len(data), len(out), 0.0, seconds, "length")
+    return Generation(prompt, out, len(data), len(out), 0.0, seconds, "length", list(out))
 
 
 def prompt_ids(tokenizer: Any, prompt: str, *, chat: bool = False, source: str = "the model") -> list[int]:
@@ -141,4 +142,4 @@ def generate_tokens(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_to
     text = tokenizer.decode(new, skip_special_tokens=True)
     prefill = (first.at or ended) - started
     return Generation(prompt, text.encode("utf-8"), len(ids), len(new), prefill, ended - started - prefill, stopped,
-                      chat)
+                      new, chat)

@@ -136,7 +136,7 @@ def text_metrics(model: nn.Module, tokenizer: Any, text: str, *, context: int | 
     if context < 1 or (limit and context > limit):
         raise ConfigError(f"--context {context}: must be between 1 and the model's context length {limit}")
     started = time.perf_counter()
-    ids, ends = _token_spans(tokenizer, text)
+    ids, ends = _token_spans(tokenizer, text, max_tokens)
     bos = tokenizer.bos_token_id
     seq = ([bos] if bos is not None else []) + ids
     # targets are seq[1:]; the byte span they cover starts after the first token when there is no BOS
@@ -169,8 +169,15 @@ def text_metrics(model: nn.Module, tokenizer: Any, text: str, *, context: int | 
             "windows": full + (1 if n % context else 0), "seconds": round(seconds, 3)}
 
 
-def _token_spans(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
-    """The text's token ids (no special tokens) and, for each, the character offset where it ends."""
+def _token_spans(tokenizer: Any, text: str, max_tokens: int | None = None) -> tuple[list[int], list[int]]:
+    """The text's token ids (no special tokens) and, for each, the character offset where it ends.
+
+    With `max_tokens`, a prefix of the text long enough for them is tokenized (the tokens past the cut
+    are dropped), not the whole text."""
+    if max_tokens is not None and len(text) > 64 * (max_tokens + 2):
+        ids, ends = _token_spans(tokenizer, text[:64 * (max_tokens + 2)])
+        if len(ids) > max_tokens + 2:           # the last tokens may be cut by the prefix: never scored
+            return ids[:max_tokens + 1], ends[:max_tokens + 1]
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
     if not ids:
