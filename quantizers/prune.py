@@ -182,6 +182,7 @@ def _apply_groups(state: dict[str, torch.Tensor], groups: list[PruneGroup], conf
         for part in group.slices:
             state[part.tensor] = _take(state[part.tensor], part, units)
         config.update(group.pinned)
+        config.update({key: units.numel() * per_unit for key, per_unit in group.also_counts.items()})
         if group.index is None:
             config[group.config_key] = units.numel()
         else:

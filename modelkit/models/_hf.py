@@ -290,19 +290,25 @@ def tokenizer(assets: Mapping[str, bytes], *, source: str = "the model") -> Any:
 
 def decoder_prune_groups(layers: int, heads: int, kv_heads: int, head_dim: int, *,
                          attention_bias: bool = False, mlp_bias: bool = False) -> list[PruneGroup]:
-    """Structured pruning of a Llama-style decoder (Hugging Face names), per block: query heads (q_proj rows
-    and o_proj columns, ranked by the product of their norms; each key/value head keeps the same number of
-    query heads, so grouped-query attention stays uniform; head_dim becomes explicit) and SwiGLU hidden
-    units (a gate row, an up row and a down column together)."""
+    """Structured pruning of a Llama-style decoder (Hugging Face names), per block: attention heads and
+    SwiGLU hidden units (a gate row, an up row and a down column together).
+
+    Heads are ranked by the product of the norms of their q_proj rows and o_proj columns. Under
+    grouped-query attention each key/value head keeps the same number of query heads, so the grouping
+    stays uniform; under multi-head attention (as many key/value heads as query heads) a head goes with
+    its key and value rows. head_dim becomes explicit in the config.
+    """
     groups = []
+    mha = kv_heads == heads
     for i in range(layers):
         p = f"model.layers.{i}"
-        attention = [PruneSlice(f"{p}.self_attn.q_proj.weight", 0, width=head_dim, score=True),
-                     PruneSlice(f"{p}.self_attn.o_proj.weight", 1, width=head_dim, score=True)]
+        projections = ("q", "k", "v") if mha else ("q",)
+        attention = [PruneSlice(f"{p}.self_attn.{n}_proj.weight", 0, width=head_dim, score=n == "q") for n in projections]
+        attention.append(PruneSlice(f"{p}.self_attn.o_proj.weight", 1, width=head_dim, score=True))
         if attention_bias:
-            attention.append(PruneSlice(f"{p}.self_attn.q_proj.bias", 0, width=head_dim))
-        groups.append(PruneGroup(tuple(attention), "num_attention_heads", buckets=kv_heads,
-                                 pinned={"head_dim": head_dim}))
+            attention += [PruneSlice(f"{p}.self_attn.{n}_proj.bias", 0, width=head_dim) for n in projections]
+        groups.append(PruneGroup(tuple(attention), "num_attention_heads", buckets=1 if mha else kv_heads,
+                                 pinned={"head_dim": head_dim}, also_counts={"num_key_value_heads": 1} if mha else {}))
         mlp = [PruneSlice(f"{p}.mlp.{n}_proj.weight", d, score=True) for n, d in (("gate", 0), ("up", 0), ("down", 1))]
         if mlp_bias:
             mlp += [PruneSlice(f"{p}.mlp.gate_proj.bias", 0), PruneSlice(f"{p}.mlp.up_proj.bias", 0)]

@@ -149,6 +149,8 @@ class PruneGroup:
             per key/value head, so grouped-query attention stays uniform).
         pinned: Config values written explicitly once the group is applied (head_dim, which a config
             would otherwise derive from hidden_size / num_attention_heads).
+        also_counts: Other config fields that count the same units, with the number each unit adds
+            ({"num_key_value_heads": 1} when whole heads of multi-head attention go with their keys and values).
     """
 
     slices: tuple[PruneSlice, ...]
@@ -156,6 +158,7 @@ class PruneGroup:
     index: int | None = None
     buckets: int = 1
     pinned: dict[str, Any] = field(default_factory=dict, hash=False)
+    also_counts: dict[str, int] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
