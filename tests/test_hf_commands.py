@@ -245,6 +245,18 @@ def test_structured_pruning_writes_a_folder_transformers_loads(folders, tmp_path
     assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
 
 
+def test_a_bfloat16_folder_stays_bfloat16_when_pruned(folders, tmp_path):
+    source = tmp_path / "bf16"
+    transformers.AutoModelForCausalLM.from_pretrained(folders["llama"]).to(torch.bfloat16).save_pretrained(source)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folders["llama"] / name, source / name)
+    report = prune_file(source, tmp_path / "out", PruneConfig(method="structured", sparsity=0.5), to="hf",
+                        max_tokens=50)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert report.bytes["after"] < report.bytes["before"]           # float32 weights would double it
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])             # qwen2: the k/v biases go too
 def test_structured_pruning_of_multi_head_attention_removes_whole_heads(tmp_path, family):
     make = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]

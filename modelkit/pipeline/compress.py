@@ -137,6 +137,10 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
         metadata[METRICS_KEY] = json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})
     if not distributed.from_environment().is_main:
         return None                     # under torchrun only rank 0 writes and reports
+    if hf_config_of(pruned) is not None and loaded.weights_dtype in ("float16", "bfloat16"):
+        import torch
+
+        pruned = pruned.to(getattr(torch, loaded.weights_dtype))   # the source's type (exact: a subset of its values)
     fmt = format_for_output(dst, to)
     module = pruned if FORMATS[fmt].has_graph else None      # a graph's outputs are checked against the pruned model
     ckpt = Checkpoint.from_module(pruned, metadata=metadata)

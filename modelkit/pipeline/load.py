@@ -113,6 +113,7 @@ class LanguageModel:
     model: nn.Module
     tokenizer: Any
     assets: Mapping[str, bytes]
+    weights_dtype: str | None = None       # the float type the file stores most matrix bytes in ("bfloat16")
 
 
 def load_language_model(path: PathLike, *, format: str | None = None, arch: ArchSpec | str | None = None,
@@ -125,4 +126,17 @@ def load_language_model(path: PathLike, *, format: str | None = None, arch: Arch
     model = instantiate(ckpt, arch=arch, source=str(path))
     has_tokenizer = "tokenizer.json" in ckpt.assets or "tokenizer.model" in ckpt.assets
     tokenizer = _hf.tokenizer(ckpt.assets, source=str(path)) if has_tokenizer and hf_config_of(model) is not None else None
-    return LanguageModel(model, tokenizer, ckpt.assets)
+    return LanguageModel(model, tokenizer, ckpt.assets, _weights_dtype(ckpt))
+
+
+def _weights_dtype(ckpt: Checkpoint) -> str | None:
+    """The floating type holding most of the file's 2-D float weights (None when it stores none)."""
+    from collections import Counter
+
+    from modelkit.storage.dtypes import dtype_name
+
+    counts: Counter[str] = Counter()
+    for t in ckpt.tensors.values():
+        if len(t.shape) == 2 and getattr(t.dtype, "is_floating_point", False):
+            counts[dtype_name(t.dtype)] += t.nbytes
+    return counts.most_common(1)[0][0] if counts else None
