@@ -178,6 +178,10 @@ def _apply_groups(state: dict[str, torch.Tensor], groups: list[PruneGroup], conf
                   sparsity: float) -> None:
     """Shrink `state` and `config` in place, group after group."""
     for group in groups:
+        missing = [part.tensor for part in group.slices if part.tensor not in state]
+        if missing:
+            raise ConfigError(f"structured pruning: the model has no plain weight {missing[0]!r} (quantized layers "
+                              "are pruned as their float model: dequantize first)")
         units = _group_keep(state, group, sparsity)
         for part in group.slices:
             state[part.tensor] = _take(state[part.tensor], part, units)

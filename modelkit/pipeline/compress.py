@@ -104,7 +104,8 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
 
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    loaded = load_language_model(src, format=source_format, trust=trust, key=key, arch=arch)
+    # a quantized file (GGUF blocks, int8/int4) is pruned as its float model: pruning slices plain weights
+    loaded = load_language_model(src, format=source_format, trust=trust, key=key, arch=arch, dequantize=True)
     model = loaded.model
     if hf_config_of(model) is not None:
         if finetune_epochs:

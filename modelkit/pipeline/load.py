@@ -117,13 +117,14 @@ class LanguageModel:
 
 
 def load_language_model(path: PathLike, *, format: str | None = None, arch: ArchSpec | str | None = None,
-                        trust: bool = False, key: str | None = None) -> LanguageModel:
+                        trust: bool = False, key: str | None = None, dequantize: bool = False) -> LanguageModel:
     """`load_module`, with the tokenizer a Hugging Face family's model carries (a folder's tokenizer.json and
-    friends, or those a GGUF's tokenizer keys rebuild)."""
+    friends, or those a GGUF's tokenizer keys rebuild). `dequantize` builds the float model from a file
+    holding quantized tensors (instantiate's), instead of quantized layers."""
     from modelkit.models import _hf, hf_config_of
 
     ckpt = load(path, format=format, trust=trust, key=key)
-    model = instantiate(ckpt, arch=arch, source=str(path))
+    model = instantiate(ckpt, arch=arch, source=str(path), dequantize=dequantize)
     has_tokenizer = "tokenizer.json" in ckpt.assets or "tokenizer.model" in ckpt.assets
     tokenizer = _hf.tokenizer(ckpt.assets, source=str(path)) if has_tokenizer and hf_config_of(model) is not None else None
     return LanguageModel(model, tokenizer, ckpt.assets, _weights_dtype(ckpt))
