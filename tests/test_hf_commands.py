@@ -134,6 +134,9 @@ def test_eval_cli_on_the_default_text_and_on_gguf(folders, tmp_path):
     assert on_f32["bits_per_byte"] == pytest.approx(doc["bits_per_byte"], rel=EVAL_RTOL)
     on_q8 = modelkit.evaluate(q8, max_tokens=300)
     assert on_q8["bits_per_byte"] == pytest.approx(doc["bits_per_byte"], rel=Q8_RTOL)
+    # a quantized file is pruned as its float model
+    prune_file(q8, tmp_path / "pruned", PruneConfig(method="structured", sparsity=0.5), to="hf", max_tokens=50)
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "pruned").intermediate_size == 48
     text = runner.invoke(main, ["eval", str(folder), "--max-tokens", "300"])
     assert text.exit_code == EXIT_OK and "llama on val: bits/byte" in text.stdout and "per token" in text.stdout
 
