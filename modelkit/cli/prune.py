@@ -43,7 +43,8 @@ def prune(src: str, dst: str, to: str | None, method: str, sparsity: float, scop
     so DST is a smaller model that rebuilds from its ArchSpec.
 
     SRC may be a Hugging Face model folder (or a GGUF of one). structured pruning removes query heads
-    (the same number under each key/value head) and MLP hidden units of llama, mistral, qwen2, qwen3,
+    (the same number under each key/value head; under multi-head attention whole heads with their keys
+    and values) and MLP hidden units of llama, mistral, qwen2, qwen3,
     gemma2 and gemma3 models, and DST's config.json gets the new num_attention_heads, head_dim and
     intermediate_size, so transformers loads it; magnitude and 2:4 work on every family. The metric is
     bits per byte on the held-out standard-library text, with the model's tokenizer; there is no
