@@ -25,6 +25,7 @@ _LAZY = {
     "save": "modelkit.api:save",
     "load_module": "modelkit.api:load_module",
     "inspect": "modelkit.api:inspect",
+    "complete": "modelkit.api:complete",
     "evaluate": "modelkit.api:evaluate",
     "generate": "modelkit.api:generate",
     "convert": "modelkit.pipeline.convert:convert",

@@ -20,10 +20,11 @@ from modelkit.formats import (
 )
 from modelkit.pipeline.load import load, load_module, resolve_input, save
 
-__all__ = ["RUNTIMES", "Inspection", "TensorInfo", "evaluate", "formats", "generate", "inspect", "load",
+__all__ = ["RUNTIMES", "Inspection", "TensorInfo", "complete", "evaluate", "formats", "generate", "inspect", "load",
            "load_module", "save"]
 
 if TYPE_CHECKING:
+    from modelkit.pipeline.generate import Generation
     from modelkit.pipeline.measure import evaluate
 
 
@@ -130,16 +131,64 @@ def generate(path: PathLike, prompt: str | bytes, *, max_new_bytes: int = 200, t
              key: str | None = None, arch: ArchSpec | str | None = None) -> bytes:
     """Continue `prompt` with a tinylm checkpoint: greedy by default, sampled when temperature > 0.
 
-    `format`, `trust`, `key` and `arch` mean what they mean for `load_module`.
+    `format`, `trust`, `key` and `arch` mean what they mean for `load_module`. `complete` does the
+    same for any causal language model (Hugging Face families included) and times it.
     """
     from modelkit.models.tinylm import TinyLM
     from modelkit.models.tinylm import generate as _generate
 
     model = load_module(path, format=format, trust=trust, key=key, arch=arch)
     if not isinstance(model, TinyLM):
-        raise ConfigError(f"{path} holds a {type(model).arch} model; generate needs a tinylm checkpoint")
+        raise ConfigError(f"{path} holds a {_model_name(model)} model; generate needs a tinylm checkpoint "
+                          "(complete() continues Hugging Face language models)")
     data = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
     return _generate(model, data, max_new_bytes=max_new_bytes, temperature=temperature, top_k=top_k, seed=seed)
+
+
+def _model_name(model: Any) -> str:
+    return getattr(type(model), "arch", None) or type(model).__name__
+
+
+def complete(path: PathLike, prompt: str, *, max_new_tokens: int | None = None, max_new_bytes: int | None = None,
+             temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, chat: bool = False,
+             format: str | None = None, trust: bool = False, key: str | None = None,
+             arch: ArchSpec | str | None = None) -> Generation:
+    """Continue `prompt` with a causal language model and time it: a Hugging Face family's model (a folder,
+    a GGUF of one, a quantized output) with its own tokenizer and transformers' `generate` (KV cache), or
+    a tinylm checkpoint (its tokens are bytes).
+
+    Greedy by default; `temperature` > 0 samples (with `top_k`, `top_p`, `seed`). `chat` renders the
+    prompt as a user message through the model's chat template. Generation stops at an end-of-sequence
+    token or after `max_new_tokens` (default 64; tinylm: `max_new_bytes` or `max_new_tokens`, default 200). `format`, `trust`, `key` and `arch` mean what they mean for `load_module`.
+
+    Example:
+        >>> out = modelkit.api.complete("llama-folder", "Hello", max_new_tokens=20)     # doctest: +SKIP
+        >>> out.text, out.to_dict()["decode_tokens_per_second"]                        # doctest: +SKIP
+    """
+    from modelkit.models import hf_config_of
+    from modelkit.models.tinylm import TinyLM
+    from modelkit.pipeline.generate import generate_bytes, generate_tokens
+    from modelkit.pipeline.load import load_language_model
+
+    loaded = load_language_model(path, format=format, trust=trust, key=key, arch=arch)
+    if isinstance(loaded.model, TinyLM):
+        if chat or top_p is not None:
+            raise ConfigError(f"{path}: tinylm has no chat template and samples with --top-k only")
+        limit = next((n for n in (max_new_bytes, max_new_tokens) if n is not None), 200)
+        return generate_bytes(loaded.model, prompt, max_new_tokens=limit, temperature=temperature, top_k=top_k,
+                              seed=seed)
+    if hf_config_of(loaded.model) is None:
+        raise ConfigError(f"{path} holds a {_model_name(loaded.model)} model; generate needs a tinylm checkpoint "
+                          "or a Hugging Face family's causal LM")
+    if max_new_bytes is not None:
+        raise ConfigError("--max-bytes (max_new_bytes) counts tinylm's byte tokens; use --max-new-tokens for this model")
+    if loaded.tokenizer is None:
+        raise ConfigError(f"{path} carries no tokenizer (tokenizer.json or tokenizer.model); copy the model's "
+                          "tokenizer files into its folder")
+    return generate_tokens(loaded.model, loaded.tokenizer, prompt, max_new_tokens=64 if max_new_tokens is None else max_new_tokens,
+                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat,
+                           assets=dict(loaded.assets), source=str(path))
 
 
 def formats() -> list[str]:

@@ -178,9 +178,15 @@ def _apply_groups(state: dict[str, torch.Tensor], groups: list[PruneGroup], conf
                   sparsity: float) -> None:
     """Shrink `state` and `config` in place, group after group."""
     for group in groups:
+        missing = [part.tensor for part in group.slices if part.tensor not in state]
+        if missing:
+            raise ConfigError(f"structured pruning: the model has no plain weight {missing[0]!r} (quantized layers "
+                              "are pruned as their float model: dequantize first)")
         units = _group_keep(state, group, sparsity)
         for part in group.slices:
             state[part.tensor] = _take(state[part.tensor], part, units)
+        config.update(group.pinned)
+        config.update({key: units.numel() * per_unit for key, per_unit in group.also_counts.items()})
         if group.index is None:
             config[group.config_key] = units.numel()
         else:
@@ -190,20 +196,26 @@ def _apply_groups(state: dict[str, torch.Tensor], groups: list[PruneGroup], conf
 
 
 def _structured(model: nn.Module, config: PruneConfig) -> nn.Module:
-    from modelkit.models import MODELS, build, config_to_dict, load_model_module
+    """The model's declared groups applied to a copy of its weights, rebuilt at the new widths: a zoo model,
+    or a transformers model of a `prunable` Hugging Face family (its config.json gets the new sizes)."""
+    from modelkit.models import MODELS, arch_spec, build, config_from_dict, hf_config_of, hf_families, load_model_module
 
-    arch = getattr(type(model), "arch", None)
-    groups = load_model_module(arch).prune_groups(model.config) if arch in MODELS else None
+    hf = hf_config_of(model) is not None
+    spec = arch_spec(model) if hf or getattr(type(model), "arch", None) in MODELS else None
+    groups = load_model_module(spec.name).prune_groups(config_from_dict(spec.name, spec.config)) if spec else None
     if groups is None:
+        prunable = ", ".join(n for n, f in hf_families().items() if f.prunable)
         raise UnsupportedConversionError(type(model).__name__, "structured pruning",
-                                         "structured pruning needs a registered model that declares its "
-                                         f"prune_groups (registered: {', '.join(MODELS)})")
+                                         "structured pruning needs a model that declares its prune_groups: "
+                                         f"the zoo's {', '.join(sorted(n for n, i in MODELS.items() if not i.hf))} "
+                                         f"or a Hugging Face {prunable} model"
+                                         + (f" ({spec.name} has fused or other projections)" if hf else ""))
     if config.skip:
         raise ConfigError("structured pruning removes units model-wide; --skip applies to magnitude and 2:4 only")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    new_config = config_to_dict(model.config)
+    new_config = dict(spec.config)
     _apply_groups(state, groups, new_config, config.sparsity)
-    pruned = build(arch, new_config)
+    pruned = build(spec.name, new_config).to(next(model.parameters()).dtype)
     pruned.load_state_dict(state)
     return pruned.train(model.training)
 

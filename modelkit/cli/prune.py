@@ -5,6 +5,7 @@ import click
 
 from modelkit.cli.options import device_option, force_option, output_options, read_options
 from modelkit.cli.output import Progress, emit_json, human_bytes, table
+from modelkit.formats import FORMATS
 
 
 def _value(value: float | None) -> str:
@@ -14,6 +15,8 @@ def _value(value: float | None) -> str:
 @click.command()
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.argument("dst", type=click.Path(dir_okay=True))
+@click.option("--to", "to", type=click.Choice(sorted(FORMATS)),
+              help="Output format (default: from DST's suffix; hf for a model folder).")
 @click.option("--method", type=click.Choice(["magnitude", "2:4", "structured"]), default="magnitude", show_default=True)
 @click.option("--sparsity", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.5, show_default=True,
               help="Fraction of weights (magnitude) or of units (structured) to remove; 2:4 is always 0.5.")
@@ -21,27 +24,38 @@ def _value(value: float | None) -> str:
               help="magnitude: prune each layer to the sparsity, or rank all weights together.")
 @click.option("--skip", multiple=True, metavar="PATTERN", help="Module names to leave dense (fnmatch, repeatable).")
 @click.option("--finetune-epochs", type=click.IntRange(0), default=0, show_default=True,
-              help="Recover accuracy with the zoo's training loop; pruned weights stay zero.")
+              help="Recover accuracy with the zoo's training loop; pruned weights stay zero (zoo models only).")
+@click.option("--max-tokens", "max_tokens", type=click.IntRange(1),
+              help="Hugging Face language models: score at most this many tokens of the evaluation text.")
 @click.option("--lr", type=float, help="Fine-tuning learning rate (default: the model's own).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @device_option
 @read_options()
 @force_option
 @output_options
-def prune(src: str, dst: str, method: str, sparsity: float, scope: str, skip: tuple[str, ...], finetune_epochs: int,
-          lr: float | None, seed: int, device: str, source_format: str | None, trust: bool, key: str | None,
+def prune(src: str, dst: str, to: str | None, method: str, sparsity: float, scope: str, skip: tuple[str, ...], finetune_epochs: int,
+          max_tokens: int | None, lr: float | None, seed: int, device: str, source_format: str | None, trust: bool, key: str | None,
           arch: str | None, force: bool, as_json: bool) -> None:
-    """Prune the reference model in SRC and save it to DST (any format, from DST's suffix).
+    """Prune the model in SRC and save it to DST (any format, from DST's suffix).
 
     Prints parameters and file size before and after, the sparsity of each layer, and the metric
     before pruning, after pruning and after fine-tuning. structured pruning removes whole units,
     so DST is a smaller model that rebuilds from its ArchSpec.
+
+    SRC may be a Hugging Face model folder (or a GGUF of one). structured pruning removes query heads
+    (the same number under each key/value head; under multi-head attention whole heads with their keys
+    and values) and MLP hidden units of llama, mistral, qwen2, qwen3,
+    gemma2 and gemma3 models, and DST's config.json gets the new num_attention_heads, head_dim and
+    intermediate_size, so transformers loads it; magnitude and 2:4 work on every family. The metric is
+    bits per byte on the held-out standard-library text, with the model's tokenizer; there is no
+    fine-tuning for these models (--finetune-epochs is refused).
 
     \b
     Examples:
       modelkit prune runs/cnn/model.safetensors cnn-s50.safetensors --method structured --sparsity 0.5 --finetune-epochs 10
       modelkit prune runs/cnn/model.safetensors cnn-24.safetensors --method 2:4 --finetune-epochs 10
       modelkit prune runs/tinylm/model.safetensors lm-m80.safetensors --sparsity 0.8 --scope global --json
+      modelkit prune ./Qwen2.5-0.5B qwen-s25 --to hf --method structured --sparsity 0.25 --max-tokens 20000
     """
     from modelkit.pipeline.compress import prune_file
     from modelkit.quantizers.prune import PruneConfig
@@ -50,7 +64,7 @@ def prune(src: str, dst: str, method: str, sparsity: float, scope: str, skip: tu
     with Progress("fine-tune", enabled=not as_json) as progress:
         report = prune_file(src, dst, config, finetune_epochs=finetune_epochs, lr=lr, seed=seed, device=device,
                             force=force, progress=progress, source_format=source_format, trust=trust, key=key,
-                            arch=arch)
+                            arch=arch, max_tokens=max_tokens, to=to)
     if report is None:                  # a rank other than 0 under torchrun: rank 0 reports
         return
     if as_json:

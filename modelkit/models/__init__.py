@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import sys
@@ -164,7 +165,10 @@ def _checked(name: str, module: ModuleType) -> ModuleType:
     if family is not None:
         if not isinstance(family, HFFamily):
             raise ConfigError(f"model {name!r}: {module.__name__}.FAMILY must be a modelkit.models.plugin.HFFamily")
-        for attribute, default in hf_plugin_defaults().items():     # what the zoo's commands look up
+        from modelkit.models import _hf
+
+        defaults = {**hf_plugin_defaults(), "prune_groups": functools.partial(_hf.prune_groups, family)}
+        for attribute, default in defaults.items():     # what the zoo's commands look up
             if not hasattr(module, attribute):
                 setattr(module, attribute, default)
         return module

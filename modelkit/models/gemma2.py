@@ -23,4 +23,5 @@ FAMILY = HFFamily(
     norm_offset=1.0,
     head_dims=True,
     query_scale_27b=46,
+    prunable=True,
 )

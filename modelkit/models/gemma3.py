@@ -15,4 +15,5 @@ FAMILY = HFFamily(
     head_dims=True,
     query_scale_27b=62,
     text_config="text_config",
+    prunable=True,
 )

@@ -13,4 +13,5 @@ FAMILY = HFFamily(
     tensors=DECODER_TENSORS,
     hparams=DECODER_HPARAMS,
     rope_permute=True,
+    prunable=True,
 )

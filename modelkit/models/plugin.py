@@ -147,12 +147,18 @@ class PruneGroup:
         index: Which entry of a list-valued config field (mlp's `hidden[i]`); None for a plain field.
         buckets: The units fall in this many equal runs that each keep the same count (query heads
             per key/value head, so grouped-query attention stays uniform).
+        pinned: Config values written explicitly once the group is applied (head_dim, which a config
+            would otherwise derive from hidden_size / num_attention_heads).
+        also_counts: Other config fields that count the same units, with the number each unit adds
+            ({"num_key_value_heads": 1} when whole heads of multi-head attention go with their keys and values).
     """
 
     slices: tuple[PruneSlice, ...]
     config_key: str
     index: int | None = None
     buckets: int = 1
+    pinned: dict[str, Any] = field(default_factory=dict, hash=False)
+    also_counts: dict[str, int] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -226,6 +232,8 @@ class HFFamily:
             for the module schemes (int4, int8, gptq, int8-dynamic): the token embeddings, which
             transformers cannot load as a compressed nn.Embedding, and the output head, which
             llm-compressor's recipes leave in float too. `--skip` adds to them.
+        prunable: Structured pruning applies (modelkit.models._hf.decoder_prune_groups): separate
+            q/k/v/o and gate/up/down projections with Llama's names.
     """
 
     model_types: tuple[str, ...]
@@ -241,6 +249,7 @@ class HFFamily:
     text_config: str | None = None
     query_scale_27b: int | None = None
     float_modules: tuple[str, ...] = ("model.embed_tokens", "lm_head")
+    prunable: bool = False
 
 
 def _sequence_axis(config: Any) -> dict[int, Axis]:
@@ -261,8 +270,9 @@ def _token_ids(batch_size: int = 2, *, seed: int = 0, seq_len: int = 16) -> Any:
 def hf_plugin_defaults() -> dict[str, Any]:
     """What a Hugging Face family module gets for the zoo's plugin names it does not declare: its config
     is the config.json dict, transformers builds the module (modelkit.models.build), nothing is trained
-    (TASK, TRAINING, QUALITY None), no Keras layout or pruning groups, the sequence axis free in ONNX,
-    and its GGUF conventions are the FAMILY's own (GGUF None)."""
+    (TASK, TRAINING, QUALITY None), no Keras layout, pruning groups when the family is `prunable` (the
+    registry binds modelkit.models._hf.prune_groups to it), the sequence axis free in ONNX, and its GGUF
+    conventions are the FAMILY's own (GGUF None)."""
     return {"CONFIG": dict, "MODEL": None, "TASK": None, "TRAINING": None, "example_inputs": _token_ids,
             "keras_layers": _no_layout, "onnx_axes": _sequence_axis, "prune_groups": _no_layout,
             "DISTILL": DistillDefaults(), "STUDENT": {}, "QUALITY": None, "GGUF": None}

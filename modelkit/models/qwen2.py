@@ -9,4 +9,5 @@ FAMILY = HFFamily(
     architecture="qwen2",
     tensors={**DECODER_TENSORS, **QK_BIASES},
     hparams=DECODER_HPARAMS,
+    prunable=True,
 )

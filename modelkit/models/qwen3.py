@@ -10,4 +10,5 @@ FAMILY = HFFamily(
     architecture="qwen3",
     tensors={**DECODER_TENSORS, **QK_NORMS},
     hparams=DECODER_HPARAMS,
+    prunable=True,
 )

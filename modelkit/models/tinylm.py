@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelkit.errors import ConfigError
+from modelkit.models._hf import decoder_prune_groups
 from modelkit.models._tasks import LanguageModelTask, TrainDefaults
-from modelkit.models.plugin import Axis, DistillDefaults, GGUFLayout, KerasLayout, PruneGroup, PruneSlice, QualityBar
+from modelkit.models.plugin import Axis, DistillDefaults, GGUFLayout, KerasLayout, PruneGroup, QualityBar
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,16 +265,9 @@ def onnx_axes(config: TinyLMConfig) -> dict[int, Axis]:
 
 def prune_groups(config: TinyLMConfig) -> list[PruneGroup]:
     """Per block: attention heads (each key/value group keeps its best query heads, so GQA stays
-    uniform) and SwiGLU hidden units (a gate row, an up row and a down column together)."""
-    groups = []
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}"
-        groups.append(PruneGroup((PruneSlice(f"{p}.self_attn.q_proj.weight", 0, width=config.head_dim, score=True),
-                                  PruneSlice(f"{p}.self_attn.o_proj.weight", 1, width=config.head_dim, score=True)),
-                                 "num_attention_heads", buckets=config.num_key_value_heads))
-        groups.append(PruneGroup(tuple(PruneSlice(f"{p}.mlp.{n}_proj.weight", d, score=True)
-                                       for n, d in (("gate", 0), ("up", 0), ("down", 1))), "intermediate_size"))
-    return groups
+    uniform) and SwiGLU hidden units: the Llama decoder's groups (modelkit.models._hf)."""
+    return decoder_prune_groups(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+                                config.head_dim)
 
 
 # Measured 2026-11-21 (seed 0, bits/byte, the student alone 2.580): T=1, alpha=0.5 -> 2.519; T=1,

@@ -78,10 +78,15 @@ def finetune(model: nn.Module, *, epochs: int, lr: float | None = None, seed: in
 def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: int = 0, lr: float | None = None,
                seed: int = 0, device: str = "auto", force: bool = False, progress=None,
                source_format: str | None = None, trust: bool = False, key: str | None = None,
-               arch: str | None = None) -> PruneReport | None:
+               arch: str | None = None, max_tokens: int | None = None, to: str | None = None) -> PruneReport | None:
     """Prune the model in `src`, optionally fine-tune it, and save it to `dst` (any format by suffix).
 
-    `source_format`, `trust`, `key` and `arch` say how to read `src`, as for `load_module`.
+    `source_format`, `trust`, `key` and `arch` say how to read `src`, as for `load_module`; `to` names the
+    output format (default: from `dst`'s suffix).
+
+    A Hugging Face family's causal LM (a folder, a GGUF of one) is measured in bits per byte on the default
+    held-out text (`evaluate`; `max_tokens` caps it) with its own tokenizer, before and after; its
+    tokenizer files travel to `dst`. Fine-tuning is for the zoo's models only.
 
     Under torchrun every rank prunes and fine-tunes (DDP); rank 0 writes `dst` and gets the
     report, the other ranks get None.
@@ -92,37 +97,62 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
         ...                     PruneConfig(method="structured", sparsity=0.5), finetune_epochs=10)
     """
     from modelkit.formats import FORMATS, WriteOptions, format_for_output
-    from modelkit.pipeline.load import load_module
+    from modelkit.models import hf_config_of
+    from modelkit.pipeline.load import load_language_model
     from modelkit.pipeline.write import write_checkpoint
     from modelkit.quantizers import prune
 
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    model = load_module(src, format=source_format, trust=trust, key=key, arch=arch)
-    name = _arch_name(model)
-    before = evaluate(model, device=device)
+    # a quantized file (GGUF blocks, int8/int4) is pruned as its float model: pruning slices plain weights
+    loaded = load_language_model(src, format=source_format, trust=trust, key=key, arch=arch, dequantize=True)
+    model = loaded.model
+    if hf_config_of(model) is not None:
+        if finetune_epochs:
+            raise ConfigError(f"{src}: fine-tuning after pruning is for the zoo's models; prune a Hugging Face "
+                              "model without --finetune-epochs")
+
+        def measure(m: nn.Module) -> dict[str, Any] | None:
+            if loaded.tokenizer is None:         # no tokenizer files: the report says so (values None)
+                return None
+            return evaluate(m, device=device, tokenizer=loaded.tokenizer, max_tokens=max_tokens)
+
+        headline = "bits_per_byte"
+    else:
+        headline = _headline(_arch_name(model))
+
+        def measure(m: nn.Module) -> dict[str, Any] | None:
+            return evaluate(m, device=device)
+
+    before = measure(model)
     pruned = prune.apply(model, config)
-    after = evaluate(pruned, device=device)
+    after = measure(pruned)
     tuned = None
     if finetune_epochs:
         finetune(pruned, epochs=finetune_epochs, lr=lr, seed=seed, device=device, progress=progress)
-        tuned = evaluate(pruned, device=device)
-    metric = before["split"] + " " + _headline(name)
+        tuned = measure(pruned)
+    metric = (before["split"] if before else "val") + " " + headline + ("" if before else " (no tokenizer to measure with)")
     final = tuned or after
-    metadata = {PRUNE_KEY: json.dumps({**prune.config_dict(config), "finetune_epochs": finetune_epochs}),
-                METRICS_KEY: json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})}
+    metadata = {PRUNE_KEY: json.dumps({**prune.config_dict(config), "finetune_epochs": finetune_epochs})}
+    if final is not None:
+        metadata[METRICS_KEY] = json.dumps({final["split"]: {k: v for k, v in final.items() if k not in ("model", "split")}})
     if not distributed.from_environment().is_main:
         return None                     # under torchrun only rank 0 writes and reports
-    fmt = format_for_output(dst, None)
+    if hf_config_of(pruned) is not None and loaded.weights_dtype in ("float16", "bfloat16"):
+        import torch
+
+        pruned = pruned.to(getattr(torch, loaded.weights_dtype))   # the source's type (exact: a subset of its values)
+    fmt = format_for_output(dst, to)
     module = pruned if FORMATS[fmt].has_graph else None      # a graph's outputs are checked against the pruned model
-    write_checkpoint(Checkpoint.from_module(pruned, metadata=metadata), dst, fmt,
-                     WriteOptions(module=module, final_path=dst), force=force, module=module)
+    ckpt = Checkpoint.from_module(pruned, metadata=metadata)
+    ckpt.assets = dict(loaded.assets)   # the tokenizer and generation files travel to a folder or GGUF
+    write_checkpoint(ckpt, dst, fmt, WriteOptions(module=module, final_path=dst), force=force, module=module)
     return PruneReport(
         source=str(src), target=str(dst), config=prune.config_dict(config), metric=metric,
         parameters={"before": _parameters(model), "after": _parameters(pruned)},
         bytes={"before": _file_bytes(src), "after": _file_bytes(dst)},
-        values={"before": before[_headline(name)], "after": after[_headline(name)],
-                "finetuned": tuned[_headline(name)] if tuned else None},
+        values={"before": before and before[headline], "after": after and after[headline],
+                "finetuned": tuned[headline] if tuned else None},
         layers=prune.sparsity_report(pruned), finetune_epochs=finetune_epochs,
         seconds=time.perf_counter() - started,
     )

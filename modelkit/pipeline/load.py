@@ -6,8 +6,9 @@ inside their converter before anything is read.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from modelkit.checkpoint import ArchSpec, Checkpoint, instantiate
 from modelkit.formats import (
@@ -23,6 +24,8 @@ from modelkit.pipeline.verify import reference_module
 from modelkit.pipeline.write import write_checkpoint
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from torch import nn
 
 PathLike = str | os.PathLike[str]
@@ -99,3 +102,42 @@ def load_module(path: PathLike, *, format: str | None = None, arch: ArchSpec | s
     """
     ckpt = load(path, format=format, trust=trust, key=key)
     return instantiate(ckpt, arch=arch, source=str(path))     # quantized tensors become quantized layers
+
+
+@dataclass
+class LanguageModel:
+    """A runnable model with what running it as a language model needs: its tokenizer (transformers', for a
+    Hugging Face family's model that carries tokenizer files; None for the zoo) and its files (`assets`:
+    generation_config.json, chat template)."""
+
+    model: nn.Module
+    tokenizer: Any
+    assets: Mapping[str, bytes]
+    weights_dtype: str | None = None       # the float type the file stores most matrix bytes in ("bfloat16")
+
+
+def load_language_model(path: PathLike, *, format: str | None = None, arch: ArchSpec | str | None = None,
+                        trust: bool = False, key: str | None = None, dequantize: bool = False) -> LanguageModel:
+    """`load_module`, with the tokenizer a Hugging Face family's model carries (a folder's tokenizer.json and
+    friends, or those a GGUF's tokenizer keys rebuild). `dequantize` builds the float model from a file
+    holding quantized tensors (instantiate's), instead of quantized layers."""
+    from modelkit.models import _hf, hf_config_of
+
+    ckpt = load(path, format=format, trust=trust, key=key)
+    model = instantiate(ckpt, arch=arch, source=str(path), dequantize=dequantize)
+    has_tokenizer = "tokenizer.json" in ckpt.assets or "tokenizer.model" in ckpt.assets
+    tokenizer = _hf.tokenizer(ckpt.assets, source=str(path)) if has_tokenizer and hf_config_of(model) is not None else None
+    return LanguageModel(model, tokenizer, ckpt.assets, _weights_dtype(ckpt))
+
+
+def _weights_dtype(ckpt: Checkpoint) -> str | None:
+    """The floating type holding most of the file's 2-D float weights (None when it stores none)."""
+    from collections import Counter
+
+    from modelkit.storage.dtypes import dtype_name
+
+    counts: Counter[str] = Counter()
+    for t in ckpt.tensors.values():
+        if len(t.shape) == 2 and getattr(t.dtype, "is_floating_point", False):
+            counts[dtype_name(t.dtype)] += t.nbytes
+    return counts.most_common(1)[0][0] if counts else None

@@ -36,21 +36,27 @@ def arch_name(model: nn.Module) -> str:
 
 def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, arch: str | None = None,
              device: str = "auto", runtime: str = "torch", format: str | None = None, trust: bool = False,
-             key: str | None = None) -> dict[str, Any]:
-    """Evaluate a reference model (a file or a module) on a split of its own data.
+             key: str | None = None, data: PathLike | None = None, context: int | None = None,
+             max_tokens: int | None = None, tokenizer: Any = None) -> dict[str, Any]:
+    """Evaluate a model (a file or a module) on text or on a split of its own data.
 
     Returns the metrics plus "model" and "split": accuracy for classifiers; bits per byte,
     perplexity and the unigram baseline for tinylm. The default split is the model's own
     (test for classifiers, validation for tinylm). `runtime="onnxruntime"` runs an ONNX file
     in an onnxruntime session (CPU) instead of rebuilding the torch module from its weights.
     `format`, `trust`, `key` and `arch` are `load_module`'s, for files.
+
+    A causal language model of a Hugging Face family (a folder, a GGUF of one, a quantized output)
+    gets `text_metrics` on `data` (a UTF-8 text file) or, by default, on the held-out standard-library
+    text tinylm is measured on (`split`), tokenized with its own tokenizer (`tokenizer` for a module:
+    transformers' tokenizer). `context` and `max_tokens` are `text_metrics`'.
     """
     from torch import nn
 
-    from modelkit.models import load_model_module
+    from modelkit.models import hf_config_of, load_model_module
     from modelkit.pipeline import distributed
     from modelkit.pipeline import train as training
-    from modelkit.pipeline.load import load_module
+    from modelkit.pipeline.load import load_language_model
 
     if runtime not in RUNTIMES:
         raise ConfigError(f"unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
@@ -59,16 +65,129 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
             raise ConfigError(f"{path_or_model}: runtime onnxruntime needs an ONNX file; convert it with "
                               "modelkit convert SRC model.onnx first")
         model, device = session_module(path_or_model), "cpu"
+    elif isinstance(path_or_model, nn.Module):
+        model = path_or_model
     else:
-        model = path_or_model if isinstance(path_or_model, nn.Module) else load_module(
-            path_or_model, format=format, arch=arch, trust=trust, key=key)
+        loaded = load_language_model(path_or_model, format=format, arch=arch, trust=trust, key=key)
+        model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
+    dev = distributed.resolve_device(device, distributed.DistInfo())
+    if hf_config_of(model) is not None:
+        return _evaluate_text(model, tokenizer, split=split, data=data, context=context, max_tokens=max_tokens,
+                              device=dev)
     name = getattr(type(model), "arch", None)
     if name is None:
         raise ConfigError(f"{type(model).__name__} is not a reference model; evaluation needs one of its tasks")
+    if data is not None or context is not None or max_tokens is not None:
+        raise ConfigError(f"{name} is measured on its own task's data; --data, --context and --max-tokens apply "
+                          "to Hugging Face language models")
     split = split or load_model_module(name).TASK.default_split
-    dev = distributed.resolve_device(device, distributed.DistInfo())
     metrics = training.evaluate(model.to(dev), name, split, device=dev)
     return {"model": name, "split": split, **metrics}
+
+
+# Longest window text_metrics runs by default: a model's context can be 128k tokens, and a 512-token
+# window already conditions on most of what helps a next-token guess on source code.
+EVAL_CONTEXT = 512
+# Logits a batch may hold ((windows, tokens, vocabulary), float32): 2**26 is 256 MiB.
+EVAL_LOGITS = 2**26
+
+
+def _evaluate_text(model: nn.Module, tokenizer: Any, *, split: str | None, data: PathLike | None,
+                   context: int | None, max_tokens: int | None, device: torch.device) -> dict[str, Any]:
+    from modelkit.models import arch_spec, load_model_module
+
+    if tokenizer is None:
+        raise ConfigError(f"evaluating a {type(model).__name__} needs its tokenizer: the model carries no "
+                          "tokenizer.json (copy the tokenizer files into its folder; API: tokenizer=...)")
+    if data is not None:
+        if split is not None:
+            raise ConfigError("give --data FILE or --split, not both")
+        try:
+            text = Path(data).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{data}: cannot read it as UTF-8 text ({e})") from e
+        label = str(data)
+    else:
+        split = split or "val"
+        text = load_model_module("tinylm").TASK.text(split).decode("utf-8", errors="replace")
+        label = split
+    metrics = text_metrics(model.to(device), tokenizer, text, context=context, max_tokens=max_tokens)
+    return {"model": arch_spec(model).name, "split": label, **metrics}
+
+
+@torch.no_grad()
+def text_metrics(model: nn.Module, tokenizer: Any, text: str, *, context: int | None = None,
+                 max_tokens: int | None = None) -> dict[str, Any]:
+    """Perplexity and bits per byte of a causal language model (transformers' module) on `text`.
+
+    The text is tokenized once, with a BOS token first when the tokenizer has one (so its first token
+    is predicted too), cut to `max_tokens` predicted tokens, and scored in non-overlapping windows of
+    `context` tokens (default: the model's context length, at most EVAL_CONTEXT), batched; each token is
+    predicted once, from the tokens before it in its window. Bits per byte is the summed cross-entropy
+    in bits over the UTF-8 bytes those tokens cover, so models with different tokenizers compare;
+    perplexity is per token.
+    """
+    import torch.nn.functional as F
+
+    if not text:
+        raise ConfigError("the text to evaluate on is empty")
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    context = context or min(limit or EVAL_CONTEXT, EVAL_CONTEXT)
+    if context < 1 or (limit and context > limit):
+        raise ConfigError(f"--context {context}: must be between 1 and the model's context length {limit}")
+    started = time.perf_counter()
+    ids, ends = _token_spans(tokenizer, text, max_tokens)
+    bos = tokenizer.bos_token_id
+    seq = ([bos] if bos is not None else []) + ids
+    # targets are seq[1:]; the byte span they cover starts after the first token when there is no BOS
+    first_byte = 0 if bos is not None else ends[0]
+    n = len(seq) - 1 if max_tokens is None else min(len(seq) - 1, max_tokens)
+    if n < 1:
+        raise ConfigError("the text is a single token; nothing to predict")
+    target_end = ends[n - 1 if bos is not None else n]              # char end of the last target token
+    n_bytes = len(text[:target_end].encode("utf-8")) - len(text[:first_byte].encode("utf-8"))
+    tokens = torch.tensor(seq[:n + 1], dtype=torch.long)
+    device = next(model.parameters()).device
+    vocab = int(model.config.vocab_size)
+    batch = max(1, EVAL_LOGITS // (context * vocab))
+    full = n // context
+    windows = [tokens[:full * context + 1].unfold(0, context + 1, context)] if full else []   # (full, context + 1)
+    if n % context:
+        windows.append(tokens[full * context:][None])                                     # (1, rest + 1)
+    was_training = model.training
+    model.eval()
+    nll = 0.0
+    for group in windows:
+        for chunk in group.split(batch):
+            chunk = chunk.to(device)
+            logits = model(input_ids=chunk[:, :-1], use_cache=False).logits.float()       # (B, T, vocab)
+            nll += float(F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
+    model.train(was_training)
+    seconds = time.perf_counter() - started
+    return {"bits_per_byte": nll / math.log(2) / n_bytes, "perplexity": math.exp(nll / n), "tokens": n,
+            "bytes": n_bytes, "bytes_per_token": n_bytes / n, "context": context,
+            "windows": full + (1 if n % context else 0), "seconds": round(seconds, 3)}
+
+
+def _token_spans(tokenizer: Any, text: str, max_tokens: int | None = None) -> tuple[list[int], list[int]]:
+    """The text's token ids (no special tokens) and, for each, the character offset where it ends.
+
+    With `max_tokens`, a prefix of the text long enough for them is tokenized (the tokens past the cut
+    are dropped), not the whole text."""
+    if max_tokens is not None and len(text) > 64 * (max_tokens + 2):
+        ids, ends = _token_spans(tokenizer, text[:64 * (max_tokens + 2)])
+        if len(ids) > max_tokens + 2:           # the last tokens may be cut by the prefix: never scored
+            return ids[:max_tokens + 1], ends[:max_tokens + 1]
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    if not ids:
+        raise ConfigError("the text tokenizes to no tokens")
+    ends, last = [], 0
+    for _, end in offsets:                 # special or merged tokens may report (0, 0): keep the ends rising
+        last = max(last, int(end))
+        ends.append(last)
+    ends[-1] = len(text)                   # trailing text a normalizer dropped still belongs to the last token
+    return ids, ends
 
 
 @torch.no_grad()
