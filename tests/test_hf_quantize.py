@@ -191,6 +191,21 @@ def test_several_schemes_make_a_folder_each(folders, tmp_path):
     assert all((tmp_path / "all" / s / "config.json").is_file() for s in ("int8", "int4"))
 
 
+def test_eval_measures_bits_per_byte_before_and_after_with_the_folders_tokenizer(folders, tmp_path):
+    report = quantize(folders["llama"], tmp_path / "q", scheme="int8", evaluate=True, latency=False)
+    metric = report.metric
+    assert metric["name"] == "bits_per_byte" and 0 < metric["float"] < 20 and 0 < metric["quantized"] < 20
+    assert abs(metric["relative"]) < 0.05 and metric["higher_is_better"] is False      # int8: a small change
+    assert any("tokens of the held-out text" in note for note in report.notes)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(folders["llama"] / name, bare / name)
+    with pytest.raises(ConfigError, match="carries no tokenizer.json"):
+        quantize(bare, tmp_path / "never", scheme="int8", evaluate=True)
+    assert not (tmp_path / "never").exists()                  # refused before anything is written
+
+
 def test_a_compressed_folder_modelkit_did_not_write_is_refused(folders, tmp_path):
     """llm-compressor's folders carry quantization_config but not modelkit's record of the parts."""
     from modelkit.errors import FormatError

@@ -207,10 +207,18 @@ def latency_ms(model: nn.Module, inputs: Any, *, repeats: int = 20, min_seconds:
 
 
 def latencies(model: nn.Module, batches: Sequence[int] = LATENCY_BATCHES) -> dict[str, float]:
-    """CPU latency at each batch size on the model's example inputs (tinylm: 16-token windows)."""
-    from modelkit.models import load_model_module
+    """CPU latency at each batch size on the model's example inputs (tinylm, and Hugging Face language
+    models: 16-token windows of random ids)."""
+    from modelkit.models import hf_config_of, load_model_module
 
-    make = load_model_module(arch_name(model)).example_inputs
+    config = hf_config_of(model)
+    if config is not None:
+        vocab = int(getattr(model.config, "vocab_size", 2))
+
+        def make(batch: int) -> torch.Tensor:
+            return torch.randint(0, vocab, (batch, 16), generator=torch.Generator().manual_seed(0))
+    else:
+        make = load_model_module(arch_name(model)).example_inputs
     return {f"batch_{b}": round(latency_ms(model.cpu(), make(b)), 4) for b in batches}
 
 

@@ -155,6 +155,18 @@ def _load_float(src: PathLike | nn.Module, *, source_format: str | None = None, 
     return _Source(model, {"path": str(path), "format": fmt, "bytes": size}, metadata, dict(ckpt.assets))
 
 
+def _eval_tokenizer(loaded: _Source, src: Any) -> Any:
+    """The tokenizer --eval measures a Hugging Face language model with (None for the zoo's models)."""
+    if _family(loaded.model) is None:
+        return None
+    if "tokenizer.json" not in loaded.assets:
+        raise ConfigError(f"{src}: --eval measures a language model on text with its own tokenizer, and this "
+                          "model carries no tokenizer.json; copy the tokenizer files into its folder")
+    from modelkit.models import _hf
+
+    return _hf.tokenizer(loaded.assets, source=str(src))
+
+
 def _family(model: nn.Module) -> Any:
     """The Hugging Face family (HFFamily) of a transformers model, or None for any other module."""
     from modelkit.models import family_for_config, hf_config_of, hf_family
@@ -350,6 +362,9 @@ def quantize(
     loaded = _load_float(src, source_format=source_format, trust=trust, key=key, arch=arch)
     model, source, metadata = loaded.model, loaded.info, loaded.metadata
     config = _family_defaults(config, model)
+    tokenizer = _eval_tokenizer(loaded, src) if evaluate else None       # before anything is written
+    if (evaluate or latency) and reference is None:
+        reference = measure_float(model, evaluate=evaluate, latency=bool(latency or evaluate), tokenizer=tokenizer)
     started = time.perf_counter()
     if qat:
         quantized = train_qat(model, config, epochs=epochs, lr=lr, steps=steps, progress=progress)
@@ -376,34 +391,51 @@ def quantize(
                             target=target, stats=stats, seconds_quantize=round(seconds, 3), size_ratio=ratio,
                             verify=verified, notes=notes)
     if evaluate or latency:
-        reference = reference or measure_float(model, evaluate=evaluate, latency=bool(latency or evaluate))
-        _measure(report, quantized, reference, evaluate=evaluate, latency=bool(latency or evaluate))
+        _measure(report, quantized, reference, evaluate=evaluate, latency=bool(latency or evaluate), tokenizer=tokenizer)
+        if tokenizer is not None:
+            report.notes.append(f"bits per byte on the first {LM_EVAL_TOKENS:,} tokens of the held-out text "
+                                "(modelkit eval --split val), with the model's own tokenizer")
     return report
 
 
-def measure_float(model: nn.Module, *, evaluate: bool = True, latency: bool = True) -> dict[str, Any]:
-    """The float model's metric and latency, for comparison with each scheme."""
+# A Hugging Face language model's --eval: bits per byte on this many tokens of the held-out text (the
+# whole split is about 70,000 tokens for a 32k vocabulary: minutes for a 1B model on a CPU, twice).
+LM_EVAL_TOKENS = 8192
+
+
+def measure_float(model: nn.Module, *, evaluate: bool = True, latency: bool = True, tokenizer: Any = None) -> dict[str, Any]:
+    """The float model's metric and latency, for comparison with each scheme (a Hugging Face language
+    model: bits per byte with `tokenizer`, lower is better)."""
     from modelkit.models import load_model_module
-    from modelkit.pipeline import measure
     from modelkit.pipeline.measure import arch_name, latencies
 
-    task = load_model_module(arch_name(model)).TASK
-    out: dict[str, Any] = {"metric_name": task.metric, "higher_is_better": task.higher_is_better}
+    if _family(model) is not None:
+        out: dict[str, Any] = {"metric_name": "bits_per_byte", "higher_is_better": False}
+    else:
+        task = load_model_module(arch_name(model)).TASK
+        out = {"metric_name": task.metric, "higher_is_better": task.higher_is_better}
     if evaluate:
-        out["metric"] = measure.evaluate(model, device="cpu")
+        out["metric"] = _evaluate(model, tokenizer)
     if latency:
         out["latency_ms"] = latencies(model)
     return out
 
 
-def _measure(report: QuantizeReport, quantized: nn.Module, reference: dict[str, Any], *, evaluate: bool,
-             latency: bool) -> None:
+def _evaluate(model: nn.Module, tokenizer: Any) -> dict[str, Any]:
     from modelkit.pipeline import measure
+
+    if tokenizer is None:
+        return measure.evaluate(model, device="cpu")
+    return measure.evaluate(model, device="cpu", tokenizer=tokenizer, max_tokens=LM_EVAL_TOKENS)
+
+
+def _measure(report: QuantizeReport, quantized: nn.Module, reference: dict[str, Any], *, evaluate: bool,
+             latency: bool, tokenizer: Any = None) -> None:
     from modelkit.pipeline.measure import latencies, metric_change
 
     if evaluate:
         name = reference["metric_name"]
-        after = measure.evaluate(quantized, device="cpu")
+        after = _evaluate(quantized, tokenizer)
         report.metric = metric_change(name, reference["higher_is_better"], reference["metric"], after)
     if latency:
         report.latency_ms = {"float": reference["latency_ms"], "quantized": latencies(quantized)}
@@ -426,7 +458,8 @@ def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], fo
         reference = float_reference(src)
     elif evaluate:
         reading = {k: options[k] for k in ("source_format", "trust", "key", "arch") if k in options}
-        reference = measure_float(_load_float(src, **reading).model)
+        loaded = _load_float(src, **reading)
+        reference = measure_float(loaded.model, tokenizer=_eval_tokenizer(loaded, src))
     suffix = ".onnx" if str(src).endswith(".onnx") else next(iter(FORMATS[format].suffixes), "")   # hf: a folder each
     reports = []
     for done, name in enumerate(scheme_names, start=1):
