@@ -546,7 +546,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), 
         model = _export_causal_lm(module, options, opset=opset)
     elif options.kv_cache:
         raise UnsupportedConversionError(type(module).__name__, "onnx", "kv_cache applies to Hugging Face causal "
-                                         "LMs (a config with vocab_size, forward taking past_key_values)")
+                                         "LMs (a config with vocab_size, forward taking a key/value cache)")
     else:
         model = _export(module, _example_inputs(module, options.example_inputs), opset=opset,
                         names=options.input_names, axes=options.dynamic_axes)

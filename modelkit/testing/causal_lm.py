@@ -2,7 +2,8 @@
 exporter (modelkit/converters/onnx.py) and the output check (modelkit/pipeline/verify.py) share.
 
 A causal LM is any module whose `config` has an integer `vocab_size` and whose `forward` takes
-`input_ids`, `attention_mask`, `position_ids` and `past_key_values` by name, as transformers'
+`input_ids`, `attention_mask`, `position_ids` and a key/value cache (`cache`, or `past_key_values` before
+transformers 5.24) by name, as transformers'
 `*ForCausalLM` and `GPT2LMHeadModel` classes do; no family is named. `CausalLMGraph` wraps one as
 a module of plain tensors, the graph's signature (names as optimum and onnxruntime-genai use them):
 
@@ -33,7 +34,9 @@ from modelkit.errors import ConfigError
 from modelkit.models.plugin import Axis
 
 INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
-_FORWARD_ARGUMENTS = {"input_ids", "attention_mask", "position_ids", "past_key_values"}
+_FORWARD_ARGUMENTS = {"input_ids", "attention_mask", "position_ids"}
+# The key/value cache argument (and output) of forward: `cache` from transformers 5.24, `past_key_values` before
+_CACHE_NAMES = ("cache", "past_key_values")
 # (batch, sequence) of the seeded check inputs: two batch sizes, two lengths; row 0 of a batch
 # of several is left-padded by a third of its length.
 CHECK_SHAPES = ((1, 7), (3, 16))
@@ -50,7 +53,22 @@ def is_causal_lm(module: Any) -> bool:
         parameters = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
-    return _FORWARD_ARGUMENTS <= set(parameters)
+    return _FORWARD_ARGUMENTS <= set(parameters) and any(name in parameters for name in _CACHE_NAMES)
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """The name forward takes the key/value cache by (transformers' own renamed it in 5.24)."""
+    parameters = inspect.signature(model.forward).parameters
+    return next(name for name in _CACHE_NAMES if name in parameters)
+
+
+def returned_cache(out: Any) -> Any:
+    """The key/value cache a forward returned, under either of transformers' names."""
+    for name in _CACHE_NAMES:
+        cache = getattr(out, name, None)
+        if cache is not None:
+            return cache
+    return None
 
 
 def position_ids(attention_mask: torch.Tensor, length: int | None = None) -> torch.Tensor:
@@ -64,7 +82,7 @@ def cache_layout(model: nn.Module) -> list[tuple[int, int]]:
     """(kv_heads, head_dim) of each layer's key/value cache, from one step of the model itself."""
     with torch.no_grad():
         out = model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True)
-    layers = getattr(out.past_key_values, "layers", None)
+    layers = getattr(returned_cache(out), "layers", None)
     if not layers:
         raise ConfigError(f"{type(model).__name__} returns no key/value cache layers; export it without kv_cache")
     return [(layer.keys.shape[1], layer.keys.shape[-1]) for layer in layers]
@@ -103,8 +121,8 @@ class CausalLMGraph(nn.Module):
         # sliding-window attention still comes from the model's own masks.
         cache = DynamicCache([(past[2 * n], past[2 * n + 1]) for n in range(self.layers)])
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
-        return (out.logits, *(t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)))
+                         use_cache=True, **{_cache_argument(self.model): cache})
+        return (out.logits, *(t for layer in returned_cache(out).layers for t in (layer.keys, layer.values)))
 
 
 def graph(model: nn.Module, *, kv_cache: bool) -> CausalLMGraph:
@@ -174,7 +192,7 @@ def check_inputs(model: nn.Module, *, kv_cache: bool, given: Sequence[Any] | Non
         inputs.append((ids, mask, positions, *empty))
         with torch.no_grad():
             out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True)
-        past = [t.detach().clone() for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        past = [t.detach().clone() for layer in returned_cache(out).layers for t in (layer.keys, layer.values)]
         inputs.append((ids[:, -1:], mask, positions[:, -1:], *past))
     return inputs
 
