@@ -23,6 +23,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.models.gguf_vocab import PRE_TOKENIZERS, TOKENIZER_FILES, gguf_tokenizer_kv, tokenizer_assets
+from modelkit.testing.prompts import TOKENIZER_PROMPTS
 
 SP = "\u2581"
 CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -145,12 +146,7 @@ def prompts(name: str) -> list[str]:
     fam = FAMILIES[name]
     marks = [t for t in (*fam.specials, *fam.extra) if t != "<unk>"]
     return [
-        "Hello world",
-        "def wrap(text, width=70):\n    return TextWrapper(width=width).wrap(text)\n",
-        "  two leading spaces,   runs of   spaces\t\ttabs\n\n\nand newlines  ",
-        "numbers 1234567 and 3.14159, 42nd",
-        "unicode: café naïve straße Ελληνικά 日本語 🙂 ✓",
-        "don't I'll we've THEY'RE",
+        *TOKENIZER_PROMPTS,
         f"{marks[0]}Hi there{marks[-1]} and{marks[-1]}\nmore",
         "",
         *(f"{fam.user[0].replace(SP, ' ')}let me think {fam.user[-1].replace(SP, ' ')} ok" for _ in fam.user[:1]),

@@ -29,6 +29,7 @@ import torch
 import transformers  # the judge (the hf extra, installed for tests): not skipped when missing
 
 import modelkit
+from modelkit.testing.prompts import TOKENIZER_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = ROOT / "fixtures" / "llama_cpp"
@@ -65,14 +66,7 @@ FAMILIES = {
     "gpt2": Family(transformers.GPT2Config, "gpt2"),
 }
 KINDS = ("f32", "f16", "q8_0", "q4_0")
-PROMPTS = [
-    "Hello world",
-    "def wrap(text, width=70):\n    return TextWrapper(width=width).wrap(text)\n",
-    "  two leading spaces,   runs of   spaces\t\ttabs\n\n\nand newlines  ",
-    "numbers 1234567 and 3.14159, 42nd",
-    "unicode: café naïve straße Ελληνικά 日本語 🙂 ✓",
-    "don't I'll we've THEY'RE",
-]
+PROMPTS = list(TOKENIZER_PROMPTS)
 LOGITS_PROMPT = 1           # the prompt whose logits are compared: its first LOGITS_TOKENS ids
 LOGITS_TOKENS = 16
 
