@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelkit.checkpoint import Checkpoint, LazyTensor
-from modelkit.formats import FORMATS, ReadOptions, WriteOptions, load_format
+from modelkit.formats import FORMATS, ReadOptions, WriteOptions, load_format, output_folder
 from modelkit.pipeline.verify import verify_graph, verify_weights
 from modelkit.storage.atomic import atomic_dir, atomic_path, sync_in_background
 
@@ -94,6 +94,8 @@ def write_checkpoint(ckpt: Checkpoint, target: PathLike, fmt: str, options: Writ
         return result
 
     folder = sharded or FORMATS[fmt].folder
+    if FORMATS[fmt].folder:
+        target = output_folder(target, fmt)
     return write_output(target, write, verify=check if verify else None, force=force, folder=folder,
                         companions=() if folder else FORMATS[fmt].companions)
 
