@@ -1,7 +1,7 @@
 """The TensorFlow.js judge: TF.js 4.22 itself loads the Layers models modelkit writes and runs them.
 
 For each case (the zoo's mlp and cnn built with seed 0; float32, float16, and a cnn cut into 100 KB shards
-so that weights straddle shards), this writes the TF.js model with `modelkit.convert`, runs
+so that weights straddle shards; a user's own Sequential of conv, batch norm, pooling, GELU, softmax), this writes the TF.js model with `modelkit.convert`, runs
 bench/tfjs_judge.mjs in node (`tf.loadLayersModel` with an fs IO handler, the pure JavaScript CPU backend)
 on seeded inputs, compares TF.js's outputs with torch's (the f16 case: torch with the same float16-rounded
 weights) and records the verdicts in fixtures/tfjs/judge.json: the inputs, TF.js's outputs, the sha256 of
@@ -32,22 +32,44 @@ FIXTURE = ROOT / "fixtures" / "tfjs" / "judge.json"
 TOLERANCE = 1e-4          # the issue's bar for TF.js against torch
 # (name, model, dtype, shard size)
 CASES = (("mlp", "mlp", None, None), ("mlp-f16", "mlp", "f16", None), ("cnn", "cnn", None, None),
-         ("cnn-f16", "cnn", "f16", None), ("cnn-shards", "cnn", None, 100_000))
+         ("cnn-f16", "cnn", "f16", None), ("cnn-shards", "cnn", None, 100_000), ("user", "user", None, None))
+
+
+def user_sequential() -> torch.nn.Sequential:
+    """A user's own Sequential (mapped by modelkit.models.keras_map): conv, batch norm with real statistics,
+    pooling, flatten, GELU, dropout, softmax."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                        nn.Linear(64, 8), nn.GELU(), nn.Dropout(0.1), nn.Linear(8, 3), nn.Softmax(dim=-1))
+    with torch.no_grad():
+        norm = net[1]
+        norm.running_mean.uniform_(-1, 1), norm.running_var.uniform_(0.5, 2)
+        norm.weight.uniform_(0.5, 1.5), norm.bias.uniform_(-0.5, 0.5)
+    return net.eval()
+
+
+def _model(model: str) -> torch.nn.Module:
+    return user_sequential() if model == "user" else build(model, seed=0).eval()
 
 
 def inputs(model: str) -> np.ndarray:
     """Seeded inputs as Keras takes them (channels_last)."""
     rng = np.random.default_rng(0)
-    return (rng.random((4, 8, 8, 1)) if model == "cnn" else rng.standard_normal((4, 2))).astype(np.float32)
+    shape = {"cnn": (4, 8, 8, 1), "user": (4, 8, 8, 3), "mlp": (4, 2)}[model]
+    return (rng.standard_normal(shape) if model == "mlp" else rng.random(shape)).astype(np.float32)
 
 
 def write_case(folder: Path, name: str) -> Path:
     """The TF.js model of case `name` in `folder`/`name`/model.json, as the test regenerates it."""
     _, model, dtype, shard = next(c for c in CASES if c[0] == name)
+    target = folder / name / "model.json"
+    if model == "user":
+        modelkit.export(user_sequential(), target, example_inputs=torch.zeros(1, 3, 8, 8))
+        return target
     src = folder / f"{model}.safetensors"
     if not src.exists():
         modelkit.export(build(model, seed=0), src)
-    target = folder / name / "model.json"
     modelkit.convert(src, target, dtype=dtype, shard_size=shard)
     return target
 
@@ -65,11 +87,11 @@ def digests(target: Path) -> dict[str, str]:
 
 def torch_outputs(model: str, dtype: str | None, x: np.ndarray) -> np.ndarray:
     """torch's outputs on the same weights as the file (float16-rounded for f16), computed in float32."""
-    net = build(model, seed=0).eval()
+    net = _model(model)
     if dtype == "f16":
         net = net.half().float()
     t = torch.from_numpy(x)
-    if model == "cnn":
+    if model != "mlp":
         t = t.permute(0, 3, 1, 2)                 # Keras's (B, H, W, C) -> torch's (B, C, H, W)
     with torch.no_grad():
         return net(t).numpy()

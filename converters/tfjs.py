@@ -207,9 +207,9 @@ def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None) -> Checkpoint:
 # ---------------------------------------------------------------------------------------------
 # Writing
 
-def verify_plan(ckpt: Checkpoint) -> tuple[set[str], dict[str, float]]:
+def verify_plan(ckpt: Checkpoint, options: WriteOptions = WriteOptions()) -> tuple[set[str], dict[str, float]]:
     """Tensors Keras has no variable for (BatchNorm's num_batches_tracked) are not written."""
-    plan = keras_plan(ckpt.tensors, ckpt.arch)
+    plan = keras_plan(ckpt.tensors, ckpt.arch, options.module, options.example_inputs)
     return (set(ckpt.tensors) - set(plan.targets) if not isinstance(plan, str) else set()), {}
 
 

@@ -21,7 +21,7 @@ from modelkit.models import build
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = json.loads((ROOT / "fixtures" / "tfjs" / "judge.json").read_text())
 # Largest |TF.js - torch| that bench/tfjs_judge.py measured (TF.js 4.22.0 CPU backend, torch 2.13.0 CPU,
-# 4 inputs per case): 2.98e-08 over mlp, cnn, their f16 files and a cnn in 100 KB shards. The bar is
+# 4 inputs per case): 2.98e-08 over mlp, cnn, their f16 files, a cnn in 100 KB shards and a user's Sequential. The bar is
 # 1e-4; pinned at 1e-6, about 30x the measured figure (float32 summation order differs, weights are identical).
 TFJS_ATOL = 1e-6
 
@@ -81,6 +81,14 @@ def test_reading_gives_the_torch_weights_back(written, name):
     for key, value in original.items():
         expected = value.half() if name.endswith("f16") else value
         assert torch.equal(ckpt.tensors[key].load(), expected), key
+
+
+def test_a_users_sequential_comes_back_with_its_names(written):
+    ckpt = modelkit.load(written[1]["user"])
+    original = judge.user_sequential().state_dict()
+    kept = [k for k in original if not k.endswith("num_batches_tracked")]      # no Keras variable holds it
+    assert sorted(ckpt.tensors) == sorted(kept) and ckpt.arch is None
+    assert all(torch.equal(ckpt.tensors[k].load(), original[k]) for k in kept)
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])

@@ -82,7 +82,7 @@ def write_checkpoint(ckpt: Checkpoint, target: PathLike, fmt: str, options: Writ
     def check(tmp: Path) -> dict[str, Any]:
         written = converter.read(tmp, ReadOptions(trust=True))   # our own fresh output
         plan = getattr(converter, "verify_plan", None)           # a format's conventions that are not bit-exact
-        dropped, rtol = plan(ckpt) if plan is not None else (set(), {})
+        dropped, rtol = plan(ckpt, options) if plan is not None else (set(), {})
         exceptions = {"dropped": dropped, "rtol": rtol} if dropped or rtol else {}
         result = verify_weights(ckpt, written, label=str(target), **exceptions)
         if FORMATS[fmt].has_graph and module is not None:
