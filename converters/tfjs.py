@@ -115,6 +115,28 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     return _torch_names(file, Checkpoint(tensors=tensors, metadata=metadata, arch=arch), names)
 
 
+_SHOWN = ("units", "filters", "kernel_size", "strides", "padding", "activation", "pool_size", "rate", "axis",
+          "batch_input_shape", "batch_shape", "target_shape", "input_dim", "output_dim")
+
+
+def layers(path: Path) -> list[dict[str, str]]:
+    """The topology's layers, for `modelkit inspect`: name, Keras class and the arguments that shape it."""
+    file = model_json(path)
+    try:
+        config = tfjs_json.read_model(file.read_bytes()).config or {}
+    except (OSError, ParseError) as e:
+        raise FormatError(file, str(e)) from e
+    items = config.get("config", {}).get("layers", []) if isinstance(config.get("config"), dict) else []
+    shown = []
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict):
+            continue
+        args = item.get("config") if isinstance(item.get("config"), dict) else {}
+        shown.append({"name": str(args.get("name", item.get("name", "")))[:80], "class": str(item.get("class_name"))[:80],
+                      "config": ", ".join(f"{k}={json.dumps(args[k])}" for k in _SHOWN if k in args)[:160]})
+    return shown
+
+
 def _metadata(file: Path, given: Any) -> tuple[dict[str, str], ArchSpec | None]:
     if not isinstance(given, dict):
         return {}, None

@@ -108,6 +108,11 @@ def test_the_cli_inspects_and_converts(written, tmp_path):
     runner = CliRunner()
     shown = runner.invoke(main, ["inspect", str(written[1]["cnn"])])
     assert shown.exit_code == 0 and "fc1.weight" in shown.output and "tfjs" in shown.output
+    assert any(line.split()[:3] == ["conv2d_1", "Conv2D", "filters=64,"] for line in shown.output.splitlines())
+    layers = json.loads(runner.invoke(main, ["inspect", str(written[1]["user"]), "--json"]).output)["layers"]
+    assert [lay["class"] for lay in layers][:3] == ["InputLayer", "Conv2D", "BatchNormalization"]
+    scanned = runner.invoke(main, ["scan", str(written[1]["cnn"].parent)])
+    assert scanned.exit_code == 0 and "dangerous" in scanned.output and " - clean" in scanned.output
     made = runner.invoke(main, ["convert", str(written[0] / "mlp.safetensors"), str(tmp_path / "web"), "--to", "tfjs"])
     assert made.exit_code == 0, made.output
     assert (tmp_path / "web" / "model.json").is_file() and "bit-exact" in made.output
