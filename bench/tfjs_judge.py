@@ -5,7 +5,8 @@ so that weights straddle shards; a user's own Sequential of conv, batch norm, po
 bench/tfjs_judge.mjs in node (`tf.loadLayersModel` with an fs IO handler, the pure JavaScript CPU backend)
 on seeded inputs, compares TF.js's outputs with torch's (the f16 case: torch with the same float16-rounded
 weights) and records the verdicts in fixtures/tfjs/judge.json: the inputs, TF.js's outputs, the sha256 of
-the files modelkit wrote, the TF.js version and the measured max abs difference. tests/test_tfjs.py checks
+the files modelkit wrote, the TF.js version and the measured max abs difference. It also has TF.js write a
+model of its own (fixtures/tfjs/tfjs_written/, with TF.js's predictions) for the reader to be judged on. tests/test_tfjs.py checks
 that record without node: the same files come out, and torch is within the pinned tolerance of TF.js.
 
     npm install --prefix /work/tfjs-judge @tensorflow/tfjs@4.22.0      # once, outside the repository
@@ -97,8 +98,27 @@ def torch_outputs(model: str, dtype: str | None, x: np.ndarray) -> np.ndarray:
         return net(t).numpy()
 
 
+def record_tfjs_written(modules: str) -> None:
+    """TF.js writes a Dense model of its own (bench/tfjs_save.mjs, tfjs-node's file:// layout: model.json +
+    weights.bin) into fixtures/tfjs/tfjs_written/, with its predictions on seeded inputs: what the reader
+    is judged against (tests/test_tfjs.py computes the same model from the weights modelkit reads)."""
+    folder = FIXTURE.parent / "tfjs_written"
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        given = Path(tmp) / "inputs.json"
+        given.write_text(json.dumps({"shape": list(x.shape), "data": x.reshape(-1).tolist()}))
+        run = subprocess.run(["node", str(ROOT / "bench" / "tfjs_save.mjs"), str(folder), str(given)],
+                             capture_output=True, text=True, check=True, env={**os.environ, "TFJS_MODULES": modules})
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    (folder / "predictions.json").write_text(json.dumps({
+        "tfjs_version": result["version"], "inputs": {"shape": list(x.shape), "data": x.reshape(-1).tolist()},
+        "outputs": {"shape": result["shape"], "data": result["outputs"]}}, indent=1) + "\n")
+    print(f"TF.js {result['version']} wrote {folder.relative_to(ROOT)} (Dense 4->8 relu, Dense 8->3 tanh)")
+
+
 def main() -> int:
     modules = os.environ.get("TFJS_MODULES", "/work/tfjs-judge/node_modules")
+    record_tfjs_written(modules)
     cases, worst = [], 0.0
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -139,6 +139,22 @@ def test_models_without_a_keras_layout_are_refused_before_writing(tmp_path):
 
 # --- models TF.js and tensorflowjs_converter write ----------------------------------------------
 
+def test_a_model_tfjs_wrote_reads_to_the_weights_that_give_its_predictions(tmp_path):
+    folder = ROOT / "fixtures" / "tfjs" / "tfjs_written"          # bench/tfjs_save.mjs: TF.js 4.22's model.save
+    record = json.loads((folder / "predictions.json").read_text())
+    assert detect_format(folder / "model.json") == "tfjs" and record["tfjs_version"] == "4.22.0"
+    ckpt = modelkit.load(folder / "model.json")
+    w = {name: t.array() for name, t in ckpt.tensors.items()}
+    assert list(w) == ["dense_Dense1/kernel", "dense_Dense1/bias", "dense_Dense2/kernel", "dense_Dense2/bias"]
+    x = np.asarray(record["inputs"]["data"], np.float32).reshape(record["inputs"]["shape"])
+    hidden = np.maximum(x @ w["dense_Dense1/kernel"] + w["dense_Dense1/bias"], 0)
+    y = np.tanh(hidden @ w["dense_Dense2/kernel"] + w["dense_Dense2/bias"])
+    expected = np.asarray(record["outputs"]["data"], np.float32).reshape(record["outputs"]["shape"])
+    assert np.abs(y - expected).max() < TFJS_ATOL
+    report = modelkit.convert(folder / "model.json", tmp_path / "w.safetensors")
+    assert report.verify["method"] == "bit-exact" and report.tensors == 4
+
+
 def _foreign(folder: Path, groups: list[tuple[list[dict], list[bytes]]], *, wrapped: bool = True) -> Path:
     """A model.json as tensorflowjs_converter writes it (Keras 2 topology, maybe in model_config)."""
     folder.mkdir()
