@@ -50,7 +50,7 @@ from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, Quan
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, json_object
-from modelkit.models.keras_plan import TRANSFORM_NAMES, KerasPlan, keras_plan, transforms
+from modelkit.models.keras_plan import TRANSFORM_NAMES, KerasPlan, keras_plan, torch_shape, transforms
 from modelkit.models.plugin import KerasWeight
 from modelkit.parse import keras as keras_json
 from modelkit.parse import tfjs as tfjs_json
@@ -215,12 +215,12 @@ def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None) -> Checkpoint:
                 and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in flatten)):
             raise FormatError(file, f"{NAMES_KEY} entry {name!r} is not a manifest weight with a known transform")
         stored = ckpt.tensors.pop(weight)
-        _, back = transforms(KerasWeight(name, weight, transform, tuple(flatten) if flatten else None))
-        try:
-            shape = back(np.empty(stored.shape, dtype=np.uint8)).shape
-        except ValueError as e:
+        spec = KerasWeight(name, weight, transform, tuple(flatten) if flatten else None)
+        _, back = transforms(spec)
+        shape = torch_shape(spec, stored.shape)
+        if shape is None:
             raise FormatError(file, f"{NAMES_KEY} entry {name!r}: {weight} {list(stored.shape)} does not take the "
-                              f"{transform} layout") from e
+                              f"{transform} layout")
         tensors[name] = LazyTensor(stored.dtype, shape, lambda e=stored, t=back: np.ascontiguousarray(t(e.array())),
                                    stored.source)
     return Checkpoint(tensors={**tensors, **ckpt.tensors}, metadata=ckpt.metadata, arch=ckpt.arch)

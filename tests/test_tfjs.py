@@ -232,3 +232,12 @@ def test_a_lambda_layer_is_refused_by_the_gate(tmp_path):
     (folder / "model.json").write_text(json.dumps(doc))
     with pytest.raises(UnsafeFileError):
         modelkit.load(folder)
+
+
+@pytest.mark.parametrize("shape", [(1100, 1000), (3, 400_000), (400_000, 3)])
+def test_large_kernels_transpose_tile_by_tile_to_the_same_array(shape):
+    from modelkit.models.keras_plan import _dense_kernel
+
+    w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    out = _dense_kernel(w)
+    assert out.flags.c_contiguous and np.array_equal(out, w.T) and np.array_equal(_dense_kernel(out), w)
