@@ -99,21 +99,24 @@ def torch_outputs(model: str, dtype: str | None, x: np.ndarray) -> np.ndarray:
 
 
 def record_tfjs_written(modules: str) -> None:
-    """TF.js writes a Dense model of its own (bench/tfjs_save.mjs, tfjs-node's file:// layout: model.json +
-    weights.bin) into fixtures/tfjs/tfjs_written/, with its predictions on seeded inputs: what the reader
-    is judged against (tests/test_tfjs.py computes the same model from the weights modelkit reads)."""
-    folder = FIXTURE.parent / "tfjs_written"
-    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
-    with tempfile.TemporaryDirectory() as tmp:
-        given = Path(tmp) / "inputs.json"
-        given.write_text(json.dumps({"shape": list(x.shape), "data": x.reshape(-1).tolist()}))
-        run = subprocess.run(["node", str(ROOT / "bench" / "tfjs_save.mjs"), str(folder), str(given)],
-                             capture_output=True, text=True, check=True, env={**os.environ, "TFJS_MODULES": modules})
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    (folder / "predictions.json").write_text(json.dumps({
-        "tfjs_version": result["version"], "inputs": {"shape": list(x.shape), "data": x.reshape(-1).tolist()},
-        "outputs": {"shape": result["shape"], "data": result["outputs"]}}, indent=1) + "\n")
-    print(f"TF.js {result['version']} wrote {folder.relative_to(ROOT)} (Dense 4->8 relu, Dense 8->3 tanh)")
+    """TF.js writes models of its own (bench/tfjs_save.mjs, tfjs-node's file:// layout: model.json +
+    weights.bin) into fixtures/tfjs/tfjs_written/ (Dense 4->8 relu, 8->3 tanh) and fixtures/tfjs/tfjs_mlp/
+    (the zoo mlp's Keras layout), each with its predictions on seeded inputs: what the reader is judged
+    against (tests/test_tfjs.py computes the first from the weights modelkit reads, and runs the second,
+    converted to ONNX with --arch mlp, in onnxruntime)."""
+    for name, shape, features in (("tfjs_written", "small", 4), ("tfjs_mlp", "mlp", 2)):
+        folder = FIXTURE.parent / name
+        x = np.random.default_rng(0).standard_normal((5, features)).astype(np.float32)
+        with tempfile.TemporaryDirectory() as tmp:
+            given = Path(tmp) / "inputs.json"
+            given.write_text(json.dumps({"shape": list(x.shape), "data": x.reshape(-1).tolist()}))
+            run = subprocess.run(["node", str(ROOT / "bench" / "tfjs_save.mjs"), str(folder), str(given), shape],
+                                 capture_output=True, text=True, check=True, env={**os.environ, "TFJS_MODULES": modules})
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        (folder / "predictions.json").write_text(json.dumps({
+            "tfjs_version": result["version"], "inputs": {"shape": list(x.shape), "data": x.reshape(-1).tolist()},
+            "outputs": {"shape": result["shape"], "data": result["outputs"]}}, indent=1) + "\n")
+        print(f"TF.js {result['version']} wrote {folder.relative_to(ROOT)} ({shape})")
 
 
 def main() -> int:

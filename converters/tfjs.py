@@ -221,9 +221,33 @@ def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None) -> Checkpoint:
         if shape is None:
             raise FormatError(file, f"{NAMES_KEY} entry {name!r}: {weight} {list(stored.shape)} does not take the "
                               f"{transform} layout")
-        tensors[name] = LazyTensor(stored.dtype, shape, lambda e=stored, t=back: np.ascontiguousarray(t(e.array())),
-                                   stored.source)
+        tensors[name] = _in_torch_layout(stored, back, shape)
     return Checkpoint(tensors={**tensors, **ckpt.tensors}, metadata=ckpt.metadata, arch=ckpt.arch)
+
+
+def _in_torch_layout(stored: LazyTensor, back: Any, shape: tuple[int, ...]) -> LazyTensor:
+    return LazyTensor(stored.dtype, shape, lambda: np.ascontiguousarray(back(stored.array())), stored.source)
+
+
+def adopt_arch(ckpt: Checkpoint) -> Checkpoint:
+    """A model TF.js wrote (Keras names, Keras layouts) given an architecture by the user (`--arch mlp`):
+    its weights, in manifest order, taken as that architecture's Keras weights in Keras's order when every
+    shape fits, under the torch names and layouts; unchanged otherwise (building the model then says what
+    does not fit)."""
+    if ckpt.arch is None or not ckpt.tensors:
+        return ckpt
+    plan = keras_plan(None, ckpt.arch)
+    if isinstance(plan, str) or set(ckpt.tensors) <= set(plan.targets):
+        return ckpt
+    order = _order(plan)
+    entries = list(ckpt.tensors.values())
+    if len(entries) != len(order) or any(not isinstance(e, LazyTensor) or tuple(e.shape) != plan.targets[n].shape
+                                         for e, n in zip(entries, order, strict=True)):
+        return ckpt
+    tensors = {name: _in_torch_layout(entry, plan.targets[name].from_keras,
+                                      torch_shape(plan.targets[name].spec, entry.shape))
+               for entry, name in zip(entries, order, strict=True)}
+    return Checkpoint(tensors=tensors, metadata=ckpt.metadata, arch=ckpt.arch)
 
 
 # ---------------------------------------------------------------------------------------------

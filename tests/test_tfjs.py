@@ -173,6 +173,22 @@ def _foreign(folder: Path, groups: list[tuple[list[dict], list[bytes]]], *, wrap
     return folder / "model.json"
 
 
+def test_a_model_tfjs_wrote_in_the_mlp_layout_runs_in_onnxruntime_with_its_outputs(tmp_path):
+    import onnxruntime
+
+    folder = ROOT / "fixtures" / "tfjs" / "tfjs_mlp"            # TF.js's own Dense 2->30->20->2 (relu)
+    record = json.loads((folder / "predictions.json").read_text())
+    with pytest.raises(UnsupportedConversionError, match="--arch"):
+        modelkit.convert(folder / "model.json", tmp_path / "none.onnx")
+    report = modelkit.convert(folder / "model.json", tmp_path / "m.onnx", arch="mlp")
+    assert report.verify["passed"]
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"))
+    x = np.asarray(record["inputs"]["data"], np.float32).reshape(record["inputs"]["shape"])
+    (y,) = session.run(None, {session.get_inputs()[0].name: x})
+    expected = np.asarray(record["outputs"]["data"], np.float32).reshape(record["outputs"]["shape"])
+    assert np.abs(y - expected).max() < TFJS_ATOL
+
+
 def test_foreign_models_read_with_every_weight_encoding(tmp_path):
     kernel = np.arange(6, dtype=np.float32).reshape(3, 2) / 7
     data = kernel.tobytes() + np.array([1.5, -2], np.float16).tobytes()

@@ -174,6 +174,9 @@ def convert(
         arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
     if isinstance(arch, ArchSpec):
         ckpt = Checkpoint(ckpt.tensors, ckpt.metadata, arch, ckpt.assets)
+        adopt = getattr(load_format(in_fmt), "adopt_arch", None)      # tfjs: a foreign Keras model's names
+        if adopt is not None:
+            ckpt = adopt(ckpt)
     ckpt = _cast(ckpt, cast)
 
     module = None
