@@ -103,7 +103,8 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     except ParseError as e:
         raise FormatError(file, str(e)) from e
     tensors: dict[str, LazyTensor] = {}
-    for group, files in zip(model.groups, shards, strict=True):
+    for group, names in zip(model.groups, shards, strict=True):
+        files = [(name, os.stat(name).st_size) for name in names]      # checked against the manifest just now
         offset = 0
         for weight in group.weights:
             if weight.name in tensors:
@@ -149,7 +150,7 @@ _DECODED = {"float32": "float32", "int32": "int32", "float16": "float16", "uint8
             "uint16": "uint16", "int16": "int16"}
 
 
-def _lazy(file: Path, weight: tfjs_json.Weight, files: list[str], offset: int) -> LazyTensor:
+def _lazy(file: Path, weight: tfjs_json.Weight, files: list[tuple[str, int]], offset: int) -> LazyTensor:
     """One manifest weight at `offset` in its group's shards, decoded as TF.js decodes it."""
     q = weight.quantization
     source = f"{file}:{weight.name}"
@@ -177,24 +178,26 @@ def _lazy(file: Path, weight: tfjs_json.Weight, files: list[str], offset: int) -
     return LazyTensor(out, weight.shape, dequantize, source)
 
 
-def _bytes(files: list[str], offset: int, nbytes: int) -> np.ndarray:
-    """`nbytes` bytes at `offset` of the group's shards taken end to end (a weight may straddle shards)."""
+def _bytes(files: list[tuple[str, int]], offset: int, nbytes: int) -> np.ndarray:
+    """`nbytes` bytes at `offset` of the group's shards (name, size) taken end to end (a weight may straddle
+    shards)."""
     out = np.empty(nbytes, dtype=np.uint8)
     done = 0
-    for name in files:
-        size = os.stat(name).st_size
+    for name, size in files:
+        if done == nbytes:
+            return out
         if offset >= size:
             offset -= size
             continue
+        want = min(size - offset, nbytes - done)
         with open(name, "rb") as f:
             f.seek(offset)
-            n = f.readinto(memoryview(out)[done:done + min(size - offset, nbytes - done)])
-        if n == 0:
-            break
-        done, offset = done + n, 0
-        if done == nbytes:
-            return out
-    raise FormatError(files[-1] if files else "<shards>", "the weight shards changed since the model was opened "
+            if f.readinto(memoryview(out)[done:done + want]) != want:
+                break
+        done, offset = done + want, 0
+    if done == nbytes:
+        return out
+    raise FormatError(files[-1][0] if files else "<shards>", "the weight shards changed since the model was opened "
                       "(shorter than the manifest says)")
 
 

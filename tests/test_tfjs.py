@@ -204,17 +204,22 @@ def test_foreign_models_read_with_every_weight_encoding(tmp_path):
                  "quantization": {"dtype": "uint16", "scale": 0.25, "original_dtype": "float32"}},
                 {"name": "i32", "shape": [2], "dtype": "int32"}],
                [q8.tobytes() + q16.tobytes() + ints.tobytes()])]
+    groups[1][0].append({"name": "empty", "shape": [0, 4], "dtype": "float32"})
     for wrapped in (True, False):
         path = _foreign(tmp_path / f"w{wrapped}", groups, wrapped=wrapped)
         ckpt = modelkit.load(path)
-        assert list(ckpt.tensors) == ["d/kernel", "d/bias", "u8", "u16", "i32"] and ckpt.arch is None
+        assert list(ckpt.tensors) == ["d/kernel", "d/bias", "u8", "u16", "i32", "empty"] and ckpt.arch is None
         assert np.array_equal(ckpt.tensors["d/kernel"].array(), kernel)
         assert ckpt.tensors["d/bias"].array().tolist() == [1.5, -2.0]
         assert ckpt.tensors["u8"].array().tolist() == [-1.0, 63.0, 126.5]
         assert ckpt.tensors["u16"].array().tolist() == [0.0, 0.75, 16383.75]
         assert ckpt.tensors["i32"].array().tolist() == [7, -9]
+        assert ckpt.tensors["empty"].array().shape == (0, 4)
     out = modelkit.convert(path, tmp_path / "f.safetensors")
     assert out.verify["method"] == "bit-exact"
+    (path.parent / "group1-shard2of2.bin").write_bytes(b"\0" * 12)          # a shard cut short after opening
+    with pytest.raises(FormatError, match="changed since"):
+        ckpt.tensors["d/bias"].array()
 
 
 @pytest.mark.parametrize(("paths", "shards", "message"), [
