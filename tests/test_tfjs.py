@@ -53,6 +53,28 @@ def test_we_write_the_files_tfjs_ran_and_torch_agrees_with_its_outputs(written, 
     assert np.abs(judge.torch_outputs(model[1], model[2], x) - expected).max() < TFJS_ATOL
 
 
+@pytest.mark.parametrize("name", ["cnn-shards", "user"])
+def test_tfjs_itself_when_installed_gives_the_recorded_outputs(written, name, tmp_path):
+    """The live judge, as the llama.cpp verdicts are kept: no npm install in the tests; with TFJS_MODULES
+    naming an install of @tensorflow/tfjs (bench/tfjs_judge.py says how), TF.js runs our files again."""
+    import os
+    import shutil
+    import subprocess
+
+    modules = os.environ.get("TFJS_MODULES")
+    if shutil.which("node") is None or not modules or not (Path(modules) / "@tensorflow" / "tfjs").is_dir():
+        pytest.skip("TensorFlow.js not installed: set TFJS_MODULES to the node_modules of "
+                    "`npm install @tensorflow/tfjs@4.22.0` to run it; the recorded verdicts are checked above")
+    case = next(c for c in RECORD["cases"] if c["name"] == name)
+    given = tmp_path / "inputs.json"
+    given.write_text(json.dumps(case["inputs"]))
+    run = subprocess.run(["node", str(ROOT / "bench" / "tfjs_judge.mjs"), str(written[1][name]), str(given)],
+                         capture_output=True, text=True, check=True)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["version"] == RECORD["tfjs_version"] and result["shape"] == case["tfjs_outputs"]["shape"]
+    assert np.abs(np.asarray(result["outputs"]) - np.asarray(case["tfjs_outputs"]["data"])).max() < TFJS_ATOL
+
+
 def test_model_json_is_a_layers_model_with_4mb_shards(written, tmp_path):
     doc = json.loads(written[1]["cnn"].read_text())
     assert doc["format"] == "layers-model" and doc["convertedBy"].startswith("modelkit")
