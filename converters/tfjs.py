@@ -83,20 +83,26 @@ def model_json(path: Path) -> Path:
     return path / MODEL_JSON if path.is_dir() else path
 
 
+def _model(file: Path) -> tfjs_json.Model:
+    """model.json parsed by modelkit.parse.tfjs, its size checked before it is read."""
+    try:
+        if file.stat().st_size > keras_json.MAX_JSON:
+            raise FormatError(file, f"is over {keras_json.MAX_JSON} bytes; a model.json that large is not read")
+        return tfjs_json.read_model(file.read_bytes())
+    except OSError as e:
+        raise FormatError(file, f"cannot read it ({e.strerror})") from e
+    except ParseError as e:
+        raise FormatError(file, str(e)) from e
+
+
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     """The manifest's weights as lazy tensors (each read from its shards when loaded)."""
     from modelkit.scan import gate
 
     file = model_json(path)
-    try:
-        size = file.stat().st_size
-    except OSError as e:
-        raise FormatError(file, f"cannot read it ({e.strerror})") from e
-    if size > keras_json.MAX_JSON:
-        raise FormatError(file, f"is {size} bytes; a model.json over {keras_json.MAX_JSON} bytes is not read")
     gate(file, trust=options.trust)
+    model = _model(file)
     try:
-        model = tfjs_json.read_model(file.read_bytes())
         if model.format != FORMAT:
             raise ParseError(f"is a TF.js {model.format}; modelkit reads Layers models ({FORMAT}) only")
         shards = tfjs_json.resolve_shards(model, str(file.parent))
@@ -123,10 +129,7 @@ _SHOWN = ("units", "filters", "kernel_size", "strides", "padding", "activation",
 def layers(path: Path) -> list[dict[str, str]]:
     """The topology's layers, for `modelkit inspect`: name, Keras class and the arguments that shape it."""
     file = model_json(path)
-    try:
-        config = tfjs_json.read_model(file.read_bytes()).config or {}
-    except (OSError, ParseError) as e:
-        raise FormatError(file, str(e)) from e
+    config = _model(file).config or {}
     items = config.get("config", {}).get("layers", []) if isinstance(config.get("config"), dict) else []
     shown = []
     for item in items if isinstance(items, list) else []:
