@@ -435,7 +435,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
         writer.close()
 
 
-def verify_plan(ckpt: Checkpoint) -> tuple[set[str], dict[str, float]]:
+def verify_plan(ckpt: Checkpoint, options: WriteOptions = WriteOptions()) -> tuple[set[str], dict[str, float]]:
     """What reading the written file back cannot give exactly, for the write path's check: the names a
     family drops on purpose (GPT-2's mask buffers) and, per tensor, the relative tolerance of values a
     family stores shifted (Gemma's norms + 1, rounded in float32)."""

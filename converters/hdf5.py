@@ -40,19 +40,17 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import h5py
 import numpy as np
 
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import ConfigError, FormatError, ModelkitError, UnknownModelError, UnsupportedConversionError
+from modelkit.errors import FormatError, ModelkitError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import KERAS_JSON_ATTR, KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
-from modelkit.models.plugin import KerasLayer, KerasLayout, KerasWeight
+from modelkit.models.keras_plan import KerasPlan, keras_plan
 from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse.detect import hdf5 as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import dtypes
@@ -319,113 +317,9 @@ def _unescape(key: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Keras layouts
+# Keras layouts (modelkit.models.keras_plan)
 
-Transform = Callable[[np.ndarray], np.ndarray]
-
-
-def _same(w: np.ndarray) -> np.ndarray:
-    return w
-
-
-def _dense_kernel(w: np.ndarray) -> np.ndarray:
-    return w.T                                      # (out, in) -> (in, out)
-
-
-def _conv_kernel(w: np.ndarray) -> np.ndarray:
-    return w.transpose(*range(2, w.ndim), 1, 0)     # (out, in, kh, kw) -> (kh, kw, in, out); (out, in, k) -> (k, in, out)
-
-
-def _dense_after_flatten(channels: int, height: int, width: int) -> Transform:
-    """torch flattens (C, H, W); Keras (channels_last) flattens (H, W, C): reorder the kernel's rows."""
-    def transform(w: np.ndarray) -> np.ndarray:
-        out = w.shape[0]
-        return w.reshape(out, channels, height, width).transpose(2, 3, 1, 0).reshape(height * width * channels, out)
-    return transform
-
-
-# How each named transform of modelkit.models.plugin.KerasWeight is done.
-def _transform(weight: KerasWeight) -> Transform:
-    if weight.transform == "dense_after_flatten":
-        if weight.flatten is None:
-            raise ConfigError(f"{weight.tensor}: dense_after_flatten needs the flattened (C, H, W)")
-        return _dense_after_flatten(*weight.flatten)
-    return _TRANSFORMS[weight.transform]
-
-
-_TRANSFORMS: dict[str, Transform] = {"same": _same, "dense_kernel": _dense_kernel, "conv_kernel": _conv_kernel}
-_KERAS_DTYPES = ("float16", "float32", "float64", "bfloat16")
-
-
-@dataclass(frozen=True)
-class _KerasPlan:
-    paths: list[tuple[str, KerasLayer]]                        # ("dense_1", layer), in model order
-    targets: dict[str, tuple[str, int, str, Transform]]        # state_dict name -> (path, index, weight, transform)
-    description: str
-    keras_json: str                                            # the model for keras.models.model_from_json
-
-
-def _keras_plan(ckpt: Checkpoint, module: Any = None, example: tuple[Any, ...] | None = None) -> _KerasPlan | str:
-    """The Keras layout for this checkpoint, or why there is none: a user's `module` (no registered
-    model) is mapped layer by layer (modelkit.models.keras_map); a registered model declares its
-    keras_layers."""
-    if module is not None and getattr(type(module), "arch", None) is None:
-        from modelkit.models.keras_map import keras_layout
-
-        try:
-            layout = keras_layout(module, example)
-        except ConfigError as e:
-            return str(e)
-        expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-        return _plan(ckpt, layout, expected, type(module).__name__)
-    from modelkit.models import build_from_spec, config_from_dict, load_model_module
-
-    arch = ckpt.arch
-    if arch is None:
-        return ("the checkpoint names no architecture, so its Keras model is unknown (pass --arch mlp, --arch cnn "
-                "or --arch module:function, a Sequential of your own)")
-    try:
-        layout = load_model_module(arch.name).keras_layers(config_from_dict(arch.name, arch.config))
-        if layout is None:
-            return (f"{arch.name} has no standard Keras equivalent (its model declares no keras_layers); "
-                    f"the {GROUP} group keeps it losslessly")
-        import torch  # the model's shapes come from building it
-        with torch.device("meta"):                  # shapes only: nothing is allocated
-            model = build_from_spec(arch)
-    except (ConfigError, UnknownModelError) as e:
-        return f"its ArchSpec does not build ({e})"
-    except ImportError:
-        return (f"the Keras layout of {arch.name} is checked against the model, which needs torch "
-                "(pip install 'modelkit[torch]')")
-    return _plan(ckpt, layout, {k: tuple(v.shape) for k, v in model.state_dict().items()}, arch.name)
-
-
-def _plan(ckpt: Checkpoint, layout: KerasLayout, expected: dict[str, tuple[int, ...]], label: str) -> _KerasPlan | str:
-    """Where each tensor goes in the Keras layout (the model's tensors have the `expected` shapes)."""
-    counts: dict[str, int] = {}
-    paths, targets = [], {}
-    for layer in layout.layers:                     # Keras names container entries dense, dense_1, ...
-        n = counts[layer.kind] = counts.get(layer.kind, -1) + 1
-        path = layer.kind if n == 0 else f"{layer.kind}_{n}"
-        paths.append((path, layer))
-        for index, weight in enumerate(layer.weights):
-            targets[weight.tensor] = (path, index, weight.keras, _transform(weight))
-    for name, entry in ckpt.tensors.items():
-        if name in layout.unmapped and name in expected:
-            continue
-        if name not in targets:
-            return f"tensor {name!r} has no Keras mapping in the {label} layout"
-        if tuple(entry.shape) != expected.get(name):
-            return f"tensor {name!r} is {list(entry.shape)}, the {label} layout expects {list(expected[name])}"
-        if entry.dtype.name not in _KERAS_DTYPES:
-            return f"tensor {name!r} is {dtype_name(entry.dtype)}; Keras weights are floating point"
-    missing = sorted(set(targets) - set(ckpt.tensors))
-    if missing:
-        return f"tensor {missing[0]!r} of the {label} layout is missing"
-    return _KerasPlan(paths, targets, layout.description, json.dumps(layout.keras_json(), separators=(",", ":")))
-
-
-def _write_keras_groups(f: h5py.File, plan: _KerasPlan) -> None:
+def _write_keras_groups(f: h5py.File, plan: KerasPlan) -> None:
     f.create_group("vars").attrs["name"] = "sequential"    # the model's own variables: none
     layers = f.create_group("layers")
     for path, _ in plan.paths:
@@ -437,9 +331,10 @@ def _write_keras_groups(f: h5py.File, plan: _KerasPlan) -> None:
         f.create_group(path).attrs["weight_names"] = np.array([f"{path}/{w.keras}:0".encode() for w in layer.weights])
 
 
-def _write_keras_weight(f: h5py.File, plan: _KerasPlan, name: str, array: np.ndarray, dtype: DType) -> None:
-    path, index, weight, transform = plan.targets[name]
-    value = np.ascontiguousarray(transform(array))
+def _write_keras_weight(f: h5py.File, plan: KerasPlan, name: str, array: np.ndarray, dtype: DType) -> None:
+    target = plan.targets[name]
+    path, index, weight = target.path, target.index, target.weight
+    value = np.ascontiguousarray(target.to_keras(array))
     legacy_name = f"{path}/{weight}:0"
     if dtype.name == "bfloat16":
         # Keras 3 stores bfloat16 as a 2-byte opaque type with a dtype attribute; the Keras 2
@@ -465,7 +360,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     """
     final = options.final_path or path
     keys = _check_writable(ckpt)
-    plan = _keras_plan(ckpt, options.module, options.example_inputs)
+    plan = keras_plan(ckpt.tensors, ckpt.arch, options.module, options.example_inputs, owner=f"the {GROUP} group")
     if isinstance(plan, str):
         if final.name.endswith(".weights.h5"):
             raise UnsupportedConversionError(

@@ -60,6 +60,7 @@ class Inspection:
     file_bytes: int
     metrics: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] | None = None        # a Hugging Face family's summary (modelkit.models._hf.describe)
+    layers: list[dict[str, str]] | None = None   # formats that hold a layer graph (tfjs): {"name", "class", "config"}
 
     @property
     def num_parameters(self) -> int:
@@ -80,6 +81,7 @@ class Inspection:
             "arch": None if self.arch is None else {"name": self.arch.name, "config": self.arch.config},
             "metrics": self.metrics,
             "model": self.model,
+            "layers": self.layers,
         }
 
 
@@ -100,7 +102,9 @@ def inspect(path: PathLike, *, format: str | None = None, trust: bool = False, k
     ]
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
     metadata = {k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}
-    return Inspection(path, fmt, tensors, metadata, ckpt.arch, size, ckpt.metrics, _model_summary(path, ckpt, tensors))
+    describe_layers = getattr(load_format(fmt), "layers", None)       # a converter of a format with a layer graph
+    return Inspection(path, fmt, tensors, metadata, ckpt.arch, size, ckpt.metrics, _model_summary(path, ckpt, tensors),
+                      describe_layers(path) if describe_layers is not None else None)
 
 
 def _model_summary(path: Path, ckpt: Any, tensors: list[TensorInfo]) -> dict[str, Any] | None:

@@ -32,7 +32,9 @@ class FormatInfo:
     has_graph: bool = False        # the file holds the computation, not only weights
     runs_pickle: bool = False      # loading unpickles: scan first, then weights_only=True
     companions: tuple[str, ...] = ()   # sidecar files a write may add: "<name><suffix>" (atomic_path)
-    folder: bool = False           # the output is a folder (a Hugging Face model folder): no suffix, --to names it
+    folder: bool = False           # the output is a folder (a Hugging Face model folder): no suffix, --to names it;
+                                   # with suffixes (tfjs), DIR/model.json names the folder DIR
+    folder_file: str | None = None     # a folder format whose output may be named by its main file: DIR/model.json
     maps_module: bool = False      # the writer maps a user's module to a layout of its own (HDF5: Keras layers)
 
 
@@ -45,6 +47,8 @@ FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
                companions=(".data",)),
     FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", extra="torch", runs_pickle=True),
     FormatInfo("safetensors", (".safetensors",),                 "modelkit.converters.safetensors"),
+    FormatInfo("tfjs",        (".json",),                        "modelkit.converters.tfjs", folder=True,
+               folder_file="model.json", maps_module=True),
     FormatInfo("torchscript", (".ts", ".pt"),                    "modelkit.converters.torchscript", extra="torch", has_graph=True,
                runs_pickle=True),
 )}
@@ -83,7 +87,7 @@ class WriteOptions:
         input_names: ONNX: the graph's input names, one per example input (else the exporter's).
         dynamic_axes: ONNX: {input name: axes} left free; None: axis 0 of every input (and the
             axes the model declares).
-        shard_size: safetensors: split into shards of at most this many bytes.
+        shard_size: safetensors, hf, tfjs: split into shards of at most this many bytes.
         final_path: The name the output gets after the atomic rename (for sidecar files).
         kv_cache: onnx, Hugging Face causal LMs: also take past_key_values.N.key/value inputs and
             return present.N.key/value, so a decode step runs with the cache (docs/formats/onnx.md).
@@ -145,6 +149,20 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     seen = "a folder" if path.is_dir() else sniff.describe(sniff.read_head(path))
     raise FormatError(path, f"not a model file modelkit can read: it looks like {seen}; "
                             f"known formats: {', '.join(FORMATS)}")
+
+
+def output_folder(path: str | os.PathLike[str], fmt: str) -> Path:
+    """Where a folder format's output goes: `path` itself, or DIR for DIR/model.json (tfjs)."""
+    path, info = Path(path), FORMATS[fmt]
+    if info.folder_file is None or path.suffix.lower() not in info.suffixes:
+        return path
+    if path.name != info.folder_file:
+        raise ConfigError(f"a {fmt} model is a folder whose file is {info.folder_file}: name the output "
+                          f"DIR/{info.folder_file}, or DIR with --to {fmt}")
+    if path.parent == Path(path.anchor) or str(path.parent) in ("", "."):
+        raise ConfigError(f"a {fmt} model is a folder of its own: name it, as DIR/{info.folder_file} "
+                          "(it is created, and replaced only with --force)")
+    return path.parent
 
 
 def format_for_output(path: str | os.PathLike[str], to: str | None = None, *, source: str | None = None) -> str:

@@ -23,6 +23,7 @@ DISTILL_KEY = "modelkit.distill"    # the distillation recipe (teacher, temperat
 TRAIN_KEY = "modelkit.train"        # the training recipe
 # Format-specific entries (the values are on disk: never change them)
 NAMES_KEY = "modelkit.names"        # ONNX: state_dict name -> {"initializer": name, "transpose": perm}
+                                    # tfjs: state_dict name -> {"weight": "dense/kernel", "transform", "flatten"?}
 VERSION_KEY = "modelkit.version"    # ONNX: the modelkit version that wrote the file (a plain string)
 TENSORS_KEY = "modelkit.tensors"    # GGUF: stored name -> {"name", "dtype", "shape"} where they differ
 META_PREFIX = "modelkit.meta."      # GGUF: + each Checkpoint metadata key; the value verbatim

@@ -40,13 +40,13 @@ TORCH_FREE_FOLDERS = ("parse", "scan", "storage", "cli")
 TORCH_USERS = {"modelkit.storage.qdq"}      # ONNX's QDQ layouts, in torch ops: only the ONNX converter uses them
 TORCH_FREE = (
     "modelkit", "modelkit.errors", "modelkit.metadata", "modelkit.checkpoint", "modelkit.formats", "modelkit.schemes",
-    "modelkit.api", "modelkit.models", "modelkit.models.plugin", "modelkit.models.keras_map", "modelkit.models._hf",
+    "modelkit.api", "modelkit.models", "modelkit.models.plugin", "modelkit.models.keras_map", "modelkit.models.keras_plan", "modelkit.models._hf",
     *(f"modelkit.models.{family}" for family in ("gemma2", "gemma3", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3")),
     "modelkit.pipeline.convert", "modelkit.pipeline.inputs", "modelkit.pipeline.load", "modelkit.pipeline.quantize", "modelkit.pipeline.quantize_weights",
     "modelkit.pipeline.reports", "modelkit.pipeline.verify", "modelkit.pipeline.write",
     "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.hf", "modelkit.converters.npz",
     "modelkit.converters.pth",
-    "modelkit.converters.safetensors", "modelkit.converters.torchscript", "modelkit.quantizers.gguf_arrays",
+    "modelkit.converters.safetensors", "modelkit.converters.tfjs", "modelkit.converters.torchscript", "modelkit.quantizers.gguf_arrays",
 )
 
 

@@ -20,7 +20,7 @@ from modelkit.pipeline.convert import parse_size
 
 # A Hugging Face folder holds Hugging Face families only (tests/test_hf.py): the zoo's mlp cannot be one.
 PAIRS = [(a, b) for a in sorted(FORMATS) for b in sorted(FORMATS) if a != b and not FORMATS[a].folder]
-UNSUPPORTED: dict[tuple[str, str], str] = {(a, b): "not a Hugging Face family" for a, b in PAIRS if FORMATS[b].folder}
+UNSUPPORTED: dict[tuple[str, str], str] = {(a, b): "not a Hugging Face family" for a, b in PAIRS if b == "hf"}
 
 
 def _source(tmp_path, fmt, model):
@@ -42,7 +42,9 @@ def mlp():
 def test_every_pair_converts_and_verifies(src, dst, mlp, tmp_path):
     source = _source(tmp_path, src, mlp)
     before = _digest(source)
-    target = tmp_path / f"out{(*FORMATS[dst].suffixes, '')[0]}"   # hf: a folder, no suffix
+    target = tmp_path / f"out{(*FORMATS[dst].suffixes, '')[0]}"   # hf: a folder, no suffix; tfjs: out/model.json
+    if FORMATS[dst].folder_file:
+        target = tmp_path / "out" / FORMATS[dst].folder_file
     if (src, dst) in UNSUPPORTED:
         with pytest.raises(UnsupportedConversionError):
             modelkit.convert(source, target, to=dst)
@@ -287,7 +289,7 @@ def test_cli_convert_human_and_json(tmp_path, mlp):
 
 @pytest.mark.parametrize("args, message", [
     (["{src}", "{tmp}/x.weird"], "pass --to"),
-    (["{src}", "{tmp}/x.gguf", "--shard-size", "1GB"], "safetensors and hf output only"),
+    (["{src}", "{tmp}/x.gguf", "--shard-size", "1GB"], "safetensors, hf and tfjs output only"),
     (["{src}", "{tmp}/x.safetensors", "--shard-size", "lots"], "cannot read size"),
     (["{tmp}/missing.pt", "{tmp}/x.safetensors"], "no such file"),
 ])

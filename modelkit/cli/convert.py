@@ -24,7 +24,7 @@ def describe_verify(verify: dict | None) -> str:
 @click.argument("dst", type=click.Path(dir_okay=True))
 @click.option("--to", "to", type=click.Choice(sorted(FORMATS)), help="Output format (default: from DST's suffix).")
 @click.option("--dtype", type=click.Choice(["f32", "f16", "bf16"]), help="Cast floating-point tensors.")
-@click.option("--shard-size", help="safetensors, hf: split into shards of at most this size (e.g. 2GB); DST is a folder.")
+@click.option("--shard-size", help="safetensors, hf, tfjs: split into shards of at most this size (e.g. 2GB; tfjs: 4MB by default); DST is a folder.")
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Check the output before it takes its name.")
 @read_options()
 @input_options
@@ -56,6 +56,7 @@ def convert(src: str, dst: str, to: str | None, source_format: str | None, dtype
       modelkit convert w.safetensors m.weights.h5 --arch user_model:make
       modelkit convert Llama-3.2-1B/ llama.onnx --kv-cache
       modelkit convert Llama-3.2-1B/ llama-copy       # a Hugging Face folder's suffix-less output: a folder
+      modelkit convert runs/cnn/model.safetensors web/model.json --dtype f16   # TF.js Layers model in web/
     """
     from modelkit.pipeline.convert import convert as run_convert
 

@@ -39,6 +39,9 @@ def inspect(file: str, limit: int | None, source_format: str | None, trust: bool
         click.echo(f"... {len(info.tensors) - len(shown)} more tensors")
     click.echo(f"total: {len(info.tensors)} tensors, {info.num_parameters:,} parameters, "
                f"{human_bytes(info.tensor_bytes)} of tensor data")
+    if info.layers is not None:
+        click.echo(table(["layer", "class", "config"], [(lay["name"], lay["class"], lay["config"]) for lay in info.layers],
+                         align="lll"))
     if info.model:
         _echo_model(info.model)
     elif info.arch:

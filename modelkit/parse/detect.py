@@ -15,6 +15,7 @@ from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse import hf as hf_folder
 from modelkit.parse import npz as npz_members
 from modelkit.parse import safetensors as safetensors_header
+from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse import zipdir
 from modelkit.parse.onnx import is_model
 from modelkit.parse.pickle_opcodes import LEGACY_MAGIC
@@ -35,6 +36,28 @@ def _head(path: Path, size: int) -> bytes:
 def hf(path: Path) -> bool:
     """A Hugging Face model folder: config.json naming a model_type, plus safetensors weights."""
     return hf_folder.is_model_folder(path)
+
+
+TFJS_MODEL = "model.json"
+_TFJS_HEAD = 4096
+
+
+def tfjs(path: Path) -> bool:
+    """A TensorFlow.js model.json (or a folder holding one): JSON whose first 4 KB hold a TF.js format name
+    or the topology and manifest keys (tensorflowjs_converter and modelkit write `format` first)."""
+    try:
+        if path.is_dir():
+            path = path / TFJS_MODEL
+        if not path.is_file():
+            return False
+        head = _head(path, _TFJS_HEAD).lstrip()
+    except OSError:
+        return False
+    if not head.startswith(b"{"):
+        return False
+    return (any(b'"%s"' % name.encode() in head for name in tfjs_json.FORMATS)
+            or b'"modelTopology"' in head and b'"weightsManifest"' in head
+            or path.name == TFJS_MODEL and (b'"modelTopology"' in head or b'"weightsManifest"' in head))
 
 
 def safetensors(path: Path) -> bool:

@@ -128,7 +128,7 @@ def convert(
         arch: For graph targets (and HDF5's Keras layout) when `src` names no architecture: a
             registered model name or a factory "module:function" / "module:Class", imported with
             the current directory first on the path (never taken from a file).
-        shard_size: safetensors and hf only: split into shards of at most this size ("2GB" or bytes).
+        shard_size: safetensors, hf and tfjs only: split into shards of at most this size ("2GB" or bytes).
         verify: Check the output (on by default); a failure raises VerificationError, no output.
         force: Overwrite an existing `dst`.
         trust: Allow inputs that run code when loaded (whole-module pickles, TorchScript).
@@ -163,8 +163,8 @@ def convert(
         to = "safetensors"                      # a sharded checkpoint is a folder (a Hugging Face folder's: hf)
     out_fmt = format_for_output(dst, to, source=in_fmt)
     _check_kv_cache(kv_cache, out_fmt)
-    if shard_bytes is not None and out_fmt not in ("safetensors", "hf"):
-        raise ConfigError(f"--shard-size applies to safetensors and hf output only, not {out_fmt}")
+    if shard_bytes is not None and out_fmt not in ("safetensors", "hf", "tfjs"):
+        raise ConfigError(f"--shard-size applies to safetensors, hf and tfjs output only, not {out_fmt}")
     if dst.resolve() == src.resolve():
         raise ConfigError(f"{dst} is the input file; choose another output path (inputs are never modified)")
 
@@ -174,6 +174,9 @@ def convert(
         arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
     if isinstance(arch, ArchSpec):
         ckpt = Checkpoint(ckpt.tensors, ckpt.metadata, arch, ckpt.assets)
+        adopt = getattr(load_format(in_fmt), "adopt_arch", None)      # tfjs: a foreign Keras model's names
+        if adopt is not None:
+            ckpt = adopt(ckpt)
     ckpt = _cast(ckpt, cast)
 
     module = None

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelkit.checkpoint import Checkpoint, LazyTensor
-from modelkit.formats import FORMATS, ReadOptions, WriteOptions, load_format
+from modelkit.formats import FORMATS, ReadOptions, WriteOptions, load_format, output_folder
 from modelkit.pipeline.verify import verify_graph, verify_weights
 from modelkit.storage.atomic import atomic_dir, atomic_path, sync_in_background
 
@@ -82,7 +82,7 @@ def write_checkpoint(ckpt: Checkpoint, target: PathLike, fmt: str, options: Writ
     def check(tmp: Path) -> dict[str, Any]:
         written = converter.read(tmp, ReadOptions(trust=True))   # our own fresh output
         plan = getattr(converter, "verify_plan", None)           # a format's conventions that are not bit-exact
-        dropped, rtol = plan(ckpt) if plan is not None else (set(), {})
+        dropped, rtol = plan(ckpt, options) if plan is not None else (set(), {})
         exceptions = {"dropped": dropped, "rtol": rtol} if dropped or rtol else {}
         result = verify_weights(ckpt, written, label=str(target), **exceptions)
         if FORMATS[fmt].has_graph and module is not None:
@@ -94,6 +94,8 @@ def write_checkpoint(ckpt: Checkpoint, target: PathLike, fmt: str, options: Writ
         return result
 
     folder = sharded or FORMATS[fmt].folder
+    if FORMATS[fmt].folder:
+        target = output_folder(target, fmt)
     return write_output(target, write, verify=check if verify else None, force=force, folder=folder,
                         companions=() if folder else FORMATS[fmt].companions)
 

@@ -1,0 +1,45 @@
+// The TensorFlow.js judge: load a Layers model.json with TF.js itself (pure JavaScript CPU backend,
+// through an fs IO handler: @tensorflow/tfjs has no file:// loader without tfjs-node), run it on the
+// inputs of a JSON file and print {"version", "outputs": [...], "shape": [...]} as JSON.
+//
+//   TFJS_MODULES=/work/tfjs-judge/node_modules node bench/tfjs_judge.mjs DIR/model.json inputs.json
+// (TFJS_MODULES: the node_modules of `npm install @tensorflow/tfjs@4.22.0`, kept out of the repository)
+//
+// inputs.json: {"shape": [N, ...], "data": [flat float32 values]} (channels_last, as Keras takes them).
+import { readFileSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { createRequire } from "node:module";
+
+const require = createRequire(process.env.TFJS_MODULES ? join(process.env.TFJS_MODULES, "x.js") : import.meta.url);
+const tf = require("@tensorflow/tfjs");
+
+const [modelPath, inputsPath] = process.argv.slice(2);
+const folder = dirname(modelPath);
+const handler = {
+  async load() {
+    const json = JSON.parse(readFileSync(modelPath, "utf8"));
+    const specs = [];
+    const buffers = [];
+    for (const group of json.weightsManifest) {
+      specs.push(...group.weights);
+      for (const p of group.paths) {
+        const b = readFileSync(join(folder, p));
+        buffers.push(b.buffer.slice(b.byteOffset, b.byteOffset + b.byteLength));
+      }
+    }
+    return {
+      modelTopology: json.modelTopology, format: json.format, generatedBy: json.generatedBy,
+      convertedBy: json.convertedBy, userDefinedMetadata: json.userDefinedMetadata,
+      weightSpecs: specs, weightData: tf.io.concatenateArrayBuffers(buffers),
+    };
+  },
+};
+await tf.setBackend("cpu");
+const model = await tf.loadLayersModel(handler, { strict: true });
+const inputs = JSON.parse(readFileSync(inputsPath, "utf8"));
+const x = tf.tensor(inputs.data, inputs.shape, inputs.dtype || "float32");
+const y = model.predict(x);
+process.stdout.write(JSON.stringify({
+  version: tf.version.tfjs, shape: y.shape, outputs: Array.from(await y.data()),
+  layers: model.layers.map((l) => l.getClassName()),
+}) + "\n");

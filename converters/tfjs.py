@@ -1,0 +1,355 @@
+"""tfjs: a TensorFlow.js Layers model, a folder with `model.json` and its weight shards.
+
+Spec: tfjs-core/src/io/types.ts (ModelJSON, WeightsManifestEntry) and io_utils.ts (how weights are
+decoded), TensorFlow.js 4.22; tfjs-layers loads the topology as a Keras model config.
+
+Layout of a folder modelkit writes:
+
+    model.json                 {"format": "layers-model", "generatedBy": "modelkit <version>",
+                                "convertedBy": "modelkit <version>",
+                                "modelTopology": the Keras model config (modelkit.models.plugin's table, the
+                                                 one the HDF5 converter's .weights.h5 uses),
+                                "weightsManifest": [{"paths": ["group1-shard1ofN.bin", ...],
+                                                     "weights": [{"name": "dense/kernel", "shape", "dtype"}, ...]}],
+                                "userDefinedMetadata": {"modelkit.arch": ArchSpec JSON,
+                                                        "modelkit.names": JSON {state_dict name: {"weight": "dense/kernel",
+                                                            "transform": "dense_kernel", "flatten"?: [C, H, W]}},
+                                                        ...the Checkpoint's metadata}}
+    group1-shardKofN.bin       the weights end to end in manifest order (the Keras model's layer by layer,
+                               each layer's variables in Keras's order), cut every `shard_size` bytes
+                               (4 MiB, TF.js's default; a weight may straddle two shards, as TF.js allows)
+
+Weights are stored as Keras holds them (Dense kernel (in, out), Conv2D (kh, kw, in, out), channels_last,
+a Dense after Flatten with its rows in Keras's (H, W, C) order): modelkit.models.keras_plan. float32 as
+`"dtype": "float32"`; float16 as TF.js reads it, `"dtype": "float32", "quantization": {"dtype": "float16"}`.
+A checkpoint without a Keras layout (no mlp, cnn or user Sequential) cannot be a Layers model and is refused.
+
+Reading (ours and TF.js's or tensorflowjs_converter's): the topology with or without the `model_config`
+wrapper, any number of groups and shards, float32, int32, float16 (plain or as quantization), and the
+quantized uint8/uint16 weights with `quantization: {dtype, min, scale}` or `{dtype, scale, original_dtype}`
+(dequantized: q * scale + min, as TF.js does). The JSON and the manifest are read by modelkit.parse.tfjs
+(size caps, every shard path inside the folder, the shards' sizes equal to what the manifest declares)
+and the file goes through the scanner's gate (a Lambda layer carrying code is refused). A file whose
+`userDefinedMetadata` records modelkit's names ("modelkit.names": state_dict name -> manifest weight and
+the layout transform, which modelkit writes) gets its torch state_dict names and layouts back without
+building any model (no torch needed); anything else keeps the manifest's names ("dense/kernel") and
+Keras layouts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
+from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
+from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.metadata import NAMES_KEY, json_object
+from modelkit.models.keras_plan import TRANSFORM_NAMES, KerasPlan, keras_plan, torch_shape, transforms
+from modelkit.models.plugin import KerasWeight
+from modelkit.parse import keras as keras_json
+from modelkit.parse import tfjs as tfjs_json
+from modelkit.parse.detect import tfjs as detect  # noqa: F401  (the converter's detect)
+from modelkit.storage import dtypes
+
+MODEL_JSON = "model.json"
+DEFAULT_SHARD_SIZE = 4 * 1024 * 1024        # tensorflowjs_converter's weight_shard_size_bytes default
+FORMAT = "layers-model"
+METADATA_KEY = "userDefinedMetadata"
+KERAS_VERSION = "tfjs-layers 4.22.0"        # what tfjs-layers' own model.save writes
+# Checkpoint dtype -> (manifest dtype, quantization) as TF.js decodes it (io_utils.ts decodeWeight).
+_WRITTEN = {"float32": ("float32", None), "float16": ("float32", {"dtype": "float16"}), "int32": ("int32", None)}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"modelkit {version('modelkit')}"
+    except PackageNotFoundError:
+        return "modelkit"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+def model_json(path: Path) -> Path:
+    """The model.json of a folder, or the file itself."""
+    return path / MODEL_JSON if path.is_dir() else path
+
+
+def _model(file: Path) -> tfjs_json.Model:
+    """model.json parsed by modelkit.parse.tfjs, its size checked before it is read."""
+    try:
+        if file.stat().st_size > keras_json.MAX_JSON:
+            raise FormatError(file, f"is over {keras_json.MAX_JSON} bytes; a model.json that large is not read")
+        return tfjs_json.read_model(file.read_bytes())
+    except OSError as e:
+        raise FormatError(file, f"cannot read it ({e.strerror})") from e
+    except ParseError as e:
+        raise FormatError(file, str(e)) from e
+
+
+def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
+    """The manifest's weights as lazy tensors (each read from its shards when loaded)."""
+    from modelkit.scan import gate
+
+    file = model_json(path)
+    gate(file, trust=options.trust)
+    model = _model(file)
+    try:
+        if model.format != FORMAT:
+            raise ParseError(f"is a TF.js {model.format}; modelkit reads Layers models ({FORMAT}) only")
+        shards = tfjs_json.resolve_shards(model, str(file.parent))
+    except ParseError as e:
+        raise FormatError(file, str(e)) from e
+    tensors: dict[str, LazyTensor] = {}
+    for group, names in zip(model.groups, shards, strict=True):
+        files = [(name, os.stat(name).st_size) for name in names]      # checked against the manifest just now
+        offset = 0
+        for weight in group.weights:
+            if weight.name in tensors:
+                raise FormatError(file, f"weight {weight.name!r} appears twice in the manifest")
+            tensors[weight.name] = _lazy(file, weight, files, offset)
+            offset += weight.nbytes
+    metadata, arch = _metadata(file, model.document.get(METADATA_KEY))
+    names = metadata.pop(NAMES_KEY, None)
+    return _torch_names(file, Checkpoint(tensors=tensors, metadata=metadata, arch=arch), names)
+
+
+_SHOWN = ("units", "filters", "kernel_size", "strides", "padding", "activation", "pool_size", "rate", "axis",
+          "batch_input_shape", "batch_shape", "target_shape", "input_dim", "output_dim")
+
+
+def layers(path: Path) -> list[dict[str, str]]:
+    """The topology's layers, for `modelkit inspect`: name, Keras class and the arguments that shape it."""
+    file = model_json(path)
+    config = _model(file).config or {}
+    items = config.get("config", {}).get("layers", []) if isinstance(config.get("config"), dict) else []
+    shown = []
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict):
+            continue
+        args = item.get("config") if isinstance(item.get("config"), dict) else {}
+        shown.append({"name": str(args.get("name", item.get("name", "")))[:80], "class": str(item.get("class_name"))[:80],
+                      "config": ", ".join(f"{k}={json.dumps(args[k])}" for k in _SHOWN if k in args)[:160]})
+    return shown
+
+
+def _metadata(file: Path, given: Any) -> tuple[dict[str, str], ArchSpec | None]:
+    if not isinstance(given, dict):
+        return {}, None
+    metadata = {k: v for k, v in given.items() if isinstance(k, str) and isinstance(v, str)}
+    arch_json = metadata.pop(ARCH_KEY, None)
+    return metadata, ArchSpec.from_json(arch_json, source=file) if arch_json is not None else None
+
+
+_DECODED = {"float32": "float32", "int32": "int32", "float16": "float16", "uint8": "uint8", "int8": "int8",
+            "uint16": "uint16", "int16": "int16"}
+
+
+def _lazy(file: Path, weight: tfjs_json.Weight, files: list[tuple[str, int]], offset: int) -> LazyTensor:
+    """One manifest weight at `offset` in its group's shards, decoded as TF.js decodes it."""
+    q = weight.quantization
+    source = f"{file}:{weight.name}"
+    if weight.nbytes is None or (q is None and weight.dtype not in _DECODED):
+        raise FormatError(file, f"weight {weight.name!r} is {weight.dtype}; modelkit reads numeric weights only")
+    if q is None:
+        dtype = dtypes.DTYPES[_DECODED[weight.dtype]]
+        return LazyTensor(dtype, weight.shape, lambda: _bytes(files, offset, weight.nbytes).view(dtype.numpy)
+                          .reshape(weight.shape), source)
+    if q["dtype"] == "float16":
+        dtype = dtypes.DTYPES["float16"]
+        return LazyTensor(dtype, weight.shape, lambda: _bytes(files, offset, weight.nbytes).view(np.float16)
+                          .reshape(weight.shape), source)
+    scale, low = q.get("scale"), q.get("min", 0.0)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (scale, low)):
+        raise FormatError(file, f"weight {weight.name!r} is {q['dtype']}-quantized without a finite scale and min")
+    original = q.get("original_dtype", weight.dtype)
+    stored = np.uint8 if q["dtype"] == "uint8" else np.dtype("<u2")
+    out = dtypes.DTYPES["int32" if original == "int32" else "float32"]
+
+    def dequantize() -> np.ndarray:
+        values = _bytes(files, offset, weight.nbytes).view(stored).astype(np.float32) * np.float32(scale) + np.float32(low)
+        values = np.round(values).astype(np.int32) if out.name == "int32" else values
+        return values.reshape(weight.shape)
+    return LazyTensor(out, weight.shape, dequantize, source)
+
+
+def _bytes(files: list[tuple[str, int]], offset: int, nbytes: int) -> np.ndarray:
+    """`nbytes` bytes at `offset` of the group's shards (name, size) taken end to end (a weight may straddle
+    shards)."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    done = 0
+    for name, size in files:
+        if done == nbytes:
+            return out
+        if offset >= size:
+            offset -= size
+            continue
+        want = min(size - offset, nbytes - done)
+        with open(name, "rb") as f:
+            f.seek(offset)
+            if f.readinto(memoryview(out)[done:done + want]) != want:
+                break
+        done, offset = done + want, 0
+    if done == nbytes:
+        return out
+    raise FormatError(files[-1][0] if files else "<shards>", "the weight shards changed since the model was opened "
+                      "(shorter than the manifest says)")
+
+
+def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None) -> Checkpoint:
+    """The torch state_dict names and layouts back, where the file records them (modelkit's NAMES_KEY:
+    state_dict name -> {"weight", "transform", "flatten"}, transforms from a closed set of transposes and
+    reshapes); anything else as the manifest names it ("dense/kernel"), in Keras layouts."""
+    if raw is None:
+        return ckpt
+    names = json_object(file, NAMES_KEY, raw, what="the torch name of each weight")
+    tensors: dict[str, LazyTensor] = {}
+    for name, entry in names.items():
+        weight = entry.get("weight") if isinstance(entry, dict) else None
+        transform = entry.get("transform") if isinstance(entry, dict) else None
+        flatten = entry.get("flatten") if isinstance(entry, dict) else None
+        if weight not in ckpt.tensors or transform not in TRANSFORM_NAMES or not (
+                flatten is None or isinstance(flatten, list) and len(flatten) == 3
+                and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in flatten)):
+            raise FormatError(file, f"{NAMES_KEY} entry {name!r} is not a manifest weight with a known transform")
+        stored = ckpt.tensors.pop(weight)
+        spec = KerasWeight(name, weight, transform, tuple(flatten) if flatten else None)
+        _, back = transforms(spec)
+        shape = torch_shape(spec, stored.shape)
+        if shape is None:
+            raise FormatError(file, f"{NAMES_KEY} entry {name!r}: {weight} {list(stored.shape)} does not take the "
+                              f"{transform} layout")
+        tensors[name] = _in_torch_layout(stored, back, shape)
+    return Checkpoint(tensors={**tensors, **ckpt.tensors}, metadata=ckpt.metadata, arch=ckpt.arch)
+
+
+def _in_torch_layout(stored: LazyTensor, back: Any, shape: tuple[int, ...]) -> LazyTensor:
+    return LazyTensor(stored.dtype, shape, lambda: np.ascontiguousarray(back(stored.array())), stored.source)
+
+
+def adopt_arch(ckpt: Checkpoint) -> Checkpoint:
+    """A model TF.js wrote (Keras names, Keras layouts) given an architecture by the user (`--arch mlp`):
+    its weights, in manifest order, taken as that architecture's Keras weights in Keras's order when every
+    shape fits, under the torch names and layouts; unchanged otherwise (building the model then says what
+    does not fit)."""
+    if ckpt.arch is None or not ckpt.tensors:
+        return ckpt
+    plan = keras_plan(None, ckpt.arch)
+    if isinstance(plan, str) or set(ckpt.tensors) <= set(plan.targets):
+        return ckpt
+    order = _order(plan)
+    entries = list(ckpt.tensors.values())
+    if len(entries) != len(order) or any(not isinstance(e, LazyTensor) or tuple(e.shape) != plan.targets[n].shape
+                                         for e, n in zip(entries, order, strict=True)):
+        return ckpt
+    tensors = {name: _in_torch_layout(entry, plan.targets[name].from_keras,
+                                      torch_shape(plan.targets[name].spec, entry.shape))
+               for entry, name in zip(entries, order, strict=True)}
+    return Checkpoint(tensors=tensors, metadata=ckpt.metadata, arch=ckpt.arch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+def verify_plan(ckpt: Checkpoint, options: WriteOptions = WriteOptions()) -> tuple[set[str], dict[str, float]]:
+    """Tensors Keras has no variable for (BatchNorm's num_batches_tracked) are not written."""
+    plan = keras_plan(ckpt.tensors, ckpt.arch, options.module, options.example_inputs)
+    return (set(ckpt.tensors) - set(plan.targets) if not isinstance(plan, str) else set()), {}
+
+
+def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
+    """Write the folder at `path`: model.json and the shards, one weight at a time."""
+    plan = keras_plan(ckpt.tensors, ckpt.arch, options.module, options.example_inputs, owner="no TF.js model")
+    source = ckpt.arch.name if ckpt.arch else type(options.module).__name__ if options.module is not None else "checkpoint"
+    if isinstance(plan, str):
+        raise UnsupportedConversionError(source, "tfjs", f"a TF.js Layers model is a Keras model: {plan}")
+    order = _order(plan)
+    for name in order:
+        entry = ckpt.tensors[name]
+        if isinstance(entry, QuantizedTensor):
+            raise UnsupportedConversionError("quantized checkpoint", "tfjs", f"tensor {name!r} is quantized "
+                                             f"({entry.scheme}); dequantize it first")
+        if entry.dtype.name not in _WRITTEN:
+            raise UnsupportedConversionError(source, "tfjs", f"tensor {name!r} is {entry.dtype.name}; TF.js reads "
+                                             "float32, float16 and int32 weights: convert with --dtype f32 or f16")
+    shard_size = options.shard_size or DEFAULT_SHARD_SIZE
+    total = sum(ckpt.tensors[name].nbytes for name in order)
+    count = max(1, -(-total // shard_size))
+    paths = [f"group1-shard{i}of{count}.bin" for i in range(1, count + 1)]
+    weights = []
+    for name in order:
+        target, entry = plan.targets[name], ckpt.tensors[name]
+        dtype, quantization = _WRITTEN[entry.dtype.name]
+        spec: dict[str, Any] = {"name": f"{target.path}/{target.weight}", "shape": list(target.shape), "dtype": dtype}
+        if quantization is not None:
+            spec["quantization"] = quantization
+        weights.append(spec)
+    metadata = dict(ckpt.metadata)
+    metadata[NAMES_KEY] = json.dumps({name: {"weight": f"{t.path}/{t.weight}", "transform": t.spec.transform,
+                                             **({"flatten": list(t.spec.flatten)} if t.spec.flatten else {})}
+                                      for name in order for t in [plan.targets[name]]}, separators=(",", ":"))
+    if ckpt.arch is not None:
+        metadata[ARCH_KEY] = ckpt.arch.to_json()
+    document = {"format": FORMAT, "generatedBy": _version(), "convertedBy": _version(),
+                "modelTopology": topology(plan), "weightsManifest": [{"paths": paths, "weights": weights}],
+                METADATA_KEY: metadata}
+    path.mkdir(exist_ok=True)
+    with _Shards(path, paths, shard_size) as out:
+        for name in order:
+            target = plan.targets[name]
+            out.write(np.ascontiguousarray(target.to_keras(ckpt.tensors[name].array())))
+    (path / MODEL_JSON).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+
+
+def topology(plan: KerasPlan) -> dict[str, Any]:
+    """The Keras model config in the dialect TF.js 4.22 reads: Keras 3's to_json, with the InputLayer's
+    `batch_shape` spelled `batch_input_shape` (TF.js refuses an InputLayer without it: "An InputLayer should
+    be passed either a `batchInputShape` or an `inputShape`") and the Keras version tfjs-layers records."""
+    config = plan.layout.keras_json()
+    for layer in config["config"]["layers"]:
+        if layer["class_name"] == "InputLayer":
+            layer["config"]["batch_input_shape"] = layer["config"].pop("batch_shape")
+    return {**config, "keras_version": KERAS_VERSION, "backend": "tensor_flow.js"}
+
+
+def _order(plan: KerasPlan) -> list[str]:
+    """State_dict names in the order TF.js lists a model's weights: layer by layer, each layer's variables
+    in Keras's order (Dense: kernel, bias; BatchNormalization: gamma, beta, moving_mean, moving_variance)."""
+    return [name for name, _ in sorted(plan.targets.items(),
+                                       key=lambda item: ([p for p, _ in plan.paths].index(item[1].path), item[1].index))]
+
+
+class _Shards:
+    """Bytes written end to end into the named shard files, each `size` bytes but the last."""
+
+    def __init__(self, folder: Path, names: list[str], size: int) -> None:
+        self.names: Iterator[str] = iter(names)
+        self.folder, self.size, self.file, self.room = folder, size, None, 0
+
+    def __enter__(self) -> _Shards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()
+        for name in self.names:                      # a model without weights still gets its (empty) shard
+            (self.folder / name).write_bytes(b"")
+
+    def write(self, array: np.ndarray) -> None:
+        data = memoryview(array.reshape(-1).view(np.uint8))
+        while len(data):
+            if self.room == 0:
+                if self.file is not None:
+                    self.file.close()
+                self.file, self.room = open(self.folder / next(self.names), "wb"), self.size
+            n = min(self.room, len(data))
+            self.file.write(data[:n])
+            data, self.room = data[n:], self.room - n
