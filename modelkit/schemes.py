@@ -26,8 +26,11 @@ SCHEMES: dict[str, str] = {
     "int8-dynamic": "modelkit.quantizers.int8_dynamic:Int8DynamicConfig",
     "q4_0": "modelkit.quantizers.gguf_arrays:Q4_0Config",
     "q4_1": "modelkit.quantizers.gguf_arrays:Q4_1Config",
+    "q4_k": "modelkit.quantizers.gguf_arrays:Q4_KConfig",
     "q5_0": "modelkit.quantizers.gguf_arrays:Q5_0Config",
     "q5_1": "modelkit.quantizers.gguf_arrays:Q5_1Config",
+    "q5_k": "modelkit.quantizers.gguf_arrays:Q5_KConfig",
+    "q6_k": "modelkit.quantizers.gguf_arrays:Q6_KConfig",
     "q8_0": "modelkit.quantizers.gguf_arrays:Q8_0Config",
 }
 
