@@ -441,7 +441,7 @@ def apply(model: nn.Module, config: BlockConfig) -> nn.Module:
             _modules.log_kept(name, f"rows of {weight.shape[-1]} weights are not whole {BLOCK}-weight blocks")
             return None
         try:
-            quantized = quantized_tensor(weight, type_name, scheme=config.scheme)
+            quantized = quantized_tensor(weight, type_name)     # a fallback type names itself, as GGUF reads it
         except ConfigError as e:               # NaN / inf weights: say which module
             raise ConfigError(f"{name}.weight: {e}") from e
         return _modules.quantized_module(module, quantized)
