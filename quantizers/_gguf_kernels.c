@@ -167,7 +167,7 @@ static int find_ktype(const char *name) {
 PyDoc_STRVAR(kquantize_doc,
 "kquantize(type_name, src, dst) -> int\n\n"
 "Quantize the float32 values in `src` (a multiple of 256) to K-quant super-blocks in `dst`\n"
-"(exactly the bytes they need): q4_k, q5_k or q6_k. Returns -1, or the index of the first\n"
+"(exactly the bytes they need): q2_k .. q6_k. Returns -1, or the index of the first\n"
 "super-block holding NaN or infinity (dst is then incomplete). Releases the GIL.");
 
 static PyObject *kquantize(PyObject *self, PyObject *args) {
@@ -178,8 +178,6 @@ static PyObject *kquantize(PyObject *self, PyObject *args) {
     int t = find_ktype(name);
     Py_ssize_t n = src.len / (SUPER * (Py_ssize_t)sizeof(float));
     if (t < 0) {
-    } else if (KTYPES[t].quantize == NULL) {
-        PyErr_Format(PyExc_ValueError, "%s is dequantized only", name);
     } else if (src.len % (SUPER * sizeof(float)) || dst.len != n * KTYPES[t].type_size) {
         PyErr_Format(PyExc_ValueError, "%s: %zd source bytes are not whole super-blocks for %zd output bytes",
                      name, src.len, dst.len);

@@ -1,4 +1,4 @@
-/* K-quant super-blocks (256 weights): Q4_K, Q5_K, Q6_K quantization and Q2_K..Q6_K dequantization.
+/* K-quant super-blocks (256 weights): Q2_K..Q6_K quantization and dequantization.
  *
  * Byte-identical to llama.cpp's ggml_quantize_chunk without an importance matrix (its
  * quantize_row_qN_K_ref) and bit-identical to its to_float: the same search for scales and
@@ -39,40 +39,49 @@ static inline float half_value(const uint8_t *p) {
     return f;
 }
 
-/* The scale that fits x (n values) to signed levels -nmax..nmax-1 under weights x*x: the
- * largest-magnitude value's level -nmax first, then 18 nearby scales, keeping the best
- * weighted least-squares fit. L gets the levels offset by nmax. (make_qx_quants, rmse 1.) */
-static float fit_signed(int n, int nmax, const float *x, int8_t *L) {
+/* The value of largest magnitude (the first of ties), 0 for an empty or all-zero x. */
+static inline float largest(int n, const float *x) {
     float max = 0, amax = 0;
     for (int i = 0; i < n; i++) {
         float a = fabsf(x[i]);
         if (a > amax) { amax = a; max = x[i]; }
     }
-    if (amax < TINY) {
+    return max;
+}
+
+/* Levels of x at `iscale` clipped to -nmax..nmax-1, stored plus `offset` in L unless L is NULL, and
+ * the weighted sums sum(w x l) and sum(w l l) for weights w = x * x. */
+static inline void signed_levels(int n, int nmax, const float *x, float iscale, int8_t *L, int offset,
+                                 float *sumlx, float *suml2) {
+    float slx = 0, sl2 = 0;
+    for (int i = 0; i < n; i++) {
+        int l = clamp_int(round_int(iscale * x[i]), -nmax, nmax - 1);
+        if (L) L[i] = (int8_t)(l + offset);
+        float w = x[i] * x[i];
+        slx += w * x[i] * l;
+        sl2 += w * l * l;
+    }
+    *sumlx = slx;
+    *suml2 = sl2;
+}
+
+/* The scale that fits x (n values) to signed levels -nmax..nmax-1 under weights x*x: the
+ * largest-magnitude value's level -nmax first, then 18 nearby scales, keeping the best
+ * weighted least-squares fit. L gets the levels offset by nmax. (make_qx_quants, rmse 1.) */
+static float fit_signed(int n, int nmax, const float *x, int8_t *L) {
+    float max = largest(n, x), sumlx, suml2, unused;
+    if (fabsf(max) < TINY) {
         memset(L, 0, (size_t)n);
         return 0.f;
     }
-    float iscale = -nmax / max, sumlx = 0, suml2 = 0;
-    for (int i = 0; i < n; i++) {
-        int l = clamp_int(round_int(iscale * x[i]), -nmax, nmax - 1);
-        L[i] = (int8_t)(l + nmax);
-        float w = x[i] * x[i];
-        sumlx += w * x[i] * l;
-        suml2 += w * l * l;
-    }
+    signed_levels(n, nmax, x, -nmax / max, L, nmax, &sumlx, &suml2);
     float scale = suml2 ? sumlx / suml2 : 0.0f, best = scale * sumlx;
     for (int step = -9; step <= 9; step++) {
         if (step == 0) continue;
-        iscale = -(nmax + 0.1f * step) / max;
-        sumlx = suml2 = 0;
-        for (int i = 0; i < n; i++) {
-            int l = clamp_int(round_int(iscale * x[i]), -nmax, nmax - 1);
-            float w = x[i] * x[i];
-            sumlx += w * x[i] * l;
-            suml2 += w * l * l;
-        }
+        float iscale = -(nmax + 0.1f * step) / max;
+        signed_levels(n, nmax, x, iscale, NULL, 0, &sumlx, &suml2);
         if (suml2 > 0 && sumlx * sumlx > best * suml2) {
-            for (int i = 0; i < n; i++) L[i] = (int8_t)(nmax + clamp_int(round_int(iscale * x[i]), -nmax, nmax - 1));
+            signed_levels(n, nmax, x, iscale, L, nmax, &unused, &unused);
             scale = sumlx / suml2;
             best = scale * sumlx;
         }
@@ -80,11 +89,14 @@ static float fit_signed(int n, int nmax, const float *x, int8_t *L) {
     return scale;
 }
 
-/* Scale and minimum fitting x (n values) to levels 0..nmax as scale * L + min (min <= 0),
- * weighted squared error: the min/max fit first, then nstep + 1 scales around it, each refit by
- * weighted least squares. Returns the scale, *neg_min = -min. (make_qkx2_quants, no MAD.) */
+/* Scale and minimum fitting x (n <= 32 values) to levels 0..nmax as scale * L + min (min <= 0):
+ * the min/max fit first, then nstep + 1 scales around it, each refit by weighted least squares,
+ * keeping the one of least weighted error (squared, or absolute with `mad`). Returns the scale,
+ * *neg_min = -min. (make_qkx2_quants.) */
+static inline float error_of(float diff, int mad) { return mad ? fabsf(diff) : diff * diff; }
+
 static float fit_affine(int n, int nmax, const float *x, const float *w, uint8_t *L, float *neg_min,
-                        float rmin, float rdelta, int nstep) {
+                        float rmin, float rdelta, int nstep, int mad) {
     uint8_t trial[32];
     float min = x[0], max = x[0], sum_w = w[0], sum_x = sum_w * x[0];
     for (int i = 1; i < n; i++) {
@@ -102,8 +114,7 @@ static float fit_affine(int n, int nmax, const float *x, const float *w, uint8_t
     float iscale = nmax / (max - min), scale = 1 / iscale, best_error = 0;
     for (int i = 0; i < n; i++) {
         L[i] = (uint8_t)clamp_int(round_int(iscale * (x[i] - min)), 0, nmax);
-        float diff = scale * L[i] + min - x[i];
-        best_error += w[i] * (diff * diff);
+        best_error += w[i] * error_of(scale * L[i] + min - x[i], mad);
     }
     for (int step = 0; step <= nstep; step++) {
         iscale = (rmin + rdelta * step + nmax) / (max - min);
@@ -125,8 +136,7 @@ static float fit_affine(int n, int nmax, const float *x, const float *w, uint8_t
             }
             float error = 0;
             for (int i = 0; i < n; i++) {
-                float diff = this_scale * trial[i] + this_min - x[i];
-                error += w[i] * (diff * diff);
+                error += w[i] * error_of(this_scale * trial[i] + this_min - x[i], mad);
             }
             if (error < best_error) {
                 memcpy(L, trial, (size_t)n);
@@ -174,8 +184,8 @@ static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
         for (int l = 0; l < 32; l++) sum_x2 += xs[l] * xs[l];
         float av_x = sqrtf(sum_x2 / 32);
         for (int l = 0; l < 32; l++) w[l] = av_x + fabsf(xs[l]);
-        fits[j] = five ? fit_affine(32, 31, xs, w, L + 32 * j, &mins[j], -0.5f, 0.1f, 15)
-                       : fit_affine(32, 15, xs, w, L + 32 * j, &mins[j], -1.f, 0.1f, 20);
+        fits[j] = five ? fit_affine(32, 31, xs, w, L + 32 * j, &mins[j], -0.5f, 0.1f, 15, 0)
+                       : fit_affine(32, 15, xs, w, L + 32 * j, &mins[j], -1.f, 0.1f, 20, 0);
         if (fits[j] > max_scale) max_scale = fits[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -213,16 +223,11 @@ static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
  * sub-blocks of 16, symmetric, levels -32..31. */
 static void quantize_q6_k(const float *x, uint8_t *y) {
     int8_t L[SUPER];
-    float fits[16], max_scale = 0, max_abs = 0;
-    for (int b = 0; b < 16; b++) {
-        fits[b] = fit_signed(16, 32, x + 16 * b, L + 16 * b);
-        if (fabsf(fits[b]) > max_abs) {
-            max_abs = fabsf(fits[b]);
-            max_scale = fits[b];
-        }
-    }
+    float fits[16];
+    for (int b = 0; b < 16; b++) fits[b] = fit_signed(16, 32, x + 16 * b, L + 16 * b);
+    const float max_scale = largest(16, fits);
     memset(y, 0, 210);
-    if (max_abs < TINY) return;                 /* all zeros, d = +0 */
+    if (fabsf(max_scale) < TINY) return;        /* all zeros, d = +0 */
     int8_t *scales = (int8_t *)(y + 192);
     float iscale = -128.f / max_scale;
     put_half(y + 208, 1 / iscale);
@@ -245,6 +250,116 @@ static void quantize_q6_k(const float *x, uint8_t *y) {
             qh[l] = (uint8_t)((q[0] >> 4) | (q[32] >> 4) << 2 | (q[64] >> 4) << 4 | (q[96] >> 4) << 6);
         }
     }
+}
+
+/* Signed levels -nmax..nmax-1 for x (n values) under weights x*x: start from the largest-magnitude
+ * value's level -nmax, then up to 5 passes moving single levels where that improves the weighted
+ * least-squares fit. L gets the levels offset by nmax; returns the scale. (make_q3_quants, rmse.) */
+static float fit_signed_greedy(int n, int nmax, const float *x, int8_t *L) {
+    float max = largest(n, x), sumlx, suml2;
+    if (fabsf(max) < TINY) {
+        memset(L, 0, (size_t)n);
+        return 0.f;
+    }
+    signed_levels(n, nmax, x, -nmax / max, L, 0, &sumlx, &suml2);
+    for (int pass = 0; pass < 5; pass++) {
+        int changed = 0;
+        for (int i = 0; i < n; i++) {
+            float w = x[i] * x[i], slx = sumlx - w * x[i] * L[i];
+            if (!(slx > 0)) continue;
+            float sl2 = suml2 - w * L[i] * L[i];
+            int l = clamp_int(round_int(x[i] * sl2 / slx), -nmax, nmax - 1);
+            if (l == L[i]) continue;
+            slx += w * x[i] * l;
+            sl2 += w * l * l;
+            if (sl2 > 0 && slx * slx * suml2 > sumlx * sumlx * sl2) {
+                L[i] = (int8_t)l;
+                sumlx = slx;
+                suml2 = sl2;
+                changed++;
+            }
+        }
+        if (!changed) break;
+    }
+    for (int i = 0; i < n; i++) L[i] = (int8_t)(L[i] + nmax);
+    return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
+}
+
+/* Four 2-bit levels per byte: byte 32h + l holds values 128h + l, +32, +64, +96 (Q2_K, Q3_K). */
+static void put_crumbs(uint8_t *qs, const uint8_t *L) {
+    for (int j = 0; j < SUPER; j += 128, qs += 32)
+        for (int l = 0; l < 32; l++)
+            qs[l] = (uint8_t)(L[j + l] | L[j + l + 32] << 2 | L[j + l + 64] << 4 | L[j + l + 96] << 6);
+}
+
+/* Q2_K (84 bytes: 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit levels,
+ * d, dmin): sixteen sub-blocks of 16, each scale * L - min with L in 0..3, fit by absolute error. */
+static void quantize_q2_k(const float *x, uint8_t *y) {
+    uint8_t L[SUPER], *scales = y;
+    float mins[16], fits[16], w[16], max_scale = 0, max_min = 0;
+    for (int j = 0; j < 16; j++) {
+        for (int l = 0; l < 16; l++) w[l] = fabsf(x[16 * j + l]);
+        fits[j] = fit_affine(16, 3, x + 16 * j, w, L + 16 * j, &mins[j], -0.5f, 0.1f, 15, 1);
+        if (fits[j] > max_scale) max_scale = fits[j];
+        if (mins[j] > max_min) max_min = mins[j];
+    }
+    memset(scales, 0, 16);
+    if (max_scale > 0) {
+        float iscale = 15.f / max_scale;
+        for (int j = 0; j < 16; j++) scales[j] = (uint8_t)round_int(iscale * fits[j]);
+    }
+    put_half(y + 80, max_scale > 0 ? max_scale / 15.f : 0.f);
+    if (max_min > 0) {
+        float iscale = 15.f / max_min;
+        for (int j = 0; j < 16; j++) scales[j] |= (uint8_t)(round_int(iscale * mins[j]) << 4);
+    }
+    put_half(y + 82, max_min > 0 ? max_min / 15.f : 0.f);
+    float d_all = half_value(y + 80), m_all = half_value(y + 82);
+    for (int j = 0; j < 16; j++) {
+        const float d = d_all * (scales[j] & 0xF);
+        if (!d) continue;
+        const float dm = m_all * (scales[j] >> 4);
+        for (int i = 0; i < 16; i++) L[16 * j + i] = (uint8_t)clamp_int(round_int((x[16 * j + i] + dm) / d), 0, 3);
+    }
+    put_crumbs(y + 16, L);
+}
+
+/* Q3_K (110 bytes: 32 bytes of third bits, 64 bytes of 2-bit levels, 12 bytes of sixteen 6-bit
+ * scales, d): sixteen sub-blocks of 16, symmetric, levels -4..3. */
+static void quantize_q3_k(const float *x, uint8_t *y) {
+    int8_t L[SUPER];
+    uint8_t *hmask = y, *scales = y + 96;
+    float fits[16];
+    for (int j = 0; j < 16; j++) fits[j] = fit_signed_greedy(16, 4, x + 16 * j, L + 16 * j);
+    const float max_scale = largest(16, fits);
+    memset(scales, 0, 12);
+    if (max_scale) {
+        float iscale = -32.f / max_scale;
+        for (int j = 0; j < 16; j++) {
+            int l = clamp_int((int8_t)round_int(iscale * fits[j]), -32, 31) + 32;
+            if (j < 8) scales[j] = (uint8_t)(l & 0xF);
+            else scales[j - 8] |= (uint8_t)((l & 0xF) << 4);
+            scales[j % 4 + 8] |= (uint8_t)((l >> 4) << (2 * (j / 4)));
+        }
+        put_half(y + 108, 1 / iscale);
+    } else {
+        put_half(y + 108, 0.f);
+    }
+    float d_all = half_value(y + 108);
+    for (int j = 0; j < 16; j++) {
+        int low = j < 8 ? scales[j] & 0xF : scales[j - 8] >> 4;
+        int sc = (low | ((scales[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32;
+        float d = d_all * sc;
+        if (!d) continue;
+        for (int i = 0; i < 16; i++) L[16 * j + i] = (int8_t)(clamp_int(round_int(x[16 * j + i] / d), -4, 3) + 4);
+    }
+    memset(hmask, 0, 32);                       /* bit k of hmask[m]: the third bit of value 32k + m */
+    for (int j = 0; j < SUPER; j++)
+        if (L[j] > 3) {
+            hmask[j % 32] |= (uint8_t)(1 << (j / 32));
+            L[j] -= 4;
+        }
+    put_crumbs(y + 32, (const uint8_t *)L);
 }
 
 static void dequantize_q2_k(const uint8_t *b, float *y) {   /* 84 bytes: scales[16], qs[64], d, dmin */
@@ -318,9 +433,9 @@ static void dequantize_q5_k(const uint8_t *b, float *y) { dequantize_qk_affine(b
 typedef void (*kquantize_t)(const float *, uint8_t *);
 typedef void (*kdequantize_t)(const uint8_t *, float *);
 
-/* Name, bytes per 256 weights, quantizer (NULL: read only), dequantizer. */
+/* Name, bytes per 256 weights, quantizer, dequantizer. */
 static const struct { const char *name; int type_size; kquantize_t quantize; kdequantize_t dequantize; } KTYPES[] = {
-    {"q2_k", 84, NULL, dequantize_q2_k}, {"q3_k", 110, NULL, dequantize_q3_k},
+    {"q2_k", 84, quantize_q2_k, dequantize_q2_k}, {"q3_k", 110, quantize_q3_k, dequantize_q3_k},
     {"q4_k", 144, quantize_q4_k, dequantize_q4_k}, {"q5_k", 176, quantize_q5_k, dequantize_q5_k},
     {"q6_k", 210, quantize_q6_k, dequantize_q6_k},
 };

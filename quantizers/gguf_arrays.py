@@ -6,8 +6,8 @@ _gguf_kernels.c quantize each tensor in place of gguf-py's numpy reference, whic
 fallback where the extension was not built (same bytes, slower). `gguf_blocks.py` holds the
 torch side: quantized layers, the eager-torch reference and dequantization.
 
-K-quants (super-blocks of 256 weights, _gguf_kernels_kquants.h): q4_k, q5_k and q6_k quantize
-byte-identical to llama.cpp's `ggml_quantize_chunk` without an importance matrix, and q2_k..q6_k
+K-quants (super-blocks of 256 weights, _gguf_kernels_kquants.h): q2_k..q6_k quantize byte-identical
+to llama.cpp's `ggml_quantize_chunk` without an importance matrix (`quantize_kquants`) and
 dequantize bit-identical to its `to_float` (`dequantize_kquants`). They need the extension: gguf-py
 has no K-quant quantizer to fall back on.
 """
@@ -34,11 +34,11 @@ MIN_SHARE = 2**16           # blocks per thread at least (2 MiB of float32): sma
 # Block type -> bytes per block of BLOCK weights (ggml's type sizes).
 TYPE_SIZES: dict[str, int] = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
 K_BLOCK = 256               # weights per K-quant super-block (QK_K)
-# K type -> bytes per super-block; the first three are also quantized here (K_QUANTIZED), all are dequantized.
-K_TYPE_SIZES: dict[str, int] = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "q2_k": 84, "q3_k": 110}
-K_QUANTIZED: tuple[str, ...] = ("q4_k", "q5_k", "q6_k")
+# K type -> bytes per super-block.
+K_TYPE_SIZES: dict[str, int] = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+K_QUANTIZED: tuple[str, ...] = tuple(K_TYPE_SIZES)
 # llama.cpp's type for a tensor whose rows are not whole super-blocks (llama-quant.cpp's tensor_type_fallback).
-K_FALLBACK: dict[str, str] = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+K_FALLBACK: dict[str, str] = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 KERNEL_ISAS: tuple[str, ...] = tuple(_gguf_kernels.ISAS) if _gguf_kernels else ()
 # The configs live here (torch-free); `apply` to a module is torch's, in gguf_blocks (schemes.scheme_module).
 APPLY_MODULE = "modelkit.quantizers.gguf_blocks"
@@ -133,26 +133,39 @@ class Q5_1Config(BlockConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Q4_KConfig(BlockConfig):
-    """Quantize every Linear and Embedding weight to llama.cpp's Q4_K super-blocks (256 weights, 4.5 bits each).
+class Q2_KConfig(BlockConfig):
+    """Quantize every Linear and Embedding weight to llama.cpp's K-quant super-blocks (256 weights).
 
     As BlockConfig, except that a weight whose rows are not whole 256-weight super-blocks is stored
-    as llama.cpp's quantizer stores it then: Q5_0 (Q5_1 under q5_k, Q8_0 under q6_k) when its rows are
-    whole 32-weight blocks, otherwise kept in float (logged). No importance matrix.
+    as llama.cpp's quantizer stores it then (K_FALLBACK: Q4_0 under q2_k and q3_k, Q5_0 under q4_k,
+    Q5_1 under q5_k, Q8_0 under q6_k) when its rows are whole 32-weight blocks, otherwise kept in
+    float (logged). No importance matrix.
     """
 
+    scheme: ClassVar[str] = "q2_k"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q3_KConfig(BlockConfig):
+    __doc__ = Q2_KConfig.__doc__
+    scheme: ClassVar[str] = "q3_k"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q4_KConfig(BlockConfig):
+    __doc__ = Q2_KConfig.__doc__
     scheme: ClassVar[str] = "q4_k"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Q5_KConfig(BlockConfig):
-    __doc__ = Q4_KConfig.__doc__
+    __doc__ = Q2_KConfig.__doc__
     scheme: ClassVar[str] = "q5_k"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Q6_KConfig(BlockConfig):
-    __doc__ = Q4_KConfig.__doc__
+    __doc__ = Q2_KConfig.__doc__
     scheme: ClassVar[str] = "q6_k"
 
 
@@ -237,7 +250,7 @@ def _k_kernels(what: str) -> Any:
 
 
 def quantize_kquants(values: np.ndarray, type_name: str, *, threads: int | None = None) -> np.ndarray:
-    """Quantize a float array to K-quant super-blocks (q4_k, q5_k, q6_k) along its last dimension: the
+    """Quantize a float array to K-quant super-blocks (q2_k .. q6_k) along its last dimension: the
     bytes llama.cpp's `ggml_quantize_chunk` writes without an importance matrix, as uint8 (rows, bytes per row).
 
     Raises:

@@ -3,8 +3,8 @@
 llama.cpp is the judge: fixtures/llama_cpp/kquants.npz holds what its own library (through
 ctypes, fixtures/llama_cpp/make_golden_kquants.py, llama-cpp-python 0.3.36) wrote for seeded
 inputs (normal weights, outliers, zeros, constant rows and sub-blocks, rows of one sign, tiny and
-huge values) as Q2_K..Q6_K, and the floats its dequantizers gave back. Q4_K, Q5_K and Q6_K must
-quantize to exactly those bytes; every K type must dequantize to exactly those floats. Then the
+huge values) as Q2_K..Q6_K, and the floats its dequantizers gave back. Every K type must quantize
+to exactly those bytes and dequantize to exactly those floats. Then the
 schemes end to end: `modelkit quantize --scheme q6_k` on a weight file, llama.cpp's fallback type
 for rows that are not whole super-blocks, and `modelkit convert` of the GGUF back to float.
 """
@@ -24,8 +24,10 @@ from modelkit.errors import ConfigError
 from modelkit.quantizers import gguf_arrays, gguf_blocks
 
 GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "llama_cpp" / "kquants.npz"
-QUANTIZED = gguf_arrays.K_QUANTIZED                         # q4_k, q5_k, q6_k
+QUANTIZED = gguf_arrays.K_QUANTIZED                         # q2_k .. q6_k
 ALL = tuple(sorted(gguf_arrays.K_TYPE_SIZES))              # q2_k .. q6_k
+# relative RMS error on normal weights, pinned at about 1.3x the values measured 2026-11-25
+RMS_BOUND = {"q2_k": 0.39, "q3_k": 0.2, "q4_k": 0.093, "q5_k": 0.047, "q6_k": 0.023}   # 0.296, 0.151, 0.071, 0.036, 0.018
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,8 @@ def test_threads_split_on_super_blocks(type_name):
     assert np.array_equal(gguf_arrays.quantize_kquants(x, type_name, threads=3), one)
     values = gguf_arrays.dequantize_kquants(one, type_name, threads=1)
     assert np.array_equal(gguf_arrays.dequantize_kquants(one, type_name, threads=3), values)
-    assert np.abs(values - x).max() < 0.2 * np.abs(x).max()
+    rms = float(np.sqrt(((values - x) ** 2).mean() / (x ** 2).mean()))
+    assert rms < RMS_BOUND[type_name], rms
 
 
 @pytest.mark.parametrize("type_name", QUANTIZED)

@@ -34,6 +34,8 @@ EXPECTED: dict[tuple[str, str], tuple[float, float] | str] = {
     ("mlp", "q4_1"): "no row is a whole number of 32-weight blocks",
     ("mlp", "q5_0"): "no row is a whole number of 32-weight blocks",
     ("mlp", "q5_1"): "no row is a whole number of 32-weight blocks",
+    ("mlp", "q2_k"): "no row is a whole number of 32-weight blocks",
+    ("mlp", "q3_k"): "no row is a whole number of 32-weight blocks",
     ("mlp", "q4_k"): "no row is a whole number of 32-weight blocks",
     ("mlp", "q5_k"): "no row is a whole number of 32-weight blocks",
     ("mlp", "q6_k"): "no row is a whole number of 32-weight blocks",
@@ -50,6 +52,8 @@ EXPECTED: dict[tuple[str, str], tuple[float, float] | str] = {
     ("cnn", "q5_1"): (0.022, 0.36),           # 0.01439, 0.3525
     # K-quants: no row of the small zoo models is 256 wide, so llama.cpp's fallback types apply
     # (Q5_0, Q5_1, Q8_0) and the figures are theirs (measured 2026-11-25); tests/test_kquants.py has the K bytes.
+    ("cnn", "q2_k"): (0.037, 0.32),           # 0.02469, 0.3152 (Q4_0)
+    ("cnn", "q3_k"): (0.037, 0.32),           # 0.02469, 0.3152 (Q4_0)
     ("cnn", "q4_k"): (0.015, 0.35),           # 0.01000, 0.3401 (Q5_0)
     ("cnn", "q5_k"): (0.022, 0.36),           # 0.01439, 0.3525 (Q5_1)
     ("cnn", "q6_k"): (0.0015, 0.42),          # 0.00086, 0.4148 (Q8_0)
@@ -64,6 +68,8 @@ EXPECTED: dict[tuple[str, str], tuple[float, float] | str] = {
     ("tinylm", "q4_1"): (0.19, 0.161),        # 0.12285, 0.1601
     ("tinylm", "q5_0"): (0.1, 0.176),         # 0.06497, 0.1757
     ("tinylm", "q5_1"): (0.095, 0.192),       # 0.06242, 0.1912
+    ("tinylm", "q2_k"): (0.2, 0.15),          # 0.12861, 0.1446 (Q4_0)
+    ("tinylm", "q3_k"): (0.2, 0.15),          # 0.12861, 0.1446 (Q4_0)
     ("tinylm", "q4_k"): (0.1, 0.176),         # 0.06497, 0.1757 (Q5_0)
     ("tinylm", "q5_k"): (0.095, 0.192),       # 0.06242, 0.1912 (Q5_1)
     ("tinylm", "q6_k"): (0.012, 0.27),        # 0.00757, 0.2690 (Q8_0)
@@ -196,7 +202,8 @@ def test_int8_dynamic_matches_its_float_emulation(small_model):
 # --------------------------------------------------------------------------- storage round trips
 
 FORMATS_FOR = {"safetensors": ".safetensors", "gguf": ".gguf", "pth": ".pt", "onnx": ".onnx"}
-GGUF_SCHEMES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "fp16", "bf16")
+GGUF_SCHEMES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "fp16",
+                "bf16")
 # ONNX refuses q4_1 / q5_1 (d * q + m has no exact DequantizeLinear: tested below); fp16 / bf16
 # weights are stored 16-bit, each feeding a Cast to float32.
 NOT_ONNX = ("q4_1", "q5_1", "q5_k")      # q5_k: the small models' rows fall back to Q5_1
