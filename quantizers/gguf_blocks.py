@@ -27,6 +27,8 @@ release the GIL); no Python loop ever runs per block. Tensors holding NaN or inf
 
 Quantized tensors are `QuantizedTensor(layout="gguf", parts={"qdata": uint8 (rows, row bytes)},
 params={"ggml_type": "Q4_0"})`, the form modelkit's GGUF converter reads and writes natively.
+The K-quants (q2_k .. q6_k, super-blocks of 256) have their kernels in gguf_arrays; `apply`,
+`quantized_tensor` and `dequantize_layout` here take them too.
 """
 from __future__ import annotations
 
@@ -399,7 +401,7 @@ def dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
             return torch.from_numpy(values).reshape(q.shape).to(q.dtype.torch)
         except (ConfigError, RuntimeError) as e:             # bytes that do not fit the type or the shape
             raise FormatError(q.source or "<tensor>", f"cannot dequantize {ggml_type}: {e}") from e
-    # Other block types (K-quants, i-quants) only come from GGUF files: gguf-py dequantizes them.
+    # Other block types (i-quants; K-quants without the extension) only come from GGUF files: gguf-py dequantizes them.
     try:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize as gguf_dequantize
