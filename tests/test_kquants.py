@@ -138,3 +138,23 @@ def test_scheme_config_and_module_path():
                                               "q6_k")
     assert torch.equal(quantized[0].dequantize(), torch.from_numpy(expected))
     assert torch.equal(quantized[2].weight, model[2].weight)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_k_tensors_round_trip_through_files(tmp_path, fmt):
+    """K-typed QuantizedTensors are stored natively (the block bytes) and read back bit for bit."""
+    import modelkit
+    from modelkit.checkpoint import Checkpoint
+    from modelkit.pipeline.write import write_checkpoint
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 4, bias=False) for _ in QUANTIZED))
+    entries = {f"{i}.weight": gguf_blocks.quantized_tensor(layer.weight.detach(), t)
+               for i, (layer, t) in enumerate(zip(model, QUANTIZED, strict=True))}
+    path = tmp_path / f"k.{fmt}"
+    write_checkpoint(Checkpoint(entries, {}), path, fmt, force=False, verify=True)
+    back = modelkit.load(path).tensors
+    for name, q in entries.items():
+        assert back[name].params["ggml_type"] == q.params["ggml_type"]
+        assert torch.equal(back[name].parts["qdata"].load().reshape(-1), q.parts["qdata"].load().reshape(-1))
+        assert torch.equal(back[name].load(), q.load())

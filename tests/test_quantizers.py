@@ -206,12 +206,15 @@ GGUF_SCHEMES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", 
                 "bf16")
 # ONNX refuses q4_1 / q5_1 (d * q + m has no exact DequantizeLinear: tested below); fp16 / bf16
 # weights are stored 16-bit, each feeding a Cast to float32.
-NOT_ONNX = ("q4_1", "q5_1", "q5_k")      # q5_k: the small models' rows fall back to Q5_1
+NOT_ONNX = ("q4_1", "q5_1")
 
 
 ROUND_TRIPS = [(fmt, scheme) for fmt in sorted(FORMATS_FOR) for scheme in SCHEME_NAMES
                if (fmt != "gguf" or scheme in GGUF_SCHEMES)      # GGUF refuses affine int8/int4 (tested below)
-               and (fmt != "onnx" or scheme not in NOT_ONNX)]
+               and (fmt != "onnx" or scheme not in NOT_ONNX)
+               # K-quants: the small models' rows take the fallback types, stored elsewhere as those
+               # schemes are; GGUF checks the fallback tensors read back under their own type names
+               and (fmt == "gguf" or scheme not in gguf_arrays.K_QUANTIZED)]
 
 
 def _same_quantized(a: QuantizedTensor, b: QuantizedTensor) -> bool:
