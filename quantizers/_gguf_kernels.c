@@ -187,9 +187,11 @@ static PyObject *kquantize(PyObject *self, PyObject *args) {
         uint8_t *y = (uint8_t *)dst.buf;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t b = 0; b < n && bad < 0; b++) {
-            const int32_t *bits = (const int32_t *)(x + b * SUPER);
-            for (int i = 0; i < SUPER; i++)
-                if ((bits[i] & 0x7fffffff) >= EXPONENT) { bad = b; break; }
+            for (int i = 0; i < SUPER; i++) {
+                int32_t bits;
+                memcpy(&bits, x + b * SUPER + i, 4);     /* no type punning through pointers */
+                if ((bits & 0x7fffffff) >= EXPONENT) { bad = b; break; }
+            }
             if (bad < 0) KTYPES[t].quantize(x + b * SUPER, y + b * KTYPES[t].type_size);
         }
         Py_END_ALLOW_THREADS

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 from safetensors.numpy import load_file, save_file
 
 from modelkit.cli.app import main
@@ -63,6 +65,9 @@ def test_dequantize_is_bit_identical_to_llama_cpp(golden, type_name):
         expected = golden[f"{case}.{type_name}.values"]
         assert ours.dtype == np.float32 and ours.shape == expected.shape, case
         assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32)), case
+        # the fallback where the extension is not built: gguf-py's numpy dequantizer, the same floats
+        fallback = gguf_dequantize(golden[f"{case}.{type_name}.bytes"], GGMLQuantizationType[type_name.upper()])
+        assert np.array_equal(fallback.astype(np.float32).view(np.uint32), expected.view(np.uint32)), case
 
 
 @pytest.mark.parametrize("type_name", QUANTIZED)
