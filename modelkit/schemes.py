@@ -24,10 +24,15 @@ SCHEMES: dict[str, str] = {
     "int4": "modelkit.quantizers.int4:Int4Config",
     "int8": "modelkit.quantizers.int8:Int8Config",
     "int8-dynamic": "modelkit.quantizers.int8_dynamic:Int8DynamicConfig",
+    "q2_k": "modelkit.quantizers.gguf_arrays:Q2_KConfig",
+    "q3_k": "modelkit.quantizers.gguf_arrays:Q3_KConfig",
     "q4_0": "modelkit.quantizers.gguf_arrays:Q4_0Config",
     "q4_1": "modelkit.quantizers.gguf_arrays:Q4_1Config",
+    "q4_k": "modelkit.quantizers.gguf_arrays:Q4_KConfig",
     "q5_0": "modelkit.quantizers.gguf_arrays:Q5_0Config",
     "q5_1": "modelkit.quantizers.gguf_arrays:Q5_1Config",
+    "q5_k": "modelkit.quantizers.gguf_arrays:Q5_KConfig",
+    "q6_k": "modelkit.quantizers.gguf_arrays:Q6_KConfig",
     "q8_0": "modelkit.quantizers.gguf_arrays:Q8_0Config",
 }
 

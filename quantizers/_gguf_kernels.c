@@ -21,6 +21,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -73,6 +74,7 @@ static inline void put_half(uint8_t *dst, float f) {
 #define HAVE_AVX2_KERNELS 1
 #include "_gguf_kernels_avx2.h"
 #endif
+#include "_gguf_kernels_kquants.h"
 
 typedef Py_ssize_t (*kernel_t)(const float *, uint8_t *, Py_ssize_t);
 
@@ -155,9 +157,86 @@ static PyObject *half(PyObject *self, PyObject *args) {
     return result;
 }
 
+static int find_ktype(const char *name) {
+    for (int i = 0; i < (int)(sizeof KTYPES / sizeof KTYPES[0]); i++)
+        if (strcmp(name, KTYPES[i].name) == 0) return i;
+    PyErr_Format(PyExc_ValueError, "unknown K-quant type %s", name);
+    return -1;
+}
+
+PyDoc_STRVAR(kquantize_doc,
+"kquantize(type_name, src, dst) -> int\n\n"
+"Quantize the float32 values in `src` (a multiple of 256) to K-quant super-blocks in `dst`\n"
+"(exactly the bytes they need): q2_k .. q6_k. Returns -1, or the index of the first\n"
+"super-block holding NaN or infinity (dst is then incomplete). Releases the GIL.");
+
+static PyObject *kquantize(PyObject *self, PyObject *args) {
+    const char *name;
+    Py_buffer src, dst;
+    if (!PyArg_ParseTuple(args, "sy*w*", &name, &src, &dst)) return NULL;
+    PyObject *result = NULL;
+    int t = find_ktype(name);
+    Py_ssize_t n = src.len / (SUPER * (Py_ssize_t)sizeof(float));
+    if (t < 0) {
+    } else if (src.len % (SUPER * sizeof(float)) || dst.len != n * KTYPES[t].type_size) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd source bytes are not whole super-blocks for %zd output bytes",
+                     name, src.len, dst.len);
+    } else {
+        Py_ssize_t bad = -1;
+        const float *x = (const float *)src.buf;
+        uint8_t *y = (uint8_t *)dst.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t b = 0; b < n && bad < 0; b++) {
+            for (int i = 0; i < SUPER; i++) {
+                int32_t bits;
+                memcpy(&bits, x + b * SUPER + i, 4);     /* no type punning through pointers */
+                if ((bits & 0x7fffffff) >= EXPONENT) { bad = b; break; }
+            }
+            if (bad < 0) KTYPES[t].quantize(x + b * SUPER, y + b * KTYPES[t].type_size);
+        }
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(bad);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+PyDoc_STRVAR(kdequantize_doc,
+"kdequantize(type_name, src, dst)\n\n"
+"K-quant super-blocks in `src` (q2_k .. q6_k) to float32 values in `dst` (256 per block), as\n"
+"llama.cpp's to_float computes them. Releases the GIL.");
+
+static PyObject *kdequantize(PyObject *self, PyObject *args) {
+    const char *name;
+    Py_buffer src, dst;
+    if (!PyArg_ParseTuple(args, "sy*w*", &name, &src, &dst)) return NULL;
+    PyObject *result = NULL;
+    int t = find_ktype(name);
+    if (t < 0) {
+    } else if (src.len % KTYPES[t].type_size || dst.len != src.len / KTYPES[t].type_size * SUPER * (Py_ssize_t)sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes are not whole super-blocks for %zd output bytes",
+                     name, src.len, dst.len);
+    } else {
+        Py_ssize_t n = src.len / KTYPES[t].type_size;
+        const uint8_t *b = (const uint8_t *)src.buf;
+        float *y = (float *)dst.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) KTYPES[t].dequantize(b + i * KTYPES[t].type_size, y + i * SUPER);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyMethodDef METHODS[] = {
     {"quantize", quantize, METH_VARARGS, quantize_doc},
     {"half_bits", half, METH_VARARGS, half_doc},
+    {"kquantize", kquantize, METH_VARARGS, kquantize_doc},
+    {"kdequantize", kdequantize, METH_VARARGS, kdequantize_doc},
     {NULL, NULL, 0, NULL},
 };
 

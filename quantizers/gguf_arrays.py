@@ -1,10 +1,15 @@
-"""GGUF block types on numpy arrays: the configs, the block geometry and `quantize_array`, without torch.
+"""GGUF block types on numpy arrays: the configs, the block geometry, `quantize_array` and the K-quants, without torch.
 
 Weight files become GGUF block types here without building a model or importing torch
 (`modelkit quantize weights.safetensors out.gguf --scheme q4_0`): the C kernels of
 _gguf_kernels.c quantize each tensor in place of gguf-py's numpy reference, which is the
 fallback where the extension was not built (same bytes, slower). `gguf_blocks.py` holds the
 torch side: quantized layers, the eager-torch reference and dequantization.
+
+K-quants (super-blocks of 256 weights, _gguf_kernels_kquants.h): q2_k..q6_k quantize byte-identical
+to llama.cpp's `ggml_quantize_chunk` without an importance matrix (`quantize_kquants`) and
+dequantize bit-identical to its `to_float` (`dequantize_kquants`). They need the extension: gguf-py
+has no K-quant quantizer to fall back on.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from modelkit.errors import ConfigError
+from modelkit.errors import ConfigError, MissingDependencyError
 
 try:
     from modelkit.quantizers import _gguf_kernels
@@ -28,9 +33,34 @@ BLOCK = 32                  # weights per block for every type here (QK4_0 = QK4
 MIN_SHARE = 2**16           # blocks per thread at least (2 MiB of float32): smaller tensors run on one thread
 # Block type -> bytes per block of BLOCK weights (ggml's type sizes).
 TYPE_SIZES: dict[str, int] = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
+K_BLOCK = 256               # weights per K-quant super-block (QK_K)
+# K type -> bytes per super-block.
+K_TYPE_SIZES: dict[str, int] = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+K_QUANTIZED: tuple[str, ...] = tuple(K_TYPE_SIZES)
+# llama.cpp's type for a tensor whose rows are not whole super-blocks (llama-quant.cpp's tensor_type_fallback).
+K_FALLBACK: dict[str, str] = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 KERNEL_ISAS: tuple[str, ...] = tuple(_gguf_kernels.ISAS) if _gguf_kernels else ()
 # The configs live here (torch-free); `apply` to a module is torch's, in gguf_blocks (schemes.scheme_module).
 APPLY_MODULE = "modelkit.quantizers.gguf_blocks"
+
+
+def block_weights(type_name: str) -> int:
+    """Weights per block of `type_name` (32, or 256 for the K-quants)."""
+    return K_BLOCK if type_name in K_TYPE_SIZES else BLOCK
+
+
+def row_type(type_name: str, row: int) -> str | None:
+    """The type a row of `row` weights is stored as under `type_name`: itself when the rows are whole
+    blocks, llama.cpp's fallback for a K type whose rows are not whole super-blocks, None if neither fits."""
+    if row % block_weights(type_name) == 0:
+        return type_name
+    fallback = K_FALLBACK.get(type_name)
+    return fallback if fallback is not None and row % BLOCK == 0 else None
+
+
+def row_bytes(type_name: str, row: int) -> int:
+    """Bytes of one row of `row` weights as `type_name` blocks."""
+    return row // block_weights(type_name) * {**TYPE_SIZES, **K_TYPE_SIZES}[type_name]
 
 
 def check_skip(config: Any) -> None:
@@ -102,6 +132,43 @@ class Q5_1Config(BlockConfig):
     scheme: ClassVar[str] = "q5_1"
 
 
+@dataclass(frozen=True, kw_only=True)
+class Q2_KConfig(BlockConfig):
+    """Quantize every Linear and Embedding weight to llama.cpp's K-quant super-blocks (256 weights).
+
+    As BlockConfig, except that a weight whose rows are not whole 256-weight super-blocks is stored
+    as llama.cpp's quantizer stores it then (K_FALLBACK: Q4_0 under q2_k and q3_k, Q5_0 under q4_k,
+    Q5_1 under q5_k, Q8_0 under q6_k) when its rows are whole 32-weight blocks, otherwise kept in
+    float (logged). No importance matrix.
+    """
+
+    scheme: ClassVar[str] = "q2_k"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q3_KConfig(BlockConfig):
+    __doc__ = Q2_KConfig.__doc__
+    scheme: ClassVar[str] = "q3_k"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q4_KConfig(BlockConfig):
+    __doc__ = Q2_KConfig.__doc__
+    scheme: ClassVar[str] = "q4_k"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q5_KConfig(BlockConfig):
+    __doc__ = Q2_KConfig.__doc__
+    scheme: ClassVar[str] = "q5_k"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q6_KConfig(BlockConfig):
+    __doc__ = Q2_KConfig.__doc__
+    scheme: ClassVar[str] = "q6_k"
+
+
 def shares(total: int, workers: int, least: int, step: int = 1) -> list[tuple[int, int]]:
     """Split range(total) into at most `workers` contiguous (start, stop) shares of at least
     `least`, each starting at a multiple of `step`."""
@@ -149,8 +216,10 @@ def quantize_array(values: np.ndarray, type_name: str, *, threads: int | None = 
             array holds NaN or infinity.
     """
     type_name = type_name.lower()
+    if type_name in K_QUANTIZED:
+        return quantize_kquants(values, type_name, threads=threads)
     if type_name not in TYPE_SIZES:
-        raise ConfigError(f"unknown GGUF block type {type_name!r}; known: {', '.join(TYPE_SIZES)}")
+        raise ConfigError(f"unknown GGUF block type {type_name!r}; known: {', '.join((*TYPE_SIZES, *K_QUANTIZED))}")
     shape = values.shape
     if not shape or shape[-1] % BLOCK:
         raise ConfigError(f"cannot quantize a tensor of shape {list(shape)} to {type_name}: its rows must be "
@@ -171,3 +240,68 @@ def quantize_array(values: np.ndarray, type_name: str, *, threads: int | None = 
     bad = int(np.flatnonzero(~np.isfinite(flat))[0]) // shape[-1]
     raise ConfigError(f"cannot quantize to {type_name.upper()}: the tensor of shape {list(shape)} holds NaN or "
                       f"infinity (row {bad}); fix the weights, or keep this tensor in float (skip it)")
+
+
+def _k_kernels(what: str) -> Any:
+    if _gguf_kernels is None:
+        raise MissingDependencyError(f"{what} needs modelkit's compiled GGUF kernels (reinstall modelkit where a C "
+                                     f"compiler is found)")
+    return _gguf_kernels
+
+
+def quantize_kquants(values: np.ndarray, type_name: str, *, threads: int | None = None) -> np.ndarray:
+    """Quantize a float array to K-quant super-blocks (q2_k .. q6_k) along its last dimension: the
+    bytes llama.cpp's `ggml_quantize_chunk` writes without an importance matrix, as uint8 (rows, bytes per row).
+
+    Raises:
+        ConfigError: the last dimension is not a multiple of 256, or the array holds NaN or infinity.
+        MissingDependencyError: the C extension was not built.
+    """
+    kernels = _k_kernels(f"quantizing to {type_name.upper()}")
+    shape = values.shape
+    if not shape or shape[-1] % K_BLOCK:
+        raise ConfigError(f"cannot quantize a tensor of shape {list(shape)} to {type_name.upper()}: its rows must be "
+                          f"whole {K_BLOCK}-weight super-blocks (llama.cpp stores such a tensor as "
+                          f"{K_FALLBACK[type_name].upper()})")
+    rows = math.prod(shape[:-1])
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    size = K_TYPE_SIZES[type_name]
+    out = np.empty(flat.size // K_BLOCK * size, dtype=np.uint8)
+
+    def work(start: int, stop: int) -> bool:
+        return kernels.kquantize(type_name, flat[start * K_BLOCK:stop * K_BLOCK], out[start * size:stop * size]) < 0
+
+    # a super-block costs ~40x a 32-weight block: shares of 2**12 super-blocks are worth a thread
+    if not in_threads(work, shares(flat.size // K_BLOCK, threads or default_threads(), 2**12)):
+        bad = int(np.flatnonzero(~np.isfinite(flat))[0]) // shape[-1]
+        raise ConfigError(f"cannot quantize to {type_name.upper()}: the tensor of shape {list(shape)} holds NaN or "
+                          f"infinity (row {bad}); fix the weights, or keep this tensor in float (skip it)")
+    return out.reshape(rows, shape[-1] // K_BLOCK * size)
+
+
+def dequantize_kquants(data: np.ndarray, type_name: str, *, threads: int | None = None) -> np.ndarray:
+    """K-quant super-block bytes (q2_k .. q6_k; uint8 rows of whole super-blocks) back to float32 (rows,
+    weights per row), bit for bit as llama.cpp's `to_float` computes them.
+
+    Raises:
+        ConfigError: unknown type, or rows that are not whole super-blocks.
+        MissingDependencyError: the C extension was not built.
+    """
+    type_name = type_name.lower()
+    if type_name not in K_TYPE_SIZES:
+        raise ConfigError(f"unknown K-quant type {type_name!r}; known: {', '.join(K_TYPE_SIZES)}")
+    kernels = _k_kernels(f"dequantizing {type_name.upper()}")
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    size = K_TYPE_SIZES[type_name]
+    if data.ndim == 0 or data.shape[-1] % size:
+        raise ConfigError(f"{type_name.upper()} data rows of {list(data.shape)} bytes are not whole {size}-byte "
+                          f"super-blocks")
+    flat = data.reshape(-1)
+    out = np.empty(flat.size // size * K_BLOCK, dtype=np.float32)
+
+    def work(start: int, stop: int) -> bool:
+        kernels.kdequantize(type_name, flat[start * size:stop * size], out[start * K_BLOCK:stop * K_BLOCK])
+        return True
+
+    in_threads(work, shares(flat.size // size, threads or default_threads(), MIN_SHARE // 8))
+    return out.reshape(*data.shape[:-1], data.shape[-1] // size * K_BLOCK)

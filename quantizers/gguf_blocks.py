@@ -27,6 +27,8 @@ release the GIL); no Python loop ever runs per block. Tensors holding NaN or inf
 
 Quantized tensors are `QuantizedTensor(layout="gguf", parts={"qdata": uint8 (rows, row bytes)},
 params={"ggml_type": "Q4_0"})`, the form modelkit's GGUF converter reads and writes natively.
+The K-quants (q2_k .. q6_k, super-blocks of 256) have their kernels in gguf_arrays; `apply`,
+`quantized_tensor` and `dequantize_layout` here take them too.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ from modelkit.errors import ConfigError, FormatError, MissingDependencyError, Un
 from modelkit.quantizers import _modules
 from modelkit.quantizers.gguf_arrays import (  # noqa: F401  (the configs are this module's too)
     BLOCK,
+    K_QUANTIZED,
+    K_TYPE_SIZES,
     KERNEL_ISAS,
     BlockConfig,
     Q4_0Config,
@@ -49,7 +53,10 @@ from modelkit.quantizers.gguf_arrays import (  # noqa: F401  (the configs are th
     Q5_0Config,
     Q5_1Config,
     Q8_0Config,
+    dequantize_kquants,
     in_threads,
+    quantize_kquants,
+    row_type,
     run_kernels,
     shares,
 )
@@ -388,7 +395,13 @@ def dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
     ggml_type = str(q.params.get("ggml_type", ""))
     if ggml_type.lower() in BLOCK_TYPES:
         return dequantize(q.parts["qdata"].load(), ggml_type, q.shape).to(q.dtype.torch)
-    # Other block types (K-quants, i-quants) only come from GGUF files: gguf-py dequantizes them.
+    if ggml_type.lower() in K_TYPE_SIZES and KERNEL_ISAS:     # llama.cpp's to_float, bit for bit
+        try:
+            values = dequantize_kquants(q.parts["qdata"].load().numpy(), ggml_type)
+            return torch.from_numpy(values).reshape(q.shape).to(q.dtype.torch)
+        except (ConfigError, RuntimeError) as e:             # bytes that do not fit the type or the shape
+            raise FormatError(q.source or "<tensor>", f"cannot dequantize {ggml_type}: {e}") from e
+    # Other block types (i-quants; K-quants without the extension) only come from GGUF files: gguf-py dequantizes them.
     try:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize as gguf_dequantize
@@ -406,24 +419,31 @@ def dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
 
 def quantized_tensor(weight: torch.Tensor, type_name: str, *, scheme: str | None = None) -> QuantizedTensor:
     """`weight` as a QuantizedTensor of GGUF blocks (the form the GGUF writer stores natively)."""
-    kind = block_type(type_name)
-    qdata = quantize(weight, kind.name)
-    return QuantizedTensor(scheme=scheme or kind.name.lower(), layout="gguf", shape=tuple(weight.shape),
+    if type_name.lower() in K_QUANTIZED:
+        name = type_name.upper()
+        qdata = torch.from_numpy(quantize_kquants(weight.detach().to("cpu", torch.float32).numpy(), type_name.lower()))
+    else:
+        name = block_type(type_name).name
+        qdata = quantize(weight, name)
+    return QuantizedTensor(scheme=scheme or name.lower(), layout="gguf", shape=tuple(weight.shape),
                            dtype=weight.dtype if weight.dtype.is_floating_point else torch.float32,
-                           parts={"qdata": LazyTensor.of(qdata)}, params={"ggml_type": kind.name})
+                           parts={"qdata": LazyTensor.of(qdata)}, params={"ggml_type": name})
 
 
 def apply(model: nn.Module, config: BlockConfig) -> nn.Module:
-    """Return a copy of `model` whose Linear and Embedding weights are GGUF blocks of `config.scheme`."""
-    kind = block_type(config.scheme)
+    """Return a copy of `model` whose Linear and Embedding weights are GGUF blocks of `config.scheme` (a K type's
+    weights whose rows are not whole super-blocks: llama.cpp's fallback type, gguf_arrays.row_type)."""
+    if config.scheme not in K_QUANTIZED:
+        block_type(config.scheme)
 
     def convert(name: str, module: nn.Module) -> nn.Module | None:
         weight = module.weight.detach()
-        if weight.ndim != 2 or weight.shape[-1] % BLOCK:
+        type_name = row_type(config.scheme, weight.shape[-1]) if weight.ndim == 2 else None
+        if type_name is None:
             _modules.log_kept(name, f"rows of {weight.shape[-1]} weights are not whole {BLOCK}-weight blocks")
             return None
         try:
-            quantized = quantized_tensor(weight, kind.name, scheme=config.scheme)
+            quantized = quantized_tensor(weight, type_name)     # a fallback type names itself, as GGUF reads it
         except ConfigError as e:               # NaN / inf weights: say which module
             raise ConfigError(f"{name}.weight: {e}") from e
         return _modules.quantized_module(module, quantized)

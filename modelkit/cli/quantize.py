@@ -68,7 +68,7 @@ def render(reports: list) -> str:
 @click.argument("dst", type=click.Path(dir_okay=True))
 @click.option("--scheme", "scheme_values", multiple=True, required=True,
               help="Scheme (repeat or comma-separate for a comparison run): int8, int8-dynamic, int4, gptq, "
-                   "q8_0, q4_0, q4_1, q5_0, q5_1, fp16, bf16; for .onnx input: int8-dynamic, int8-static, int4.")
+                   "q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, fp16, bf16; for .onnx input: int8-dynamic, int8-static, int4.")
 @click.option("--group-size", type=int, help="int4 / gptq: input columns per scale (32, 64 or 128; ONNX int4: a power of two from 16 to 256).")
 @click.option("--skip", multiple=True, help="Keep modules matching this fnmatch pattern in float (repeatable).")
 @click.option("--to", "to", type=click.Choice(sorted(FORMATS)), help="Output format (default: from DST's suffix).")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor, instantiate
+from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, instantiate
 from modelkit.errors import ConfigError, UnsupportedConversionError, did_you_mean
 from modelkit.formats import (
     FORMATS,
@@ -91,14 +91,16 @@ class ConversionReport:
 
 
 def _cast(ckpt: Checkpoint, dtype: DType | None) -> Checkpoint:
-    """Floating-point tensors cast to `dtype` as they are read (numpy, rounding as torch does);
-    everything else unchanged."""
+    """Floating-point tensors cast to `dtype` as they are read (numpy, rounding as torch does); quantized
+    tensors (GGUF blocks, K-quants included) dequantized, then cast; everything else unchanged."""
     if dtype is None:
         return ckpt
     tensors = {}
     for name, t in ckpt.tensors.items():
         if isinstance(t, LazyTensor) and t.dtype.is_floating_point and t.dtype is not dtype:
             tensors[name] = LazyTensor(dtype, t.shape, lambda t=t: _cast_array(t, dtype), t.source)
+        elif isinstance(t, QuantizedTensor) and dtype.is_floating_point:
+            tensors[name] = LazyTensor(dtype, t.shape, lambda t=t: t.load().to(dtype.torch), t.source)
         else:
             tensors[name] = t
     return Checkpoint(tensors, dict(ckpt.metadata), ckpt.arch, ckpt.assets)

@@ -31,7 +31,15 @@ from modelkit.metadata import METRICS_KEY, QUANT_KEY
 from modelkit.models import gguf_conventions, hf_family
 from modelkit.pipeline.reports import QuantizeReport
 from modelkit.pipeline.write import ProgressFn, write_checkpoint
-from modelkit.quantizers.gguf_arrays import BLOCK, TYPE_SIZES, BlockConfig, quantize_array
+from modelkit.quantizers.gguf_arrays import (
+    BLOCK,
+    K_QUANTIZED,
+    TYPE_SIZES,
+    BlockConfig,
+    quantize_array,
+    row_bytes,
+    row_type,
+)
 from modelkit.storage.dtypes import DTYPES, widen_to_float32
 
 PathLike = str | os.PathLike[str]
@@ -50,7 +58,7 @@ def checkpoint_stats(ckpt: Checkpoint) -> dict[str, Any]:
 def is_block_scheme(scheme: Any) -> bool:
     """Whether `scheme` (a name or a config) is a GGUF block type this module quantizes."""
     name = scheme if isinstance(scheme, str) else getattr(type(scheme), "scheme", None)
-    return name in TYPE_SIZES
+    return name in TYPE_SIZES or name in K_QUANTIZED
 
 
 def _float32(entry: LazyTensor) -> np.ndarray:
@@ -61,16 +69,18 @@ def _float32(entry: LazyTensor) -> np.ndarray:
     return array.astype(np.float32, copy=False)
 
 
-def _quantizable(name: str, entry: Any, skip: tuple[str, ...], *, row: int | None = None) -> str | None:
-    """None if `entry` becomes blocks; otherwise why it stays as it is (for the log). `row`: the length of
-    the rows the blocks run along, when it is not the last dimension (a transposed weight)."""
+def _quantizable(name: str, entry: Any, skip: tuple[str, ...], type_name: str, *,
+                 row: int | None = None) -> str | None:
+    """None if `entry` becomes blocks of `type_name` (or of its fallback type, see row_type); otherwise why it
+    stays as it is (for the log). `row`: the length of the rows the blocks run along, when it is not the last
+    dimension (a transposed weight)."""
     if not isinstance(entry, LazyTensor) or not entry.dtype.is_floating_point or not entry.dtype.exact \
             and entry.dtype.name != "bfloat16":
         return "not a floating-point tensor"
     if not name.endswith("weight") or len(entry.shape) != 2:
         return "not a 2-D weight (llama.cpp keeps those as they are)"
     row = entry.shape[-1] if row is None else row
-    if row % BLOCK:
+    if row_type(type_name, row) is None:
         return f"rows of {row} weights are not whole {BLOCK}-weight blocks"
     module = name.rpartition(".")[0]
     if any(fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(name, pattern) for pattern in skip):
@@ -83,19 +93,23 @@ def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | No
     """`ckpt` with its quantizable weights as GGUF blocks of `config.scheme`, quantized on read.
     `transposed` names weights GGUF stores transposed (a family's Conv1D weights): their blocks run
     along the stored rows, and the QuantizedTensor says so (params["transposed"])."""
-    type_name = config.scheme
-    ggml_type = type_name.upper()
     tensors: dict[str, Any] = {}
     for name, entry in ckpt.tensors.items():
         flip = name in transposed and isinstance(entry, LazyTensor) and len(entry.shape) == 2
-        reason = _quantizable(name, entry, config.skip, row=entry.shape[0] if flip else None)
+        reason = _quantizable(name, entry, config.skip, config.scheme, row=entry.shape[0] if flip else None)
         if reason is not None:
             logger.info("kept %s as %s: %s", name, entry.dtype, reason)
             tensors[name] = entry
             continue
         rows, cols = entry.shape[::-1] if flip else entry.shape
-        qdata = LazyTensor(DTYPES["uint8"], (rows, cols // BLOCK * TYPE_SIZES[type_name]),
-                           lambda entry=entry, name=name, flip=flip: _quantized(entry, name, type_name, threads, flip),
+        type_name = row_type(config.scheme, cols) or config.scheme
+        if type_name != config.scheme:
+            logger.info("%s: rows of %d weights are not whole %s super-blocks; stored as %s, as llama.cpp does",
+                        name, cols, config.scheme.upper(), type_name.upper())
+        ggml_type = type_name.upper()
+        qdata = LazyTensor(DTYPES["uint8"], (rows, row_bytes(type_name, cols)),
+                           lambda entry=entry, name=name, flip=flip, type_name=type_name:
+                           _quantized(entry, name, type_name, threads, flip),
                            entry.source)
         # dtype float32: what dequantizing GGUF blocks gives back, as the GGUF reader says
         params = {"ggml_type": ggml_type, **({"transposed": True} if flip else {})}
