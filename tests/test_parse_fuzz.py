@@ -127,22 +127,21 @@ def _torch_script_seed(how: str) -> bytes:
 _TORCH_SCRIPTS = [_torch_script_seed("script"), _torch_script_seed("trace")]
 
 
-def _torch_file(data: bytes) -> None:
-    """Parse, then read every tensor small enough to read here (mutations may claim large expanded views)."""
-    parsed = torch_format.parse(data, source="fuzz.pt", limits=pickle_parse.Bounds(seconds=5))
+def _read_small_tensors(parsed: torch_format.TorchFile) -> None:
+    """Read every tensor small enough to read here (mutations may claim large expanded views)."""
     for record in parsed.tensors:
         if record.nbytes <= 1 << 26:
             parsed.array(record)
             parsed.span(record)
+
+
+def _torch_file(data: bytes) -> None:
+    _read_small_tensors(torch_format.parse(data, source="fuzz.pt", limits=pickle_parse.Bounds(seconds=5)))
 
 
 def _torch_script(data: bytes) -> None:
-    """Parse a TorchScript archive, then read every tensor small enough to read here."""
-    parsed = torch_format.parse_script(data, source="fuzz.pt", limits=pickle_parse.Bounds(seconds=5))
-    for record in parsed.tensors:
-        if record.nbytes <= 1 << 26:
-            parsed.array(record)
-            parsed.span(record)
+    """A TorchScript archive, parsed and read the same way."""
+    _read_small_tensors(torch_format.parse_script(data, source="fuzz.pt", limits=pickle_parse.Bounds(seconds=5)))
 
 
 def _walk_fields(data: bytes) -> None:
