@@ -139,6 +139,8 @@ def test_eval_cli_on_the_default_text_and_on_gguf(folders, tmp_path):
     assert transformers.AutoConfig.from_pretrained(tmp_path / "pruned").intermediate_size == 48
     text = runner.invoke(main, ["eval", str(folder), "--max-tokens", "300"])
     assert text.exit_code == EXIT_OK and "llama on val: bits/byte" in text.stdout and "per token" in text.stdout
+    assert "eval (tokens): 300/300" in text.stderr                       # progress on stderr, not in --json runs
+    assert "eval (tokens)" not in result.stderr
 
 
 def test_eval_needs_the_tokenizer(folders, tmp_path):

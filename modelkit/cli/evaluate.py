@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from modelkit.cli.options import device_option, output_options, read_options
-from modelkit.cli.output import emit_json, format_metrics
+from modelkit.cli.output import Progress, emit_json, format_metrics
 from modelkit.formats import RUNTIMES
 
 
@@ -43,8 +43,9 @@ def eval_command(checkpoint: str, split: str | None, data: str | None, context: 
     """
     from modelkit.api import evaluate
 
-    result = evaluate(checkpoint, split=split, arch=arch, device=device, runtime=runtime, format=source_format,
-                      trust=trust, key=key, data=data, context=context, max_tokens=max_tokens)
+    with Progress("eval (tokens)", enabled=not as_json) as progress:
+        result = evaluate(checkpoint, split=split, arch=arch, device=device, runtime=runtime, format=source_format,
+                          trust=trust, key=key, data=data, context=context, max_tokens=max_tokens, progress=progress)
     if as_json:
         emit_json({"schema": "modelkit.eval/1", "ok": True, "path": checkpoint, **result})
         return

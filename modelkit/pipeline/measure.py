@@ -6,7 +6,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,8 @@ def arch_name(model: nn.Module) -> str:
 def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, arch: str | None = None,
              device: str = "auto", runtime: str = "torch", format: str | None = None, trust: bool = False,
              key: str | None = None, data: PathLike | None = None, context: int | None = None,
-             max_tokens: int | None = None, tokenizer: Any = None) -> dict[str, Any]:
+             max_tokens: int | None = None, tokenizer: Any = None,
+             progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Evaluate a model (a file or a module) on text or on a split of its own data.
 
     Returns the metrics plus "model" and "split": accuracy for classifiers; bits per byte,
@@ -49,7 +50,8 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
     A causal language model of a Hugging Face family (a folder, a GGUF of one, a quantized output)
     gets `text_metrics` on `data` (a UTF-8 text file) or, by default, on the held-out standard-library
     text tinylm is measured on (`split`), tokenized with its own tokenizer (`tokenizer` for a module:
-    transformers' tokenizer). `context` and `max_tokens` are `text_metrics`'.
+    transformers' tokenizer). `context`, `max_tokens` and `progress` (tokens scored, tokens in all) are
+    `text_metrics`'.
     """
     from torch import nn
 
@@ -73,7 +75,7 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
     dev = distributed.resolve_device(device, distributed.DistInfo())
     if hf_config_of(model) is not None:
         return _evaluate_text(model, tokenizer, split=split, data=data, context=context, max_tokens=max_tokens,
-                              device=dev)
+                              device=dev, progress=progress)
     name = getattr(type(model), "arch", None)
     if name is None:
         raise ConfigError(f"{type(model).__name__} is not a reference model; evaluation needs one of its tasks")
@@ -93,7 +95,8 @@ EVAL_LOGITS = 2**26
 
 
 def _evaluate_text(model: nn.Module, tokenizer: Any, *, split: str | None, data: PathLike | None,
-                   context: int | None, max_tokens: int | None, device: torch.device) -> dict[str, Any]:
+                   context: int | None, max_tokens: int | None, device: torch.device,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     from modelkit.models import arch_spec, load_model_module
 
     if tokenizer is None:
@@ -111,13 +114,13 @@ def _evaluate_text(model: nn.Module, tokenizer: Any, *, split: str | None, data:
         split = split or "val"
         text = load_model_module("tinylm").TASK.text(split).decode("utf-8", errors="replace")
         label = split
-    metrics = text_metrics(model.to(device), tokenizer, text, context=context, max_tokens=max_tokens)
+    metrics = text_metrics(model.to(device), tokenizer, text, context=context, max_tokens=max_tokens, progress=progress)
     return {"model": arch_spec(model).name, "split": label, **metrics}
 
 
 @torch.no_grad()
 def text_metrics(model: nn.Module, tokenizer: Any, text: str, *, context: int | None = None,
-                 max_tokens: int | None = None) -> dict[str, Any]:
+                 max_tokens: int | None = None, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Perplexity and bits per byte of a causal language model (transformers' module) on `text`.
 
     The text is tokenized once, with a BOS token first when the tokenizer has one (so its first token
@@ -125,7 +128,7 @@ def text_metrics(model: nn.Module, tokenizer: Any, text: str, *, context: int | 
     `context` tokens (default: the model's context length, at most EVAL_CONTEXT), batched; each token is
     predicted once, from the tokens before it in its window. Bits per byte is the summed cross-entropy
     in bits over the UTF-8 bytes those tokens cover, so models with different tokenizers compare;
-    perplexity is per token.
+    perplexity is per token. `progress(tokens scored, n)` is called after each batch of windows.
     """
     import torch.nn.functional as F
 
@@ -156,12 +159,15 @@ def text_metrics(model: nn.Module, tokenizer: Any, text: str, *, context: int | 
         windows.append(tokens[full * context:][None])                                     # (1, rest + 1)
     was_training = model.training
     model.eval()
-    nll = 0.0
+    nll, scored = 0.0, 0
     for group in windows:
         for chunk in group.split(batch):
             chunk = chunk.to(device)
             logits = model(input_ids=chunk[:, :-1], use_cache=False).logits.float()       # (B, T, vocab)
             nll += float(F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"))
+            scored += chunk[:, 1:].numel()
+            if progress is not None:
+                progress(scored, n)
     model.train(was_training)
     seconds = time.perf_counter() - started
     return {"bits_per_byte": nll / math.log(2) / n_bytes, "perplexity": math.exp(nll / n), "tokens": n,
