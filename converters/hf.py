@@ -78,13 +78,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     if quantization is not None:
         config[QUANTIZATION_CONFIG] = quantization
         ckpt, _ = quantized_layout.flatten(ckpt, target="hf")
-    aliases = json.loads(ckpt.metadata.get(ALIASES_KEY, "{}"))
-    tensors: dict[str, LazyTensor] = {}
-    for name, entry in ckpt.tensors.items():
-        if entry.dtype.code is None:
-            raise UnsupportedConversionError(str(entry.dtype), "hf", f"tensor {name!r} has a dtype safetensors lacks")
-        if not (name in aliases and aliases[name] in ckpt.tensors):
-            tensors[name] = entry
+    tensors, aliases = files.stored_tensors(ckpt.tensors, ckpt.metadata, target="hf")
     metadata = {"format": "pt", **{k: v for k, v in ckpt.metadata.items() if k != ALIASES_KEY}}
 
     def metadata_for(shard: dict[str, LazyTensor]) -> dict[str, str]:

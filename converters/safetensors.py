@@ -34,8 +34,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import UnsupportedConversionError
+from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, QuantizedTensor
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.parse.detect import safetensors as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import compressed_tensors, quantized_layout
@@ -56,22 +55,6 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     return _group_quantized(where, Checkpoint(tensors=tensors, metadata=metadata, arch=arch))
 
 
-def _stored_tensors(ckpt: Checkpoint) -> tuple[dict[str, LazyTensor], dict[str, str]]:
-    """The tensors to store, and the tied names left out (alias -> stored name)."""
-    aliases = json.loads(ckpt.metadata.get(ALIASES_KEY, "{}"))
-    stored = {}
-    for name, entry in ckpt.tensors.items():
-        if isinstance(entry, QuantizedTensor):
-            raise UnsupportedConversionError(
-                "quantized checkpoint", "safetensors", f"tensor {name!r} is quantized ({entry.scheme}); dequantize it first",
-            )
-        if entry.dtype.code is None:
-            raise UnsupportedConversionError(str(entry.dtype), "safetensors", f"tensor {name!r} has a dtype safetensors lacks")
-        if name not in aliases:
-            stored[name] = entry
-    return stored, {a: t for a, t in aliases.items() if t in stored}
-
-
 def _metadata(ckpt: Checkpoint, aliases: dict[str, str]) -> dict[str, str]:
     metadata = {"format": "pt", **{k: v for k, v in ckpt.metadata.items() if k != ALIASES_KEY}}
     if aliases:
@@ -84,7 +67,7 @@ def _metadata(ckpt: Checkpoint, aliases: dict[str, str]) -> dict[str, str]:
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
     """Write one file, or with `options.shard_size` a Hugging Face sharded folder at `path`."""
     ckpt = _flatten_quantized(ckpt)
-    tensors, aliases = _stored_tensors(ckpt)
+    tensors, aliases = files.stored_tensors(ckpt.tensors, ckpt.metadata, target="safetensors")
     if options.shard_size is None:
         files.write_file(path, tensors, _metadata(ckpt, aliases))
         return

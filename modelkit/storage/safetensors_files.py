@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from modelkit.errors import FormatError, ParseError
-from modelkit.metadata import tied_names
+from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
+from modelkit.metadata import ALIASES_KEY, tied_names
 from modelkit.parse import safetensors as safetensors_header
 from modelkit.parse.paths import plain_name_problem
 from modelkit.storage.dtypes import SAFETENSORS_DTYPES, DType, tensor_bytes
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
-from modelkit.storage.tensors import LazyTensor
+from modelkit.storage.tensors import LazyTensor, QuantizedTensor
 
 _ALIGN = 8
 INDEX_NAME = "model.safetensors.index.json"
@@ -109,6 +109,28 @@ def read_folder(folder: Path, index_path: Path | None = None) -> tuple[dict[str,
             tensors.setdefault(name, entry)
     metadata = dict(shards[min(shards)][1]) if shards else {}
     return tensors, metadata, index_path
+
+
+def stored_tensors(tensors: Mapping[str, Any], metadata: Mapping[str, str], *,
+                   target: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
+    """The tensors a safetensors file (or folder) stores, and the tied names it leaves out (alias ->
+    stored name, for ALIASES_KEY): a checkpoint's tensors and metadata as the `target` format writes them.
+
+    Raises:
+        UnsupportedConversionError: a quantized tensor (store its parts: quantized_layout.flatten) or a
+            dtype safetensors lacks.
+    """
+    aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))
+    stored = {}
+    for name, entry in tensors.items():
+        if isinstance(entry, QuantizedTensor):
+            raise UnsupportedConversionError(
+                "quantized checkpoint", target, f"tensor {name!r} is quantized ({entry.scheme}); dequantize it first")
+        if entry.dtype.code is None:
+            raise UnsupportedConversionError(str(entry.dtype), target, f"tensor {name!r} has a dtype safetensors lacks")
+        if not (name in aliases and aliases[name] in tensors):
+            stored[name] = entry
+    return stored, {a: t for a, t in aliases.items() if t in stored}
 
 
 def write_file(path: Path, tensors: Mapping[str, LazyTensor], metadata: Mapping[str, str]) -> None:
