@@ -36,12 +36,16 @@ class FormatInfo:
                                    # with suffixes (tfjs), DIR/model.json names the folder DIR
     folder_file: str | None = None     # a folder format whose output may be named by its main file: DIR/model.json
     maps_module: bool = False      # the writer maps a user's module to a layout of its own (HDF5: Keras layers)
+    keras_model: bool = False      # the file is a Keras model: only checkpoints with a Keras layout (mlp, cnn, a
+                                   # user's Sequential) can be written; others raise UnsupportedConversionError
 
 
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
     FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf"),
     FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5", maps_module=True),
     FormatInfo("hf",          (),                                "modelkit.converters.hf", folder=True),
+    FormatInfo("keras",       (".keras",),                       "modelkit.converters.keras", maps_module=True,
+               keras_model=True),
     FormatInfo("npz",         (".npz",),                         "modelkit.converters.npz"),
     FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True,
                companions=(".data",)),

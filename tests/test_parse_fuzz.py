@@ -11,6 +11,7 @@ or parsed, never loaded by anything that would run them.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import struct
 import time
@@ -200,6 +201,8 @@ PARSERS = {
     "zipdir": (_zip_members, [_ZIP, payloads.torchscript_zip("x = 1\n"), payloads.keras_zip(b"{}")]),
     "keras.load_json": (keras.load_json, [payloads.keras_lambda_config(), b'{"chat_template": "x"}']),
     "keras.configs_in": (lambda b: list(keras.configs_in(b)), [b"\x00" + payloads.keras_lambda_config() + b"\x00"]),
+    "keras.read_archive": (keras.read_archive, [payloads.keras_zip(json.dumps(payloads.keras_sequential(
+        [{"class_name": "Dense", "config": {"name": "d"}}])).encode())]),
     "tfjs.read_model": (_tfjs_model, _TFJS),
     "npy.read_header": (npy.read_header, [_NPY, _CORPUS["npy-header.npy"]]),
     "npz.read_members": (npz.read_members, _NPZ),
@@ -330,7 +333,8 @@ def samples(tmp_path_factory) -> dict[str, bytes]:
 
 _VARIANTS = sorted([*(f for f in FORMATS if not FORMATS[f].folder), "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain", "npz-numpy"])
 _PREFIXES = {"safetensors": struct.pack("<Q", 40), "gguf": b"GGUF\x03\x00\x00\x00", "onnx": b"\x08\x0a\x3a",
-             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE, "npz": b"PK\x03\x04"}
+             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE, "npz": b"PK\x03\x04",
+             "keras": b"PK\x03\x04"}
 
 
 @pytest.mark.parametrize("variant", _VARIANTS)

@@ -13,6 +13,7 @@ from modelkit.errors import ParseError
 from modelkit.parse import gguf as gguf_header
 from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse import hf as hf_folder
+from modelkit.parse import keras as keras_config
 from modelkit.parse import npz as npz_members
 from modelkit.parse import safetensors as safetensors_header
 from modelkit.parse import tfjs as tfjs_json
@@ -146,5 +147,15 @@ def npz(path: Path) -> bool:
     try:
         return (path.is_file() and _head(path, 4) == ZIP_MAGIC
                 and npz_members.is_npz(zipdir.member_names(path)))
+    except (OSError, ParseError):
+        return False
+
+
+def keras(path: Path) -> bool:
+    """A Keras 3 `.keras` archive: a zip holding config.json beside metadata.json or model.weights.h5 (the
+    central directory only)."""
+    try:
+        return (path.is_file() and _head(path, 4) == ZIP_MAGIC
+                and keras_config.is_archive(zipdir.member_names(path)))
     except (OSError, ParseError):
         return False

@@ -227,7 +227,8 @@ def _read_member(buf, data: int, info: zipdir.ZipEntry, limit: int) -> bytes:
 
 
 def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None:
-    from modelkit.parse import npz  # here: only zips need it (start-up time of `modelkit scan`)
+    from modelkit.parse import keras as keras_config  # here: only zips need them (start-up time of `modelkit scan`)
+    from modelkit.parse import npz
 
     sink = ctx.sink(label, start)
     view = buf if start == 0 and end == len(buf) else bytes(buf[start:end])
@@ -247,7 +248,7 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
         n.endswith("constants.pkl") for n in names)
     kind = "TorchScript archive" if is_torchscript else "torch zip checkpoint" if roots else (
         "npz archive" if npz.is_npz(names) else
-        "Keras archive" if "config.json" in names and "metadata.json" in names else "zip archive")
+        "Keras archive" if keras_config.is_archive(names) else "zip archive")
     seen: set[str] = set()
     storages: set[str] = set()
     declared = 0
