@@ -31,7 +31,7 @@ class FormatInfo:
     extra: str | None = None       # pip extra that brings its dependencies
     has_graph: bool = False        # the file holds the computation, not only weights
     runs_pickle: bool = False      # loading unpickles: scan first, then weights_only=True
-    companions: tuple[str, ...] = ()   # sidecar files a write may add: "<name><suffix>" (atomic_path)
+    companions: tuple[str, ...] = ()   # sidecar files a write may add: "<name><suffix>", "{stem}.bin" (atomic_path)
     folder: bool = False           # the output is a folder (a Hugging Face model folder): no suffix, --to names it;
                                    # with suffixes (tfjs), DIR/model.json names the folder DIR
     folder_file: str | None = None     # a folder format whose output may be named by its main file: DIR/model.json
@@ -49,6 +49,8 @@ FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
     FormatInfo("npz",         (".npz",),                         "modelkit.converters.npz"),
     FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True,
                companions=(".data",)),
+    FormatInfo("openvino",    (".xml",),                         "modelkit.converters.openvino", extra="openvino",
+               has_graph=True, companions=("{stem}.bin",)),
     FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", extra="torch", runs_pickle=True),
     FormatInfo("safetensors", (".safetensors",),                 "modelkit.converters.safetensors"),
     FormatInfo("tfjs",        (".json",),                        "modelkit.converters.tfjs", folder=True,

@@ -68,6 +68,9 @@ def test_round_trip_keeps_dtypes(fmt, dtype, tmp_path):
 def test_load_module_rebuilds_the_model(fmt, small_model, tmp_path):
     if _refused_without_keras_layout(fmt, small_model, tmp_path):
         return
+    if fmt == "openvino" and type(small_model).arch == "tinylm":
+        pytest.skip("the tinylm IR is written and read back in test_round_trip_is_bit_exact; converting it again "
+                    "costs seconds (OpenVINO traces the model)")
     path = _write(tmp_path, fmt, Checkpoint.from_module(small_model))
     rebuilt = modelkit.load_module(path)
     from modelkit.models import load_model_module
@@ -131,11 +134,11 @@ def test_failed_write_leaves_no_file(fmt, tmp_path):
 def test_failed_overwrite_keeps_the_old_file(fmt, tmp_path):
     ckpt = Checkpoint.from_module(build("mlp", seed=0))
     path = _write(tmp_path, fmt, ckpt)
-    before = path.read_bytes()
+    before, files = path.read_bytes(), sorted(p.name for p in tmp_path.iterdir())     # the output and its sidecars
     with pytest.raises(RuntimeError):
         modelkit.save(_failing(ckpt, "interrupted"), path, force=True)
     assert path.read_bytes() == before
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
 
 
 def test_output_format_from_suffix_or_to():

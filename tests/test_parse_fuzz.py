@@ -29,6 +29,7 @@ from modelkit.errors import FormatError, ModelkitError, ParseError
 from modelkit.formats import FORMATS, load_format
 from modelkit.models import build
 from modelkit.parse import gguf, hdf5, keras, npy, npz, onnx, paths, safetensors, sniff, tfjs, torch_format, zipdir
+from modelkit.parse import openvino as openvino_ir
 from modelkit.parse import pickle as pickle_parse
 from modelkit.parse.protobuf import fields, int64s, text
 from modelkit.scan import Limits, Severity, scan
@@ -186,6 +187,22 @@ _TFJS = [payloads.tfjs_model_json(payloads.keras_sequential([{"class_name": "Den
          payloads.tfjs_lambda(wrapped=True), payloads.tfjs_graph("PyFunc")]
 
 
+_IR = (b'<?xml version="1.0"?>\n<net name="m" version="11"><layers>'
+       b'<layer id="0" name="x" type="Parameter" version="opset1"><data shape="?,2" element_type="f32"/></layer>'
+       b'<layer id="1" name="w" type="Const" version="opset1"><data element_type="f32" shape="3, 2" offset="0" size="24"/>'
+       b'<output><port id="0" names="w"/></output></layer>'
+       b'<layer id="2" name="loop" type="Loop" version="opset5"><body><layers><layer id="0" name="c" type="Const" '
+       b'version="custom"><data element_type="u4" shape="4" offset="24" size="2"/></layer></layers></body></layer>'
+       b'</layers><rt_info><modelkit><names value="{}"/></modelkit></rt_info></net>')
+
+
+def _openvino_ir(data: bytes) -> None:
+    ir = openvino_ir.read_ir(data)
+    openvino_ir.custom_layers(ir)
+    for const in ir.consts:
+        openvino_ir.const_problem(const, 24)
+
+
 def _pickle_stream(data: bytes) -> None:
     pos = 0
     while pos < len(data):
@@ -204,6 +221,7 @@ PARSERS = {
     "keras.read_archive": (keras.read_archive, [payloads.keras_zip(json.dumps(payloads.keras_sequential(
         [{"class_name": "Dense", "config": {"name": "d"}}])).encode())]),
     "tfjs.read_model": (_tfjs_model, _TFJS),
+    "openvino.read_ir": (_openvino_ir, [_IR]),
     "npy.read_header": (npy.read_header, [_NPY, _CORPUS["npy-header.npy"]]),
     "npz.read_members": (npz.read_members, _NPZ),
     "zipdir.read_into": (_zip_member_bytes, _NPZ),
@@ -334,7 +352,7 @@ def samples(tmp_path_factory) -> dict[str, bytes]:
 _VARIANTS = sorted([*(f for f in FORMATS if not FORMATS[f].folder), "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain", "npz-numpy"])
 _PREFIXES = {"safetensors": struct.pack("<Q", 40), "gguf": b"GGUF\x03\x00\x00\x00", "onnx": b"\x08\x0a\x3a",
              "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE, "npz": b"PK\x03\x04",
-             "keras": b"PK\x03\x04"}
+             "keras": b"PK\x03\x04", "openvino": b'<?xml version="1.0"?>\n<net name="m" version="11">'}
 
 
 @pytest.mark.parametrize("variant", _VARIANTS)

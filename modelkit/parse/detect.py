@@ -15,6 +15,7 @@ from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse import hf as hf_folder
 from modelkit.parse import keras as keras_config
 from modelkit.parse import npz as npz_members
+from modelkit.parse import openvino as openvino_ir
 from modelkit.parse import safetensors as safetensors_header
 from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse import zipdir
@@ -158,4 +159,12 @@ def keras(path: Path) -> bool:
         return (path.is_file() and _head(path, 4) == ZIP_MAGIC
                 and keras_config.is_archive(zipdir.member_names(path)))
     except (OSError, ParseError):
+        return False
+
+
+def openvino(path: Path) -> bool:
+    """An OpenVINO IR .xml: an XML document whose root element is <net> (the first 4 KB)."""
+    try:
+        return path.is_file() and openvino_ir.looks_like_ir(_head(path, openvino_ir.HEAD))
+    except OSError:
         return False

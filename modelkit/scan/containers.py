@@ -124,6 +124,11 @@ def _sniff_text(buf, start: int, end: int, ctx: Context, label: str, hint: str) 
     stripped = head.lstrip()
     if hint.endswith(".jinja"):         # a Hugging Face folder's chat_template.jinja: Jinja, often starting with "{%"
         return _scan_template(buf, start, end, ctx, label)
+    if stripped[:1] == b"<":
+        from modelkit.parse.openvino import looks_like_ir
+        if looks_like_ir(head):
+            from modelkit.scan import openvino
+            return openvino.scan_ir(buf, start, end, ctx, label)
     if stripped[:1] in (b"{", b"["):
         from modelkit.scan import keras
         return keras.scan_json(buf, start, end, ctx, label)

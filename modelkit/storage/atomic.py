@@ -35,7 +35,8 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions
     nothing else could overlap the write-back; see `sync_in_background`.)
 
     `companions` are suffixes of sidecar files the writer may create next to the output (ONNX
-    external data: ".data"), named as they will be called; on success each sidecar is renamed into
+    external data: ".data", giving "m.onnx.data"; "{stem}" names the output without its suffix: OpenVINO's
+    "{stem}.bin" gives "m.bin" beside "m.xml"), named as they will be called (`companion_name`); on success each sidecar is renamed into
     place first and the output last, and a sidecar of an earlier output that this one does not have
     is removed. On error the temporary folder goes, sidecars and all.
 
@@ -52,7 +53,7 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions
         if not tmp.is_file():
             raise ModelkitError(f"internal error: the writer left no file at {tmp}")
         for suffix in companions:
-            sidecar, final = folder / f"{target.name}{suffix}", target.with_name(f"{target.name}{suffix}")
+            sidecar, final = folder / companion_name(target, suffix), target.with_name(companion_name(target, suffix))
             if sidecar.is_file():
                 _commit(sidecar, final)
             elif final.is_file():               # the earlier output's sidecar: not this one's
@@ -61,6 +62,11 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions
         _commit(tmp, target)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def companion_name(target: Path, suffix: str) -> str:
+    """The name of `target`'s sidecar: "<name><suffix>", or the suffix with "{stem}" filled in."""
+    return suffix.format(stem=target.stem) if "{stem}" in suffix else f"{target.name}{suffix}"
 
 
 def sync_in_background(path: Path) -> Callable[..., None]:
