@@ -2,6 +2,7 @@
 within the ONNX tolerance, read back bit for bit without OpenVINO, scanned; hostile IRs refused."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -82,8 +83,6 @@ def test_folded_tensors_live_in_the_tail_of_the_bin(written):
     from modelkit.parse import openvino as ir_xml
 
     ir = ir_xml.read_ir(path.read_bytes())
-    import json
-
     names = json.loads(ir.rt_info["modelkit/names"])
     assert "from_end" in names["1.running_var"] and "const" in names["4.weight"]
     assert {c.layer.name for c in ir.consts} >= {names["4.weight"]["const"]}
@@ -147,3 +146,23 @@ def test_hostile_irs_are_flagged_and_refused(tmp_path, case, severity, rule):
     with pytest.raises((UnsafeFileError, FormatError)) as e:
         modelkit.load(path)
     assert "\n" not in str(e.value)
+
+
+def test_int8_weight_compression_through_nncf_is_measured_like_the_other_schemes(written, tmp_path):
+    pytest.importorskip("nncf", reason="the nncf extra: pip install 'modelkit[nncf]'")
+    from click.testing import CliRunner
+
+    from modelkit.cli import main
+    from modelkit.parse import openvino as ir_xml
+
+    _, _, path, _ = written["cnn"]
+    target = tmp_path / "cnn-int8.xml"
+    result = CliRunner().invoke(main, ["quantize", str(path), str(target), "--scheme", "int8", "--eval", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)["reports"][0]
+    assert row["config"]["tool"] == "nncf" and row["verify"]["passed"]
+    assert row["metric"]["name"] == "accuracy" and abs(row["metric"]["delta"]) <= 0.02
+    ir = ir_xml.read_ir(target.read_bytes())
+    assert {"uint8"} <= {c.dtype for c in ir.consts}               # the weights are uint8 now
+    assert json.loads(ir.rt_info["modelkit/quantization"])["mode"] == "int8_asym"
+    assert modelkit.scan(target).worst == Severity.SAFE

@@ -100,6 +100,7 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int
       modelkit quantize runs/tinylm/model.safetensors out/ --scheme q8_0,q4_0,int4,gptq --eval --plot q.png
       modelkit quantize runs/cnn/model.safetensors cnn-qat.safetensors --scheme int4 --qat --epochs 3 --eval
       modelkit quantize cnn.onnx cnn-int8.onnx --scheme int8-static --eval
+      modelkit quantize cnn.xml cnn-int8.xml --scheme int8 --eval     # OpenVINO IR: NNCF's int8 weights
     """
     from pathlib import Path
 

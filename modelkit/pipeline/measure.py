@@ -235,21 +235,22 @@ def metric_change(name: str, higher_is_better: bool, before: Mapping[str, Any], 
             "relative": (a - b) / b if b else math.nan}
 
 
-def session_module(path: PathLike, arch: ArchSpec | None = None) -> nn.Module:
-    """An onnxruntime session dressed as the reference model, so the zoo's evaluation runs it.
+def session_module(path: PathLike, arch: ArchSpec | None = None, fmt: str = "onnx") -> nn.Module:
+    """A graph file's own runtime (an onnxruntime session; OpenVINO's compiled model for fmt "openvino") dressed
+    as the reference model, so the zoo's evaluation runs it.
 
-    `arch` defaults to the ArchSpec stored in the file's metadata_props.
+    `arch` defaults to the ArchSpec stored in the file (ONNX metadata_props, the IR's rt_info).
     """
     from modelkit.formats import ReadOptions, load_format
     from modelkit.models import config_from_dict
 
     path = Path(path)
     if arch is None:
-        arch = load_format("onnx").read(path, ReadOptions()).arch
+        arch = load_format(fmt).read(path, ReadOptions()).arch
         if arch is None:
-            raise UnsupportedConversionError(path.name, "onnxruntime", "running the file as a reference model needs "
-                                             "the ArchSpec modelkit records when it writes ONNX")
-    run = load_format("onnx").runnable(path)
+            raise UnsupportedConversionError(path.name, "onnxruntime" if fmt == "onnx" else fmt, "running the file as "
+                                             f"a reference model needs the ArchSpec modelkit records when it writes {fmt}")
+    run = load_format(fmt).runnable(path)
 
     class Session(nn.Module):
         def __init__(self) -> None:

@@ -346,6 +346,17 @@ def quantize(
 
         return quantize_onnx(src, dst, scheme=scheme, group_size=group_size, skip=skip, evaluate=evaluate,
                              latency=latency, verify=verify, force=force, reference=reference)
+    if isinstance(src, (str, os.PathLike)) and str(src).endswith(".xml"):
+        from modelkit.pipeline.openvino_quantize import quantize_openvino
+
+        ignored = [flag for flag, given in (("--qat", qat), ("--epochs", epochs != 1), ("--steps", steps is not None),
+                                            ("--lr", lr is not None), ("--to", format not in (None, "openvino")))
+                   if given]
+        if ignored:
+            raise ConfigError(f"{src}: {', '.join(ignored)} do not apply to an OpenVINO IR, which NNCF's weight "
+                              "compression handles; quantize the torch checkpoint for those")
+        return quantize_openvino(src, dst, scheme=scheme, group_size=group_size, skip=tuple(skip), evaluate=evaluate,
+                                 latency=latency, verify=verify, force=force, reference=reference)
     config = make_config(scheme, group_size=group_size, skip=skip)
     is_file = isinstance(src, (str, os.PathLike))
     if dst is not None:          # "out" of a Hugging Face folder is a folder (format_for_output)
