@@ -156,3 +156,14 @@ def test_a_member_that_escapes_is_refused(tmp_path):
     with pytest.raises((FormatError, UnsafeFileError)) as e:
         modelkit.load(path, format="keras")
     assert "\n" not in str(e.value)
+
+
+def test_the_weights_member_is_skipped_only_when_it_is_hdf5(written, tmp_path):
+    """model.weights.h5 is tensor data Keras reads with h5py: skipped unread (as torch storages are) when its
+    superblock is HDF5's; anything else posing as it is scanned by content."""
+    _, _, path = written["mlp"]
+    assert "1 tensor storages skipped unread" in " ".join(modelkit.scan(path).files[0].examined)
+    posing = tmp_path / "posing.keras"
+    posing.write_bytes(payloads.zip_bytes({"config.json": b'{"class_name": "Sequential", "config": {"layers": []}}',
+                                           "metadata.json": b"{}", "model.weights.h5": payloads.system_pickle()}))
+    assert modelkit.scan(posing).worst == modelkit.scan.Severity.DANGEROUS

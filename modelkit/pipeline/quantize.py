@@ -8,6 +8,7 @@ before and after, CPU latency, and the time quantization took.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import tempfile
@@ -297,6 +298,13 @@ def _as_gguf_blocks(ckpt: Checkpoint) -> Checkpoint:
     return Checkpoint(tensors, ckpt.metadata, ckpt.arch)
 
 
+# Graph files quantized by their runtime's own tool: suffix -> (format, its name, the tool, "module:function").
+_GRAPH_TOOLS = {
+    ".onnx": ("onnx", "ONNX", "onnxruntime's own quantizer", "modelkit.pipeline.onnx_quantize:quantize_onnx"),
+    ".xml": ("openvino", "OpenVINO IR", "NNCF's weight compression", "modelkit.pipeline.openvino_quantize:quantize_openvino"),
+}
+
+
 def quantize(
     src: PathLike | nn.Module, dst: PathLike | None, *, scheme: str | Any, group_size: int | None = None,
     skip: Sequence[str] = (), format: str | None = None, qat: bool = False, epochs: int = 1, lr: float | None = None,
@@ -334,29 +342,19 @@ def quantize(
         >>> report.metric["delta"]                                                          # doctest: +SKIP
         0.0
     """
-    if isinstance(src, (str, os.PathLike)) and str(src).endswith(".onnx"):
-        from modelkit.pipeline.onnx_quantize import quantize_onnx
-
+    graph_tool = _GRAPH_TOOLS.get(Path(src).suffix.lower()) if isinstance(src, (str, os.PathLike)) else None
+    if graph_tool is not None:         # a graph file quantized by its runtime's own tool
+        fmt, label, tool, target = graph_tool
         ignored = [flag for flag, given in (("--qat", qat), ("--epochs", epochs != 1), ("--steps", steps is not None),
-                                            ("--lr", lr is not None), ("--to", format not in (None, "onnx")))
+                                            ("--lr", lr is not None), ("--to", format not in (None, fmt)))
                    if given]
         if ignored:
-            raise ConfigError(f"{src}: {', '.join(ignored)} do not apply to ONNX input, which onnxruntime's own "
-                              "quantizer handles; quantize the torch checkpoint for those")
-
-        return quantize_onnx(src, dst, scheme=scheme, group_size=group_size, skip=skip, evaluate=evaluate,
-                             latency=latency, verify=verify, force=force, reference=reference)
-    if isinstance(src, (str, os.PathLike)) and str(src).endswith(".xml"):
-        from modelkit.pipeline.openvino_quantize import quantize_openvino
-
-        ignored = [flag for flag, given in (("--qat", qat), ("--epochs", epochs != 1), ("--steps", steps is not None),
-                                            ("--lr", lr is not None), ("--to", format not in (None, "openvino")))
-                   if given]
-        if ignored:
-            raise ConfigError(f"{src}: {', '.join(ignored)} do not apply to an OpenVINO IR, which NNCF's weight "
-                              "compression handles; quantize the torch checkpoint for those")
-        return quantize_openvino(src, dst, scheme=scheme, group_size=group_size, skip=tuple(skip), evaluate=evaluate,
-                                 latency=latency, verify=verify, force=force, reference=reference)
+            raise ConfigError(f"{src}: {', '.join(ignored)} do not apply to {label} input, which {tool} handles; "
+                              "quantize the torch checkpoint for those")
+        module, _, function = target.partition(":")
+        run = getattr(importlib.import_module(module), function)
+        return run(src, dst, scheme=scheme, group_size=group_size, skip=tuple(skip), evaluate=evaluate,
+                   latency=latency, verify=verify, force=force, reference=reference)
     config = make_config(scheme, group_size=group_size, skip=skip)
     is_file = isinstance(src, (str, os.PathLike))
     if dst is not None:          # "out" of a Hugging Face folder is a folder (format_for_output)

@@ -287,7 +287,7 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
         except ParseError as e:
             sink.add(Severity.DANGEROUS, "zip.header_mismatch", f"{name!r}: {e.reason}", name=name)
             continue
-        if _is_storage(name, roots, storages):
+        if _is_storage(name, roots, storages) or (kind == "Keras archive" and _keras_weights(base_buf, info)):
             counts["storages"] += 1
             continue
         limit = min(info.file_size, MAX_MEMBER_BYTES)
@@ -321,6 +321,20 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
 
 _ZIP_FORMATS = {"TorchScript archive": "torchscript", "torch zip checkpoint": "pth", "npz archive": "npz",
                 "Keras archive": "keras", "zip archive": "zip"}
+
+
+def _keras_weights(buf, info: zipdir.ZipEntry) -> bool:
+    """A .keras archive's model.weights.h5 that is an HDF5 file: tensor data Keras reads with h5py, which runs
+    nothing (the archive's code, Lambda layers and custom objects, is in config.json). Skipped unread but for
+    its superblock, as torch storages are: a large model's weights are not read twice (nor refused for size)."""
+    from modelkit.parse import hdf5, keras
+
+    if info.filename != keras.ARCHIVE_WEIGHTS:
+        return False
+    try:
+        return hdf5.plausible_superblock(zipdir.read_start(buf, info, hdf5.SUPERBLOCK_HEAD))
+    except ParseError:
+        return False
 
 
 def _is_storage(name: str, roots: set[str], storages: set[str]) -> bool:
