@@ -60,8 +60,8 @@ FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
 )}
 
 # How a model file can be run for evaluation: torch rebuilds the module from the weights; onnxruntime
-# runs an ONNX file's own graph in a session.
-RUNTIMES = ("torch", "onnxruntime")
+# runs an ONNX file's own graph in a session; openvino an OpenVINO IR in OpenVINO's runtime.
+RUNTIMES = ("torch", "onnxruntime", "openvino")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -166,3 +166,9 @@ def test_int8_weight_compression_through_nncf_is_measured_like_the_other_schemes
     assert {"uint8"} <= {c.dtype for c in ir.consts}               # the weights are uint8 now
     assert json.loads(ir.rt_info["modelkit/quantization"])["mode"] == "int8_asym"
     assert modelkit.scan(target).worst == Severity.SAFE
+
+
+def test_eval_runs_the_ir_in_openvinos_runtime(written):
+    _, _, path, _ = written["cnn"]
+    ran = modelkit.evaluate(path, runtime="openvino")
+    assert ran["accuracy"] == pytest.approx(modelkit.evaluate(path)["accuracy"])       # torch rebuilt from its weights

@@ -20,7 +20,8 @@ from modelkit.formats import RUNTIMES
               help="Hugging Face language models: score at most this many tokens of the text.")
 @device_option
 @click.option("--runtime", type=click.Choice(RUNTIMES), default="torch", show_default=True,
-              help="onnxruntime: run an ONNX file in an onnxruntime session instead of torch.")
+              help="onnxruntime: run an ONNX file in an onnxruntime session instead of torch; openvino: an "
+                   "OpenVINO IR in OpenVINO's runtime.")
 @read_options()
 @output_options
 def eval_command(checkpoint: str, split: str | None, data: str | None, context: int | None, max_tokens: int | None,
@@ -38,6 +39,7 @@ def eval_command(checkpoint: str, split: str | None, data: str | None, context: 
       modelkit eval runs/cnn/model.safetensors
       modelkit eval runs/tinylm/model.safetensors --split test --json
       modelkit eval cnn.onnx --runtime onnxruntime
+      modelkit eval cnn.xml --runtime openvino
       modelkit eval ./Qwen2.5-0.5B --max-tokens 20000
       modelkit eval model-q4_0.gguf --data notes.txt --context 256 --json
     """

@@ -44,7 +44,8 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
     Returns the metrics plus "model" and "split": accuracy for classifiers; bits per byte,
     perplexity and the unigram baseline for tinylm. The default split is the model's own
     (test for classifiers, validation for tinylm). `runtime="onnxruntime"` runs an ONNX file
-    in an onnxruntime session (CPU) instead of rebuilding the torch module from its weights.
+    in an onnxruntime session (CPU), `runtime="openvino"` an OpenVINO IR in OpenVINO's runtime (CPU, f32),
+    instead of rebuilding the torch module from its weights.
     `format`, `trust`, `key` and `arch` are `load_module`'s, for files.
 
     A causal language model of a Hugging Face family (a folder, a GGUF of one, a quantized output)
@@ -62,11 +63,13 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
 
     if runtime not in RUNTIMES:
         raise ConfigError(f"unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
-    if runtime == "onnxruntime":
-        if isinstance(path_or_model, nn.Module) or detect_format(Path(path_or_model)) != "onnx":
-            raise ConfigError(f"{path_or_model}: runtime onnxruntime needs an ONNX file; convert it with "
-                              "modelkit convert SRC model.onnx first")
-        model, device = session_module(path_or_model), "cpu"
+    graph = _RUNTIME_FORMATS.get(runtime)
+    if graph is not None:
+        fmt, suffix = graph
+        if isinstance(path_or_model, nn.Module) or detect_format(Path(path_or_model)) != fmt:
+            raise ConfigError(f"{path_or_model}: runtime {runtime} needs a {fmt} file; convert it with "
+                              f"modelkit convert SRC model{suffix} first")
+        model, device = session_module(path_or_model, fmt=fmt), "cpu"
     elif isinstance(path_or_model, nn.Module):
         model = path_or_model
     else:
@@ -233,6 +236,10 @@ def metric_change(name: str, higher_is_better: bool, before: Mapping[str, Any], 
     b, a = before[name], after[name]
     return {"name": name, "higher_is_better": higher_is_better, "float": b, "quantized": a, "delta": a - b,
             "relative": (a - b) / b if b else math.nan}
+
+
+# Runtimes that run a graph file's own graph: runtime -> (its format, the suffix to convert to).
+_RUNTIME_FORMATS = {"onnxruntime": ("onnx", ".onnx"), "openvino": ("openvino", ".xml")}
 
 
 def session_module(path: PathLike, arch: ArchSpec | None = None, fmt: str = "onnx") -> nn.Module:
