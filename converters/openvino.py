@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
+from modelkit.errors import FormatError, MissingDependencyError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, json_object
 from modelkit.parse import openvino as ir_xml
@@ -71,8 +71,11 @@ def openvino() -> ModuleType:
     """`import openvino` with its usage telemetry off (see the module docstring)."""
     if "openvino" not in sys.modules:
         sys.modules.setdefault("openvino_telemetry", None)      # a None entry: `import openvino_telemetry` fails
-    import openvino as ov
-
+    try:
+        import openvino as ov
+    except ImportError as e:
+        raise MissingDependencyError("writing and running OpenVINO IR needs the 'openvino' package: "
+                                     "pip install 'modelkit[openvino]' (reading its weights does not)") from e
     return ov
 
 

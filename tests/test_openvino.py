@@ -172,3 +172,18 @@ def test_eval_runs_the_ir_in_openvinos_runtime(written):
     _, _, path, _ = written["cnn"]
     ran = modelkit.evaluate(path, runtime="openvino")
     assert ran["accuracy"] == pytest.approx(modelkit.evaluate(path)["accuracy"])       # torch rebuilt from its weights
+
+
+def test_without_openvino_reading_works_and_writing_names_the_extra(written):
+    code = ("import sys, modelkit; sys.modules['openvino'] = None\n"
+            "from modelkit.errors import MissingDependencyError\n"
+            "from modelkit.formats import load_format\n"
+            f"assert len(modelkit.load({str(written['mlp'][2])!r}).tensors) == 6\n"
+            "try:\n"
+            "    load_format('openvino').openvino()\n"
+            "except MissingDependencyError as e:\n"
+            "    assert \"modelkit[openvino]\" in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('no MissingDependencyError')\n"
+            "assert 'torch' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
