@@ -28,6 +28,7 @@ from modelkit.errors import FormatError, ModelkitError, ParseError
 from modelkit.formats import FORMATS, load_format
 from modelkit.models import build
 from modelkit.parse import gguf, hdf5, keras, npy, npz, onnx, paths, safetensors, sniff, tfjs, torch_format, zipdir
+from modelkit.parse import imatrix as imatrix_parse
 from modelkit.parse import pickle as pickle_parse
 from modelkit.parse.protobuf import fields, int64s, text
 from modelkit.scan import Limits, Severity, scan
@@ -71,6 +72,21 @@ def _gguf_seed() -> bytes:
     tensors = payloads.gguf_tensor_info("w", [4], 0, 0) + payloads.gguf_tensor_info("q", [32], 2, 32)
     head = payloads.gguf_bytes(n_kv=3, n_tensors=2, kv=kv, tensors=tensors)
     return head + bytes(-len(head) % 32) + bytes(32 + 18)
+
+
+def _imatrix_seeds() -> list[bytes]:
+    """llama-imatrix's two forms: GGUF (metadata, W.in_sum2 and W.counts) and the legacy .dat."""
+    kv = (payloads.gguf_string("general.type") + struct.pack("<I", 8) + payloads.gguf_string("imatrix")
+          + payloads.gguf_string("imatrix.datasets") + struct.pack("<IIQ", 9, 8, 1) + payloads.gguf_string("c.txt")
+          + payloads.gguf_string("imatrix.chunk_count") + struct.pack("<II", 4, 2)
+          + payloads.gguf_string("imatrix.chunk_size") + struct.pack("<II", 4, 512))
+    tensors = payloads.gguf_tensor_info("w.in_sum2", [4, 1], 0, 0) + payloads.gguf_tensor_info("w.counts", [1, 1], 0, 32)
+    head = payloads.gguf_bytes(n_kv=4, n_tensors=2, kv=kv, tensors=tensors)
+    values = struct.pack("<4f", 1.0, 2.0, 0.0, 8.0)
+    gguf_form = head + bytes(-len(head) % 32) + values + bytes(16) + struct.pack("<f", 2.0)
+    legacy = (struct.pack("<ii", 1, 1) + b"w" + struct.pack("<ii", 2, 4) + values
+              + struct.pack("<ii", 2, 5) + b"c.txt")
+    return [gguf_form, legacy]
 
 
 _PICKLES = [pickle.dumps({"w": [1.0, 2.0], "n": None, "s": "x" * 5000}, protocol=p) for p in (0, 1, 2, 5)]
@@ -207,6 +223,8 @@ PARSERS = {
     "pickle.walk": (_pickle_stream, _PICKLES + [payloads.system_pickle(protocol=p) for p in (0, 2, 4)]),
     "torch_format.parse": (_torch_file, _TORCH_SAVES),
     "torch_format.parse_script": (_torch_script, _TORCH_SCRIPTS),
+    "imatrix.read_imatrix": (lambda b: [e.importance for e in imatrix_parse.read_imatrix(b).entries.values()],
+                             _imatrix_seeds()),
 }
 # predicates: answer True or False for anything
 PREDICATES = {
