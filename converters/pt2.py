@@ -93,9 +93,14 @@ def program(path: Path) -> dict[str, Any]:
     _gate(path, trust=True)
     parsed = _parse(path)
     summary = parsed.program.summary()
-    names = _modelkit_info(parsed).get("inputs")
+    info = _modelkit_info(parsed)
+    names, dims = info.get("inputs"), info.get("dims", {})
     if names and len(names) == len(summary["inputs"]):
         summary["inputs"] = [{**entry, "name": name} for entry, name in zip(summary["inputs"], names, strict=True)]
+    if isinstance(dims, dict):          # symbols by the names they were exported with ("s77" -> "batch")
+        for entry in (*summary["inputs"], *summary["outputs"]):
+            entry["shape"] = [dims.get(d, d) if isinstance(d, str) else d for d in entry["shape"] or []]
+        summary["dynamic"] = {dims.get(k, k): v for k, v in summary["dynamic"].items()}
     summary["archive_version"] = parsed.version
     return summary
 
@@ -198,6 +203,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
         names, prefix = list(options.input_names or ()), ""
     exported = _export(target, inputs, dynamic)
     info = {
+        "dims": _dim_names(exported, dynamic, names),
         "format": _LAYOUT,
         "arch": ckpt.arch.to_json() if ckpt.arch is not None else None,
         "metadata": dict(ckpt.metadata),
@@ -209,6 +215,27 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
         warnings.simplefilter("ignore", FutureWarning)
         with path.open("wb") as f:
             torch.export.save(exported, f, extra_files={EXTRA_NAME: json.dumps(info, sort_keys=True)})
+
+
+def _dim_names(exported: Any, dynamic: tuple[Any, ...], inputs: list[str]) -> dict[str, str]:
+    """The program's symbol for each dynamic dimension -> the name it was given ("s77" -> "batch"; an axis
+    left free without a name, as `--dynamic x:2` leaves it: "x_2", as ONNX names it), from the user inputs'
+    shapes as torch.export traced them."""
+    def flat(spec: Any) -> list[Any]:
+        return [x for s in spec for x in flat(s)] if isinstance(spec, tuple) else [spec]
+
+    names: dict[str, str] = {}
+    placeholders = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
+    user = [placeholders.get(name) for name in exported.graph_signature.user_inputs]
+    for index, (node, spec) in enumerate(zip(user, flat(tuple(dynamic)), strict=False)):
+        value = getattr(node, "meta", {}).get("val") if node is not None else None
+        if not isinstance(spec, dict) or value is None:
+            continue
+        for axis, dim in spec.items():
+            name = getattr(dim, "__name__", None) or f"{inputs[index] if index < len(inputs) else f'input{index}'}_{axis}"
+            if name and axis < value.dim() and not str(value.shape[axis]).isdigit():
+                names.setdefault(str(value.shape[axis]), name)
+    return names
 
 
 def _export(module: torch.nn.Module, inputs: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Any:

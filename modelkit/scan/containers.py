@@ -17,7 +17,7 @@ from modelkit.errors import ParseError
 from modelkit.parse import zipdir
 from modelkit.parse.paths import member_problem
 from modelkit.parse.pickle import looks_like_pickle
-from modelkit.parse.sniff import COMPRESSED, sniff
+from modelkit.parse.sniff import COMPRESSED, sniff, unsupported_archive
 from modelkit.scan.model import Finding, Severity
 from modelkit.scan.pickle import (
     Limits,
@@ -82,6 +82,13 @@ def scan_buffer(buf, start: int, end: int, ctx: Context, label: str, *, hint: st
     """Analyse buf[start:end] (a file or a member) as whatever its content is; returns the format name."""
     fmt = sniff(buf, start, end)
     if fmt is None:
+        unsupported = unsupported_archive(bytes(buf[start:start + 16]))
+        if unsupported is not None:
+            ctx.sink(label, start).add(Severity.DANGEROUS, "archive.unsupported",
+                                       f"a {unsupported} archive, which the scanner cannot open: what it holds was not "
+                                       "examined, and a loader that unpacks it sees content nobody checked",
+                                       offset=start, name=unsupported)
+            return unsupported
         fmt = _sniff_text(buf, start, end, ctx, label, hint)
     handler = _HANDLERS.get(fmt)
     if handler is not None:
@@ -300,8 +307,9 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
         try:
             content = _read_member(base_buf, data, info, limit + 1)
         except (ValueError, OSError, EOFError, MemoryError, _lzma_error()) as e:
-            severity = Severity.DANGEROUS if name.endswith("pkl") else Severity.SUSPICIOUS
-            sink.add(severity, "zip.unreadable_member", f"{name!r} cannot be read ({e})", name=name)
+            # What the scanner cannot read, a loader with another decompressor may: its content is unknown.
+            sink.add(Severity.DANGEROUS, "zip.unreadable_member", f"{name!r} cannot be read ({e}); its content was "
+                     "not examined", name=name)
             continue
         ctx.read_total += len(content)
         if len(content) > info.file_size:
