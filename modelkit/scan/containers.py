@@ -253,7 +253,7 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
     roots = {n.split("/", 1)[0] for n in names if n.endswith("data.pkl") and n.count("/") == 1}
     is_torchscript = any("/code/" in n or n.startswith("code/") for n in names) and any(
         n.endswith("constants.pkl") for n in names)
-    pt2_root = pt2_archive.root_of(names) if not roots else None
+    pt2_root = pt2_archive.root_of(names)       # judged as PT2 even beside a data.pkl: torch.export.load reads it so
     layout = None
     if pt2_root is not None:
         from modelkit.scan import pt2

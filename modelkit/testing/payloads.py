@@ -239,6 +239,7 @@ def hostile_corpus() -> dict[str, bytes]:
         "config-escape.pt2": pt2_zip(weights={"w": "../../../etc/passwd"}),
         "target.pt2": pt2_zip(nodes=["torch.ops.aten.relu.default", "torch.os.system"]),
         "load-target.pt2": pt2_zip(nodes=["torch.load"]),
+        "torch-and-pt2.pt": pt2_zip(nodes=["torch.os.system"], extra={"data.pkl": pickle.dumps({}, protocol=2)}),
         "file-op.pt2": pt2_zip(nodes=["torch.ops.aten.from_file.default"]),
         "raise-class.ts": torchscript_zip('def f(x):\n  ops.prim.RaiseException("true", "os.system")\n'),
         "model.7z.pt": b"7z\xbc\xaf\x27\x1c\x00\x04" + bytes(56),
