@@ -363,7 +363,7 @@ _DANGEROUS = {  # hostile files of issue 17 -> the rule that must flag each one 
     "sample-inputs.pt2": "pickle.global.denied", "escape.pt2": "zip.path_traversal",
     "config-escape.pt2": "pt2.config.path", "target.pt2": "pt2.target.dangerous",
     "load-target.pt2": "pt2.target.dangerous", "file-op.pt2": "pt2.target.dangerous",
-    "torch-and-pt2.pt": "pt2.target.dangerous",
+    "torch-and-pt2.pt": "pt2.target.dangerous", "nested-target.pt2": "pt2.target.dangerous",
     "raise-class.ts": "torchscript.code.dangerous", "model.7z.pt": "archive.unsupported",
     "rar-member.pt": "archive.unsupported",
 }

@@ -147,10 +147,8 @@ def _scan_program(content: bytes, sink: Any) -> None:
     if not isinstance(nodes, list):
         sink.add(Severity.DANGEROUS, "pt2.json.malformed", "the exported program has no graph_module.graph.nodes list")
         return
-    for node in nodes:
-        target = node.get("target") if isinstance(node, dict) else None
-        if isinstance(target, str):
-            _judge_target(target, sink)
+    for target in _targets(value):
+        _judge_target(target, sink)
     custom = graph.get("custom_obj_values")
     if isinstance(custom, dict):
         for name, obj in list(custom.items())[:100]:
@@ -158,6 +156,26 @@ def _scan_program(content: bytes, sink: Any) -> None:
             sink.add(Severity.SUSPICIOUS, "pt2.custom_object",
                      f"the graph takes {str(name)[:60]!r}, an object of the TorchScript class {str(fqn)[:80]!r}: "
                      "its library must be loaded, and its methods run", name=str(fqn)[:200])
+
+
+def _targets(program: Any) -> list[str]:
+    """Every node target of the program, its nested graphs too (control flow passes its branches as
+    `as_graph` arguments, each with nodes of its own), each target once."""
+    found: dict[str, None] = {}
+    todo = [program]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, dict):
+            nodes = value.get("nodes")
+            if isinstance(nodes, list):
+                for node in nodes:
+                    target = node.get("target") if isinstance(node, dict) else None
+                    if isinstance(target, str):
+                        found.setdefault(target)
+            todo.extend(value.values())
+        elif isinstance(value, list):
+            todo.extend(value)
+    return list(found)
 
 
 def _judge_target(target: str, sink: Any) -> None:

@@ -54,17 +54,23 @@ def torchscript_zip(code: str, *, root: str = "model", data_pkl: bytes | None = 
 
 
 def pt2_zip(*, nodes: list[str] | None = None, weights: dict | None = None, constants: dict | None = None,
-            pickled: frozenset[str] = frozenset(), extra: dict[str, bytes] | None = None, root: str = "archive") -> bytes:
+            pickled: frozenset[str] = frozenset(), extra: dict[str, bytes] | None = None, root: str = "archive",
+            branch: list[str] | None = None) -> bytes:
     """A PT2-shaped zip (what torch.export.save writes): archive_format, a program whose graph calls `nodes`
     (targets), payload configs `weights`/`constants` ({fqn: path_name}; `use_pickle` for the fqns in `pickled`
     and for names other than weight_N/tensor_N) with a float32 [2] tensor in each raw member, plus `extra`
-    members (name under root)."""
+    members (name under root). `branch`: targets of a nested graph, passed to a torch.cond node as torch.export
+    serializes control flow."""
     meta = {"dtype": 7, "sizes": [{"as_int": 2}], "strides": [{"as_int": 1}], "storage_offset": {"as_int": 0},
             "requires_grad": False, "device": {"type": "cpu", "index": None}, "layout": 7}
     members = {f"{root}/archive_format": b"pt2", f"{root}/archive_version": b"0", f"{root}/byteorder": b"little"}
     graph = {"inputs": [], "outputs": [], "tensor_values": {}, "custom_obj_values": {},
              "nodes": [{"target": t, "inputs": [], "outputs": [], "metadata": {}, "name": f"n{i}"}
                        for i, t in enumerate(nodes or ["torch.ops.aten.relu.default"])]}
+    if branch:
+        nested = {"graph": {"nodes": [{"target": t, "inputs": [], "outputs": [], "metadata": {}} for t in branch]}}
+        graph["nodes"].append({"target": "torch.ops.higher_order.cond", "outputs": [], "metadata": {},
+                               "inputs": [{"name": "true_fn", "arg": {"as_graph": nested}, "kind": 1}]})
     program = {"graph_module": {"graph": graph, "signature": {"input_specs": [], "output_specs": []},
                                 "module_call_graph": []}, "range_constraints": {}, "schema_version": {"major": 8, "minor": 20}}
     members[f"{root}/models/model.json"] = json.dumps(program).encode()
@@ -239,6 +245,7 @@ def hostile_corpus() -> dict[str, bytes]:
         "config-escape.pt2": pt2_zip(weights={"w": "../../../etc/passwd"}),
         "target.pt2": pt2_zip(nodes=["torch.ops.aten.relu.default", "torch.os.system"]),
         "load-target.pt2": pt2_zip(nodes=["torch.load"]),
+        "nested-target.pt2": pt2_zip(branch=["torch.ops.aten.sin.default", "torch.os.system"]),
         "torch-and-pt2.pt": pt2_zip(nodes=["torch.os.system"], extra={"data.pkl": pickle.dumps({}, protocol=2)}),
         "file-op.pt2": pt2_zip(nodes=["torch.ops.aten.from_file.default"]),
         "raise-class.ts": torchscript_zip('def f(x):\n  ops.prim.RaiseException("true", "os.system")\n'),
