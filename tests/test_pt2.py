@@ -166,3 +166,20 @@ def test_archive_layout_is_torchs(zoo_pt2):
         assert z.read(f"{root}/archive_format") == b"pt2"
         info = json.loads(z.read(f"{root}/extra/modelkit.json"))
     assert info["format"] == "modelkit.pt2/1" and info["state_dict"] == list(zoo_pt2["cnn"][0].state_dict())
+
+
+def test_weights_and_program_without_torch(zoo_pt2, tmp_path):
+    """Reading a .pt2 needs no torch: convert to safetensors and inspect with torch unimportable."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    model, path = zoo_pt2["cnn"]
+    code = ("import sys\nsys.modules['torch'] = None\nfrom modelkit.cli import run\n"
+            f"run(['convert', {str(path)!r}, 'out.safetensors'])\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    got = load_file(str(tmp_path / "out.safetensors"))
+    assert got.keys() == model.state_dict().keys()
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
