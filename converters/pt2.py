@@ -97,7 +97,7 @@ def program(path: Path) -> dict[str, Any]:
     names, dims = info.get("inputs"), info.get("dims", {})
     if names and len(names) == len(summary["inputs"]):
         summary["inputs"] = [{**entry, "name": name} for entry, name in zip(summary["inputs"], names, strict=True)]
-    if isinstance(dims, dict):          # symbols by the names they were exported with ("s77" -> "batch")
+    if dims:                            # symbols by the names they were exported with ("s77" -> "batch")
         for entry in (*summary["inputs"], *summary["outputs"]):
             entry["shape"] = [dims.get(d, d) if isinstance(d, str) else d for d in entry["shape"] or []]
         summary["dynamic"] = {dims.get(k, k): v for k, v in summary["dynamic"].items()}
@@ -137,13 +137,14 @@ def _modelkit_info(parsed: pt2_archive.PT2File) -> dict[str, Any]:
     metadata = info.get("metadata", {}) if isinstance(info, dict) else None
     names = info.get("state_dict", []) if isinstance(info, dict) else None
     inputs = info.get("inputs", []) if isinstance(info, dict) else None
-    ok = (isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    dims = info.get("dims", {}) if isinstance(info, dict) else None
+    ok = (isinstance(dims, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in dims.items()) and isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
           and isinstance(names, list) and all(isinstance(n, str) for n in names)
           and isinstance(inputs, list) and all(isinstance(n, str) for n in inputs)
           and isinstance(info.get("arch"), str | None) and isinstance(info.get("prefix", ""), str))
     if not ok:
         raise FormatError(path, f'extra/{EXTRA_NAME} must look like {{"metadata": {{str: str}}, "arch": JSON or null, '
-                                '"state_dict": [names], "prefix": str, "inputs": [names]}')
+                                '"state_dict": [names], "prefix": str, "inputs": [names], "dims": {str: str}}')
     return info
 
 
