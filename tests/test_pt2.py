@@ -16,6 +16,7 @@ from modelkit.cli import main
 from modelkit.errors import UnsafeFileError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions, detect_format, load_format
 from modelkit.models import load_model_module
+from modelkit.scan import scan
 from modelkit.testing import causal_lm, payloads
 
 pt2 = load_format("pt2")
@@ -89,6 +90,8 @@ def test_user_module_round_trip_with_dynamic_axes(user_pt2):
     assert sorted(state) == sorted(model.state_dict())            # the lifted constant is not in the state_dict
     info = pt2.program(path)
     assert [i["name"] for i in info["inputs"]] == ["x", "y"] and info["constants"] == 1
+    assert info["inputs"][0]["shape"] == ["x_0", 3, "x_2"]           # unnamed free axes named as ONNX names them
+    assert not scan(path).findings
 
 
 def test_hf_causal_lm_exports_with_dynamic_batch_and_sequence(llama_pt2):
@@ -105,6 +108,7 @@ def test_hf_causal_lm_exports_with_dynamic_batch_and_sequence(llama_pt2):
         got = program(ids, mask, positions)
         keep = mask.bool()
         assert torch.allclose(got[keep], want[keep], atol=1e-5, rtol=0)
+    assert not scan(path).findings
     back = modelkit.load(path)
     assert json.loads(back.metadata["modelkit.aliases"]) == {"lm_head.weight": "model.embed_tokens.weight"}
 

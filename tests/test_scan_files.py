@@ -463,7 +463,7 @@ def test_malicious_torchscript_code_stays_dangerous(tmp_path, code):
 
 
 def test_string_literals_are_data_in_torchscript_code(tmp_path):
-    code = ('def f(x):\n  msg = "os.system(\'x\') and builtins.eval and import os"\n'
+    code = ('def f(x):\n  msg = "os.system(\'x\') and builtins.eval and import os"  # not os.system(msg)\n'
             '  ops.prim.RaiseException(msg, "builtins.RuntimeError")\n  return x\n')
     report = _scan_bytes(tmp_path, payloads.torchscript_zip(code), "ok.pt")
     assert not _rules(report), report.findings

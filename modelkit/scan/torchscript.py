@@ -81,8 +81,9 @@ _EXCEPTIONS = frozenset(name for name in dir(builtins)
 
 
 def _split_literals(text: str) -> tuple[str | None, list[tuple[int, str | None]]]:
-    """(the code with every string literal replaced by "" and its line breaks kept, [(line, exception class
-    name or None)] for each prim::RaiseException call); (None, []) when the text does not tokenize."""
+    """(the code with every string literal replaced by "" (its line breaks kept) and every comment removed,
+    [(line, exception class name or None)] for each prim::RaiseException call); (None, []) when the text does
+    not tokenize."""
     import ast
     import io
     import tokenize
@@ -98,11 +99,14 @@ def _split_literals(text: str) -> tuple[str | None, list[tuple[int, str | None]]
     call: list[Any] | None = None   # inside a RaiseException call: [depth, line, string arguments at depth 1, commas]
     try:
         for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-            if tok.type in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT,
-                            tokenize.ENDMARKER):
+            if tok.type in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
                 continue
             start = starts[tok.start[0] - 1] + tok.start[1]
             end = starts[tok.end[0] - 1] + tok.end[1]
+            if tok.type == tokenize.COMMENT:        # not code either
+                pieces.append(text[pos:start])
+                pos = end
+                continue
             if call is not None:
                 if tok.type == tokenize.OP and tok.string in "([{":
                     call[0] += 1
