@@ -162,8 +162,11 @@ def test_kv_cache_is_an_onnx_option(zoo_pt2, tmp_path):
         pt2.write(Checkpoint.from_module(model), tmp_path / "kv.pt2", WriteOptions(module=model, kv_cache=True))
 
 
-def test_archive_layout_is_torchs(zoo_pt2):
+def test_archive_layout_is_torchs(zoo_pt2, tmp_path):
     _, path = zoo_pt2["cnn"]
+    renamed = tmp_path / "model.pt"                                  # .pt is claimed by pth and torchscript too
+    renamed.write_bytes(path.read_bytes())
+    assert detect_format(renamed) == "pt2"
     with zipfile.ZipFile(path) as z:
         names = z.namelist()
         root = names[0].split("/")[0]
