@@ -27,7 +27,7 @@ from modelkit.checkpoint import Checkpoint
 from modelkit.errors import FormatError, ModelkitError, ParseError
 from modelkit.formats import FORMATS, load_format
 from modelkit.models import build
-from modelkit.parse import gguf, hdf5, keras, npy, npz, onnx, paths, safetensors, sniff, tfjs, torch_format, zipdir
+from modelkit.parse import gguf, hdf5, keras, npy, npz, onnx, paths, pt2, safetensors, sniff, tfjs, torch_format, zipdir
 from modelkit.parse import imatrix as imatrix_parse
 from modelkit.parse import pickle as pickle_parse
 from modelkit.parse.protobuf import fields, int64s, text
@@ -160,6 +160,38 @@ def _torch_script(data: bytes) -> None:
     _read_small_tensors(torch_format.parse_script(data, source="fuzz.pt", limits=pickle_parse.Bounds(seconds=5)))
 
 
+def _pt2_seed() -> bytes:
+    """A small torch.export.save archive: a parameter, a buffer, a lifted constant, a dynamic batch."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+            self.register_buffer("scale", torch.arange(2.0))
+            self.bias = torch.tensor([0.5, 1.5])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * self.scale + self.bias
+
+    program = torch.export.export(Net(), (torch.ones(2, 3),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    return buffer.getvalue()
+
+
+_PT2 = [_pt2_seed(), payloads.pt2_zip(constants={"c": "tensor_0"})]
+
+
+def _pt2_archive(data: bytes) -> None:
+    """A PT2 archive parsed, its program summarised and every tensor read the way the converter reads them."""
+    parsed = pt2.parse(data, source="fuzz.pt2")
+    parsed.program.summary()
+    parsed.read_extra("modelkit.json", 1 << 16)
+    for record in (*parsed.weights.values(), *parsed.constants.values()):
+        if record.nbytes <= 1 << 26:
+            parsed.file.array(record)
+            parsed.file.span(record)
+
+
 def _walk_fields(data: bytes) -> None:
     for _, wire, value in fields(data, 0, len(data)):
         if wire == 2:
@@ -225,6 +257,7 @@ PARSERS = {
     "torch_format.parse_script": (_torch_script, _TORCH_SCRIPTS),
     "imatrix.read_imatrix": (lambda b: [e.importance for e in imatrix_parse.read_imatrix(b).entries.values()],
                              _imatrix_seeds()),
+    "pt2.parse": (_pt2_archive, _PT2),
 }
 # predicates: answer True or False for anything
 PREDICATES = {
@@ -240,6 +273,9 @@ PREDICATES = {
     "zipdir.has_directory": lambda b: zipdir.has_directory(b) in (True, False),
     "pickle.looks_like_pickle": lambda b: pickle_parse.looks_like_pickle(b) in (True, False),
     "tfjs.looks_like_model": lambda b: tfjs.looks_like_model(b) in (True, False),
+    "sniff.unsupported_archive": lambda b: sniff.unsupported_archive(b) in (None, "7z", "rar", "zstd", "lz4", "cab",
+                                                                          "xar", "ar", "cpio", "squashfs", "snappy",
+                                                                          "lzop"),
 }
 
 
@@ -348,7 +384,7 @@ def samples(tmp_path_factory) -> dict[str, bytes]:
 
 _VARIANTS = sorted([*(f for f in FORMATS if not FORMATS[f].folder), "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain", "npz-numpy"])
 _PREFIXES = {"safetensors": struct.pack("<Q", 40), "gguf": b"GGUF\x03\x00\x00\x00", "onnx": b"\x08\x0a\x3a",
-             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE, "npz": b"PK\x03\x04"}
+             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "pt2": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE, "npz": b"PK\x03\x04"}
 
 
 @pytest.mark.parametrize("variant", _VARIANTS)
