@@ -51,6 +51,7 @@ FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
                companions=(".data",)),
     FormatInfo("openvino",    (".xml",),                         "modelkit.converters.openvino", extra="openvino",
                has_graph=True, companions=("{stem}.bin",)),
+    FormatInfo("pt2",         (".pt2",),                         "modelkit.converters.pt2", extra="torch", has_graph=True),
     FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", extra="torch", runs_pickle=True),
     FormatInfo("safetensors", (".safetensors",),                 "modelkit.converters.safetensors"),
     FormatInfo("tfjs",        (".json",),                        "modelkit.converters.tfjs", folder=True,
