@@ -4,7 +4,7 @@ Each entry names a converter module (imported on first use) with the same names:
 
     detect(path: Path) -> bool                      modelkit.parse.detect.<name>: a few KB, never unpickles
     read(path: Path, options: ReadOptions) -> Checkpoint
-    write(ckpt: Checkpoint, path: Path, options: WriteOptions) -> None
+    write(ckpt: Checkpoint, path: Path, options: WriteOptions) -> None     (read_only formats: raises why not)
     runnable(path: Path, options: ReadOptions) -> Callable[..., Tensor]   graph formats only
 
 `write` writes to `path` as given (the caller made it a temporary name and renames it after
@@ -36,6 +36,7 @@ class FormatInfo:
                                    # with suffixes (tfjs), DIR/model.json names the folder DIR
     folder_file: str | None = None     # a folder format whose output may be named by its main file: DIR/model.json
     maps_module: bool = False      # the writer maps a user's module to a layout of its own (HDF5: Keras layers)
+    read_only: bool = False        # read (inspect, scan, convert from) but never written: TensorFlow's, legacy ggml
 
 
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
@@ -47,11 +48,17 @@ FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
                companions=(".data",)),
     FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", extra="torch", runs_pickle=True),
     FormatInfo("safetensors", (".safetensors",),                 "modelkit.converters.safetensors"),
+    FormatInfo("savedmodel",  (".pb",),                          "modelkit.converters.savedmodel", folder=True,
+               folder_file="saved_model.pb", read_only=True),
+    FormatInfo("tfcheckpoint", (".index",),                      "modelkit.converters.tfcheckpoint", read_only=True),
     FormatInfo("tfjs",        (".json",),                        "modelkit.converters.tfjs", folder=True,
                folder_file="model.json", maps_module=True),
     FormatInfo("torchscript", (".ts", ".pt"),                    "modelkit.converters.torchscript", extra="torch", has_graph=True,
                runs_pickle=True),
 )}
+
+# The formats modelkit writes (the others are read_only).
+WRITABLE: tuple[str, ...] = tuple(name for name, info in FORMATS.items() if not info.read_only)
 
 # How a model file can be run for evaluation: torch rebuilds the module from the weights; onnxruntime
 # runs an ONNX file's own graph in a session.

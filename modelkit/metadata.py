@@ -69,3 +69,6 @@ def tied_names(path: Path | str, metadata: dict[str, str], names: Iterable[str])
         if not isinstance(target, str) or target not in stored:
             raise FormatError(path, f"tied tensor {alias!r} points to {target!r}, which is not in the file")
     return aliases
+TF_KEYS_KEY = "modelkit.tensorflow.keys"      # SavedModel / TF checkpoint, on reading: tensor name -> {"key": the
+                                              # checkpoint key, "full_name": TF's variable name, "also": other keys}
+TF_SOURCE_KEY = "modelkit.tensorflow.source"  # SavedModel, on reading: its tags and TensorFlow version (JSON)

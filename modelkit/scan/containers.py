@@ -80,7 +80,11 @@ class Context:
 
 def scan_buffer(buf, start: int, end: int, ctx: Context, label: str, *, hint: str = "") -> str:
     """Analyse buf[start:end] (a file or a member) as whatever its content is; returns the format name."""
-    fmt = sniff(buf, start, end)
+    fmt = None
+    if hint == "fingerprint.pb":       # a SavedModel's hashes; shaped like the start of an ONNX model
+        from modelkit.parse.savedmodel import fingerprint
+        fmt = "savedmodel fingerprint" if fingerprint(buf, start, end) else None
+    fmt = fmt or sniff(buf, start, end)
     if fmt is None:
         fmt = _sniff_text(buf, start, end, ctx, label, hint)
     handler = _HANDLERS.get(fmt)
@@ -484,6 +488,8 @@ _HANDLERS: dict[str, Callable[..., None]] = {
     "zip": _scan_zip, "pickle": lambda *args: "pth" if _scan_pickle(*args).legacy_torch else "pickle", "npy": _scan_npy, "tar": _scan_tar,
     "safetensors": _lazy("headers", "scan_safetensors"), "gguf": _lazy("headers", "scan_gguf"),
     "hdf5": _lazy("keras", "scan_hdf5"), "onnx": _lazy("onnx", "scan_onnx"),
+    "savedmodel": _lazy("tensorflow", "scan_savedmodel"), "tf-checkpoint": _lazy("tensorflow", "scan_index"),
+    "savedmodel fingerprint": _lazy("tensorflow", "scan_fingerprint"),
     **{codec: _scan_compressed(codec) for _, codec in COMPRESSED},
 }
 

@@ -1,0 +1,269 @@
+"""TensorFlow graphs (SavedModel `saved_model.pb`) and tensor bundles (checkpoint `.index` files).
+
+A SavedModel's graph runs when it is loaded and called: an op that reads, lists or writes files at a
+path the graph computes, calls the loading process's Python, or talks to the network reaches outside
+the model. Every node is judged, in the top-level graph and in every function of the library (not only
+those a signature reaches: the object graph can call any of them), by its op against `RISKY_OPS`.
+
+The checkpoint ops (SaveV2, RestoreV2, MergeV2Checkpoints) are in every SavedModel TensorFlow writes:
+the saver's own functions (the ones `saver_def` names through its save and restore nodes) use them to
+read and write the variables/ folder. There they are expected; anywhere else (a function a signature or
+the object graph can call) they write or read checkpoints at paths the graph computes, and are flagged.
+
+A bundle's `.index` is a sorted table of entries (modelkit.parse.tf_bundle); the scanner checks it parses
+and that every entry's bytes lie inside its shard (sizes only: tensor data is never read), and names the
+shards as the index's tensor data. Standard library only.
+"""
+from __future__ import annotations
+
+import os
+
+from modelkit.errors import ParseError
+from modelkit.parse import savedmodel, tf_bundle
+from modelkit.scan.model import Severity
+
+TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from modelkit.scan.containers import Context
+
+D, S = Severity.DANGEROUS, Severity.SUSPICIOUS
+_PY = "calls a Python function of the process that runs the graph"
+_READS = "reads a file at a path the graph computes"
+_RECORDS = "opens record files at paths the graph computes"
+_SUMMARY = "creates a summary writer that writes files at a path the graph computes"
+
+# Op -> (severity, what it does). Our own list: the ops TensorFlow's registry (tf.raw_ops, 2.21) holds
+# that reach outside the model when run, checked against the registry by fixtures/tensorflow/generate.py
+# (ops.json). Sources: modelscan's SavedModel op denylist (ReadFile, WriteFile); TensorFlow's own
+# `saved_model_cli scan` denylist (ReadFile, WriteFile, PrintV2); the TensorAbuse study (ZJU-SEC, 2024:
+# file read/write, directory listing and network ops as primitives in SavedModels); tf.py_function /
+# numpy_function, which run the host's Python. Not here: tf.distribute.experimental.rpc's ops (RpcClient,
+# RpcCall, ...) are not in the 2.21 registry, and a graph naming an op no library registers fails to load.
+RISKY_OPS: dict[str, tuple[Severity, str]] = {
+    "PyFunc": (D, f"{_PY} (tf.numpy_function / tf.py_func)"),
+    "PyFuncStateless": (D, f"{_PY} (tf.numpy_function, stateless)"),
+    "EagerPyFunc": (D, f"{_PY} (tf.py_function)"),
+    "ReadFile": (D, _READS),
+    "WriteFile": (D, "writes a file at a path the graph computes"),
+    "MatchingFiles": (D, "lists files matching a pattern the graph computes"),
+    "ImmutableConst": (D, "maps a file named in the graph into memory"),
+    "WholeFileReader": (D, f"{_READS} (queue reader)"),
+    "WholeFileReaderV2": (D, f"{_READS} (queue reader)"),
+    "TextLineReader": (D, f"{_READS} (queue reader)"),
+    "TextLineReaderV2": (D, f"{_READS} (queue reader)"),
+    "FixedLengthRecordReader": (D, f"{_READS} (queue reader)"),
+    "FixedLengthRecordReaderV2": (D, f"{_READS} (queue reader)"),
+    "TFRecordReader": (D, f"{_READS} (queue reader)"),
+    "TFRecordReaderV2": (D, f"{_READS} (queue reader)"),
+    "LMDBReader": (D, f"{_READS} (queue reader)"),
+    "TextLineDataset": (D, _RECORDS),
+    "TFRecordDataset": (D, _RECORDS),
+    "TFRecordDatasetV2": (D, _RECORDS),
+    "FixedLengthRecordDataset": (D, _RECORDS),
+    "FixedLengthRecordDatasetV2": (D, _RECORDS),
+    "LMDBDataset": (D, _RECORDS),
+    "ExperimentalLMDBDataset": (D, _RECORDS),
+    "CSVDataset": (D, _RECORDS),
+    "CSVDatasetV2": (D, _RECORDS),
+    "ExperimentalCSVDataset": (D, _RECORDS),
+    "SqlDataset": (D, "opens a database at a path the graph computes and runs a query"),
+    "ExperimentalSqlDataset": (D, "opens a database at a path the graph computes and runs a query"),
+    "LoadDataset": (D, "reads a saved dataset at a path the graph computes"),
+    "SaveDataset": (D, "writes a dataset at a path the graph computes"),
+    "SaveDatasetV2": (D, "writes a dataset at a path the graph computes"),
+    "SnapshotDataset": (D, "writes and reads dataset snapshots at a path the graph computes"),
+    "SnapshotDatasetV2": (D, "writes and reads dataset snapshots at a path the graph computes"),
+    "DatasetToTFRecord": (D, "writes a TFRecord file at a path the graph computes"),
+    "ExperimentalDatasetToTFRecord": (D, "writes a TFRecord file at a path the graph computes"),
+    "CreateSummaryFileWriter": (D, _SUMMARY),
+    "CreateSummaryDbWriter": (D, _SUMMARY),
+    "LoadAndRemapMatrix": (D, "reads a checkpoint at a path the graph computes"),
+    "GenerateVocabRemapping": (D, "reads vocabulary files at paths the graph computes"),
+    "InitializeTableFromTextFile": (S, "reads a text file (a vocabulary, normally a SavedModel asset)"),
+    "InitializeTableFromTextFileV2": (S, "reads a text file (a vocabulary, normally a SavedModel asset)"),
+}
+# The saver's ops: expected in the functions saver_def names, flagged anywhere else.
+CHECKPOINT_OPS: dict[str, str] = {
+    "SaveV2": "writes a checkpoint at a path the graph computes",
+    "Save": "writes a checkpoint at a path the graph computes",
+    "SaveSlices": "writes a checkpoint at a path the graph computes",
+    "MergeV2Checkpoints": "moves and deletes checkpoint files at paths the graph computes",
+    "RestoreV2": "reads a checkpoint at a path the graph computes",
+    "Restore": "reads a checkpoint at a path the graph computes",
+    "RestoreSlice": "reads a checkpoint at a path the graph computes",
+}
+# Ops whose string attributes can send data out: attribute -> the values that are harmless.
+ATTR_CHECKS = {
+    "PrintV2": ("output_stream", ("stderr", "stdout", "log(info)", "log(warning)", "log(error)")),
+    "DecodeProtoV2": ("descriptor_source", ("local://",)),
+    "EncodeProto": ("descriptor_source", ("local://",)),
+}
+DEBUG_OPS = ("DebugIdentity", "DebugIdentityV2", "DebugIdentityV3", "DebugNanCount", "DebugNumericSummary",
+              "DebugNumericSummaryV2")
+MAX_FINDINGS = 100
+
+
+def _node_name(tensor: str) -> str:
+    """The node a tensor or input names: "^x" and "x:0" are node "x"."""
+    return tensor.lstrip("^").split(":", 1)[0]
+
+
+def _saver_only(meta: savedmodel.MetaGraph) -> tuple[set[str], set[str]]:
+    """(top-level node names, functions) that only the saver reaches."""
+    by_name = {n.name: n for n in meta.nodes}
+    roots = [_node_name(meta.saver.get(k, "")) for k in ("save_tensor_name", "restore_op_name")]
+    saver_nodes: set[str] = set()
+    queue = [r for r in roots if r in by_name]
+    while queue:                                     # the top-level nodes the saver's outputs depend on
+        name = queue.pop()
+        if name in saver_nodes:
+            continue
+        saver_nodes.add(name)
+        queue.extend(_node_name(i) for i in by_name[name].inputs if _node_name(i) in by_name)
+    # The saver's own outputs also need the filename placeholder, which other nodes may read too; what
+    # matters below is only which functions the saver alone calls.
+    def closure(start: list[str]) -> set[str]:
+        seen: set[str] = set()
+        stack = [f for f in start if f in meta.functions]
+        while stack:
+            f = stack.pop()
+            if f in seen:
+                continue
+            seen.add(f)
+            for n in meta.functions[f]:
+                stack.extend(c for c in (*n.calls, n.op) if c in meta.functions)
+        return seen
+
+    saver_calls = [c for n in meta.nodes if n.name in saver_nodes for c in (*n.calls, n.op)]
+    reached_by_saver = closure(saver_calls)
+    other_roots = [c for n in meta.nodes if n.name not in saver_nodes for c in (*n.calls, n.op)]
+    other_roots += [f for f in meta.functions if f not in reached_by_saver]
+    return saver_nodes, reached_by_saver - closure(other_roots)
+
+
+def judge_nodes(nodes, ctx: Context, label: str, *, expected_checkpoint_io=lambda node: False) -> int:
+    """Findings for the nodes' ops; returns how many were flagged."""
+    sink = ctx.sink(label)
+    flagged = 0
+
+    def flag(severity: Severity, node, why: str) -> None:
+        nonlocal flagged
+        flagged += 1
+        if flagged <= MAX_FINDINGS:
+            where = "the top-level graph" if node.where == "graph" else f"function {node.where[:80]!r}"
+            sink.add(severity, "tensorflow.graph.op",
+                     f"node {node.name[:80]!r} in {where} is a {node.op} op, which {why}", name=node.op[:80])
+
+    for node in nodes:
+        risky = RISKY_OPS.get(node.op)
+        if risky is not None:
+            flag(risky[0], node, risky[1])
+        elif node.op in CHECKPOINT_OPS and not expected_checkpoint_io(node):
+            flag(D, node, f"{CHECKPOINT_OPS[node.op]} (outside the saver's own functions)")
+        elif node.op in ATTR_CHECKS:
+            attr, harmless = ATTR_CHECKS[node.op]
+            values = [v for v in node.strings.get(attr, []) if v and v not in harmless]
+            if values:
+                flag(D, node, f"sends its output to {values[0][:120]!r} ({attr})")
+        elif node.op in DEBUG_OPS:
+            urls = [v for v in node.strings.get("debug_urls", []) if v]
+            if urls:
+                flag(D, node, f"sends tensors to {urls[0][:120]!r} (debug_urls)")
+    return flagged
+
+
+def scan_savedmodel(buf, start: int, end: int, ctx: Context, label: str) -> str:
+    """Judge a saved_model.pb: every graph node and library function; and its variables/ bundle if on disk."""
+    sink = ctx.sink(label, start)
+    try:
+        model = savedmodel.read(buf, start, end)
+    except ParseError as e:
+        sink.add(D, "tensorflow.savedmodel.malformed",
+                 f"saved_model.pb cannot be parsed ({e.reason}); TensorFlow may read it differently than the scanner")
+        ctx.examined.append(f"{label}: SavedModel, malformed")
+        return "savedmodel"
+    nodes = functions = flagged = 0
+    for meta in model.meta_graphs:
+        saver_nodes, saver_functions = _saver_only(meta)
+
+        def expected(node, saver_nodes=saver_nodes, saver_functions=saver_functions) -> bool:
+            return node.where in saver_functions or (node.where == "graph" and node.name in saver_nodes)
+
+        everything = [*meta.nodes, *(n for fn in meta.functions.values() for n in fn)]
+        flagged += judge_nodes(everything, ctx, label, expected_checkpoint_io=expected)
+        nodes += len(everything)
+        functions += len(meta.functions)
+    bundle = ""
+    if ctx.depth == 0 and ctx.directory is not None:
+        prefix = os.path.join(ctx.directory, *savedmodel.VARIABLES_PREFIX.split("/"))
+        if os.path.isfile(prefix + ".index"):
+            bundle = ", " + check_bundle(prefix, ctx, label)
+    return_note = (f"SavedModel, {len(model.meta_graphs)} meta graph(s), {nodes} nodes in the graph and "
+                   f"{functions} functions, {flagged} risky op(s){bundle}")
+    ctx.examined.append(f"{label}: {return_note}")
+    return "savedmodel"
+
+
+def check_bundle(prefix: str, ctx: Context, label: str, buf=None) -> str:
+    """Parse PREFIX.index (or `buf`, its bytes), check each entry lies inside its shard, and name the shards as
+    tensor data of this scan. Returns a phrase for `examined`."""
+    sink = ctx.sink(label)
+    try:
+        if buf is None:
+            with open(prefix + ".index", "rb") as f:
+                buf = f.read(tf_bundle.MAX_INDEX_BYTES + 1)
+        bundle = tf_bundle.read_index(buf)
+    except ParseError as e:
+        sink.add(D, "tensorflow.index.malformed", f"the checkpoint index cannot be parsed ({e.reason})")
+        return "checkpoint index malformed"
+    except OSError as e:
+        sink.add(S, "tensorflow.index.unreadable", f"{prefix}.index cannot be read ({e.strerror or e})")
+        return "checkpoint index unreadable"
+    sizes: dict[int, int | None] = {}
+    for shard in range(min(bundle.num_shards, 10_000)):
+        name = tf_bundle.shard_name(prefix, shard, bundle.num_shards)
+        try:
+            sizes[shard] = os.stat(name).st_size
+            ctx.data_files.append(os.path.realpath(name))
+        except OSError:
+            sizes[shard] = None
+    problems = 0
+    for entry in bundle.entries.values():
+        if entry.sliced or entry.size == 0:
+            continue
+        size = sizes.get(entry.shard)
+        if size is None:
+            problems += 1
+            if problems <= MAX_FINDINGS:
+                sink.add(S, "tensorflow.shard.missing", f"tensor {entry.key[:120]!r} is in shard {entry.shard}, "
+                         f"whose file {os.path.basename(tf_bundle.shard_name(prefix, entry.shard, bundle.num_shards))} "
+                         "is missing", name=entry.key[:120])
+        elif entry.offset + entry.size > size:
+            problems += 1
+            if problems <= MAX_FINDINGS:
+                sink.add(S, "tensorflow.shard.size", f"tensor {entry.key[:120]!r} claims bytes {entry.offset}.."
+                         f"{entry.offset + entry.size} of a shard of {size} bytes", name=entry.key[:120])
+    return f"checkpoint index of {len(bundle.entries)} entries in {bundle.num_shards} shard(s), sizes checked"
+
+
+def scan_index(buf, start: int, end: int, ctx: Context, label: str) -> str:
+    """A checkpoint's PREFIX.index: the table, and its shards beside it when on disk."""
+    on_disk = ctx.depth == 0 and ctx.directory is not None and label.endswith(".index")
+    if on_disk:
+        prefix = os.path.join(ctx.directory, os.path.basename(label)[:-len(".index")])
+        note = check_bundle(prefix, ctx, label, bytes(buf[start:end]))
+    else:
+        try:
+            bundle = tf_bundle.read_index(bytes(buf[start:end]))
+            note = f"checkpoint index of {len(bundle.entries)} entries (shards not checked: not on disk)"
+        except ParseError as e:
+            ctx.sink(label, start).add(D, "tensorflow.index.malformed",
+                                       f"the checkpoint index cannot be parsed ({e.reason})")
+            note = "checkpoint index malformed"
+    ctx.examined.append(f"{label}: TensorFlow {note}")
+    return "tf-checkpoint"
+
+
+def scan_fingerprint(buf, start: int, end: int, ctx: Context, label: str) -> str:
+    ctx.examined.append(f"{label}: SavedModel fingerprint (hashes only)")
+    return "savedmodel fingerprint"
