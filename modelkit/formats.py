@@ -40,6 +40,7 @@ class FormatInfo:
 
 
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
+    FormatInfo("ggml",        (".ggml", ".bin"),                 "modelkit.converters.ggml", read_only=True),
     FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf"),
     FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5", maps_module=True),
     FormatInfo("hf",          (),                                "modelkit.converters.hf", folder=True),

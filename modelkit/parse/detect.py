@@ -199,3 +199,13 @@ def tfcheckpoint(path: Path) -> bool:
             return int.from_bytes(f.read(8), "little") == TABLE_MAGIC
     except OSError:
         return False
+
+
+def ggml(path: Path) -> bool:
+    """A legacy llama.cpp file: the 'ggml', 'ggmf' or 'ggjt' magic (and a known version) in its first 8 bytes."""
+    from modelkit.parse.ggml import magic
+
+    try:
+        return path.is_file() and magic(_head(path, 8)) is not None
+    except OSError:
+        return False

@@ -38,6 +38,8 @@ def sniff(buf, start: int, end: int) -> str | None:
         return "gguf"
     if head.startswith(b"\x89HDF\r\n\x1a\n"):          # parse.hdf5.SIGNATURE
         return "hdf5"
+    if head[:4] in (b"lmgg", b"fmgg", b"tjgg"):        # parse.ggml.MAGICS, little-endian: legacy llama.cpp files
+        return "ggml"
     if len(head) >= 9 and head[8:9] == b"{" and struct.unpack_from("<Q", head)[0] > 0:
         return "safetensors"
     if len(head) >= 262 and head[257:262] == b"ustar":
@@ -59,6 +61,9 @@ def sniff(buf, start: int, end: int) -> str | None:
 # (prefix, description), most specific first.
 _MAGIC: tuple[tuple[bytes, str], ...] = (
     (b"GGUF", "a GGUF file"),
+    (b"tjgg", "a legacy llama.cpp file (ggjt)"),
+    (b"lmgg", "a legacy llama.cpp file (ggml)"),
+    (b"fmgg", "a legacy llama.cpp file (ggmf)"),
     (b"\x89HDF\r\n\x1a\n", "an HDF5 file"),
     (b"PK\x03\x04", "a zip archive (torch.save, TorchScript, .keras or .npz)"),
     (b"PK\x05\x06", "an empty zip archive"),

@@ -34,7 +34,7 @@ __all__ = ["Finding", "Limits", "ScanError", "ScanReport", "ScannedFile", "Sever
 
 PathLike = str | os.PathLike[str]
 _NO_PICKLE = {"safetensors": "safetensors", "onnx": "ONNX", "gguf": "GGUF", "hdf5": "HDF5",
-              "tf-checkpoint": "A TensorFlow checkpoint index"}
+              "tf-checkpoint": "A TensorFlow checkpoint index", "ggml": "A legacy llama.cpp file"}
 
 
 def scan(path: PathLike, *, recursive: bool = False, limits: Limits = Limits(),

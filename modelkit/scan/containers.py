@@ -487,6 +487,7 @@ def _lazy(module: str, function: str) -> Callable[..., str | None]:
 _HANDLERS: dict[str, Callable[..., None]] = {
     "zip": _scan_zip, "pickle": lambda *args: "pth" if _scan_pickle(*args).legacy_torch else "pickle", "npy": _scan_npy, "tar": _scan_tar,
     "safetensors": _lazy("headers", "scan_safetensors"), "gguf": _lazy("headers", "scan_gguf"),
+    "ggml": _lazy("headers", "scan_ggml"),
     "hdf5": _lazy("keras", "scan_hdf5"), "onnx": _lazy("onnx", "scan_onnx"),
     "savedmodel": _lazy("tensorflow", "scan_savedmodel"), "tf-checkpoint": _lazy("tensorflow", "scan_index"),
     "savedmodel fingerprint": _lazy("tensorflow", "scan_fingerprint"),
