@@ -33,6 +33,7 @@ from gguf import MODEL_ARCH, GGMLQuantizationType, TokenType, get_tensor_name_ma
 from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
+from modelkit.metadata import GGML_SOURCE_KEY
 from modelkit.models import _hf
 from modelkit.parse import ggml as legacy
 from modelkit.parse.detect import ggml as detect  # noqa: F401  (the converter's detect)
@@ -40,7 +41,6 @@ from modelkit.storage.dtypes import DTYPES
 
 CONTEXT_LENGTH = 2048        # convert_llama_ggml_to_gguf.py's --context-length default: the files do not say
 RMS_EPS = 5e-6               # ...and its --eps default (LLaMA-1 used 1e-6, Llama-2 1e-5)
-SOURCE_KEY = "modelkit.ggml.source"     # metadata: the legacy file's kind, version and ftype
 _FLOAT = {"F32": DTYPES["float32"], "F16": DTYPES["float16"]}
 _SPACE = "\u2581"
 
@@ -173,7 +173,7 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         if options.dequantize and isinstance(entry, QuantizedTensor):
             entry = LazyTensor(DTYPES["float32"], entry.shape, entry.load, entry.source)
         tensors[name] = entry
-    metadata = {SOURCE_KEY: f"{file.label}, ftype {file.hparams['ftype']}"}
+    metadata = {GGML_SOURCE_KEY: f"{file.label}, ftype {file.hparams['ftype']}"}
     return Checkpoint(tensors, metadata, ArchSpec("llama", config), tokenizer_assets(fields))
 
 

@@ -37,6 +37,10 @@ PTH_METADATA_ENTRY = "__modelkit__"           # pt/pth: the state_dict._metadata
 PTH_LAYOUT = "modelkit.pth/1"                 # pt/pth: that entry's layout version
 NPZ_MEMBER = "modelkit.json"                  # npz: the member holding metadata, ArchSpec and true dtypes
 NPZ_LAYOUT = "modelkit.npz/1"                 # npz: that member's layout version
+TF_KEYS_KEY = "modelkit.tensorflow.keys"      # SavedModel / TF checkpoint, on reading: tensor name -> {"key": the
+                                              # checkpoint key, "full_name": TF's variable name, "also": other keys}
+TF_SOURCE_KEY = "modelkit.tensorflow.source"  # SavedModel, on reading: its tags and TensorFlow version (JSON)
+GGML_SOURCE_KEY = "modelkit.ggml.source"     # legacy ggml, on reading: the file's kind, version and ftype
 
 
 def json_object(path: Path | str, key: str, raw: str, *, what: str, limit: int | None = None) -> dict[str, Any]:
@@ -69,6 +73,3 @@ def tied_names(path: Path | str, metadata: dict[str, str], names: Iterable[str])
         if not isinstance(target, str) or target not in stored:
             raise FormatError(path, f"tied tensor {alias!r} points to {target!r}, which is not in the file")
     return aliases
-TF_KEYS_KEY = "modelkit.tensorflow.keys"      # SavedModel / TF checkpoint, on reading: tensor name -> {"key": the
-                                              # checkpoint key, "full_name": TF's variable name, "also": other keys}
-TF_SOURCE_KEY = "modelkit.tensorflow.source"  # SavedModel, on reading: its tags and TensorFlow version (JSON)

@@ -240,6 +240,8 @@ PARSERS = {
     "tf_bundle.strings": (lambda b: tf_bundle.strings(b, 2), [_TF_GRAPH_STRING]),
     "tf_bundle.object_graph": (lambda b: tf_bundle.object_graph(tf_bundle.strings(b, 1)[0]), [_TF_GRAPH_STRING]),
     "savedmodel.read": (savedmodel.read, _TF_SAVED),
+    "savedmodel.keras_metadata": (savedmodel.keras_metadata,
+                                  [(_TF / "hostile" / "keras2_lambda" / "keras_metadata.pb").read_bytes()]),
     "ggml.read": (ggml.read, list(_GGML.values())),
 }
 # predicates: answer True or False for anything

@@ -12,7 +12,13 @@ tensorflow/core/framework/{graph,node_def,function,attr_value,op_def}.proto (TF 
     FunctionDef    1 signature (OpDef {1 name}) | 3 node_def (NodeDef)
     NodeDef        1 name | 2 op | 3 input | 5 attr map<string, AttrValue>
     AttrValue      1 list (ListValue {2 s, 9 func}) | 2 s | 10 func (NameAttrList {1 name, 2 attr map})
-    SavedObjectGraph 1 nodes (SavedObject) | 2 concrete_functions map
+    SavedObjectGraph 1 nodes (SavedObject {4 user_object: SavedUserObject {1 identifier, 3 metadata}}) |
+                   2 concrete_functions map
+    SavedMetadata  (keras_metadata.pb, Keras 2) 1 nodes {1 node_id, 2 version, 3 node_path, 4 identifier,
+                   5 metadata}
+
+Keras 2 keeps each layer's config as JSON in a SavedUserObject's metadata (TF <= 2.4) or in keras_metadata.pb
+(later): a Lambda layer's bytecode is there, so both are returned for the scanner's Keras analysis.
 
 What a scanner needs is every node (top graph and every library function, never only what a
 signature reaches), the functions each node calls (its `func` attributes, or an op that names a
@@ -53,6 +59,7 @@ class MetaGraph:
     saver: dict[str, str] = field(default_factory=dict)           # filename_tensor_name, save_tensor_name, ...
     signatures: list[str] = field(default_factory=list)
     object_nodes: int = 0
+    user_metadata: list[tuple[str, str]] = field(default_factory=list)   # (identifier, metadata JSON) of user objects
 
 
 @dataclass
@@ -168,8 +175,38 @@ def _meta_graph(buf, span) -> MetaGraph:
                 if n == 1 and w == LEN:
                     meta.signatures.append(text(buf, v, strict=False))
         elif number == 7:
-            meta.object_nodes = sum(1 for n, w, _ in fields(buf, *value) if n == 1 and w == LEN)
+            for n, w, v in fields(buf, *value):
+                if n == 1 and w == LEN:
+                    meta.object_nodes += 1
+                    meta.user_metadata.extend(_user_object(buf, v))
     return meta
+
+
+def _user_object(buf, span) -> list[tuple[str, str]]:
+    """A SavedObject's user_object (identifier, metadata), when it has metadata."""
+    found = []
+    for number, wire, value in fields(buf, *span):
+        if number == 4 and wire == LEN:
+            parts = {n: text(buf, v, strict=False) for n, w, v in fields(buf, *value) if w == LEN and n in (1, 3)}
+            if parts.get(3):
+                found.append((parts.get(1, ""), parts[3]))
+    return found
+
+
+def keras_metadata(buf, start: int = 0, end: int | None = None) -> list[tuple[str, str]]:
+    """keras_metadata.pb's (node path, metadata JSON) for every node.
+
+    Raises:
+        ParseError: not a SavedMetadata's wire format.
+    """
+    end = len(buf) if end is None else end
+    found = []
+    for number, wire, value in fields(buf, start, end):
+        if number != 1 or wire != LEN:
+            raise ParseError(f"field {number} is not a SavedMetadata field", offset=start)
+        parts = {n: text(buf, v, strict=False) for n, w, v in fields(buf, *value) if w == LEN and n in (3, 5)}
+        found.append((parts.get(3, ""), parts.get(5, "")))
+    return found
 
 
 def read(buf, start: int = 0, end: int | None = None) -> SavedModel:

@@ -84,6 +84,8 @@ def scan_buffer(buf, start: int, end: int, ctx: Context, label: str, *, hint: st
     if hint == "fingerprint.pb":       # a SavedModel's hashes; shaped like the start of an ONNX model
         from modelkit.parse.savedmodel import fingerprint
         fmt = "savedmodel fingerprint" if fingerprint(buf, start, end) else None
+    elif hint == "keras_metadata.pb":  # a Keras 2 SavedModel's layer configs: judged like every Keras config
+        fmt = "keras metadata"
     fmt = fmt or sniff(buf, start, end)
     if fmt is None:
         fmt = _sniff_text(buf, start, end, ctx, label, hint)
@@ -491,6 +493,7 @@ _HANDLERS: dict[str, Callable[..., None]] = {
     "hdf5": _lazy("keras", "scan_hdf5"), "onnx": _lazy("onnx", "scan_onnx"),
     "savedmodel": _lazy("tensorflow", "scan_savedmodel"), "tf-checkpoint": _lazy("tensorflow", "scan_index"),
     "savedmodel fingerprint": _lazy("tensorflow", "scan_fingerprint"),
+    "keras metadata": _lazy("tensorflow", "scan_keras_metadata_file"),
     **{codec: _scan_compressed(codec) for _, codec in COMPRESSED},
 }
 

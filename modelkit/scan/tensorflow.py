@@ -101,6 +101,8 @@ ATTR_CHECKS = {
 DEBUG_OPS = ("DebugIdentity", "DebugIdentityV2", "DebugIdentityV3", "DebugNanCount", "DebugNumericSummary",
               "DebugNumericSummaryV2")
 MAX_FINDINGS = 100
+KERAS_METADATA = "keras_metadata.pb"
+MAX_KERAS_METADATA = 256 << 20
 
 
 def _node_name(tensor: str) -> str:
@@ -182,8 +184,9 @@ def scan_savedmodel(buf, start: int, end: int, ctx: Context, label: str) -> str:
                  f"saved_model.pb cannot be parsed ({e.reason}); TensorFlow may read it differently than the scanner")
         ctx.examined.append(f"{label}: SavedModel, malformed")
         return "savedmodel"
-    nodes = functions = flagged = 0
+    nodes = functions = flagged = configs = 0
     for meta in model.meta_graphs:
+        configs += judge_keras(meta.user_metadata, ctx, label)
         saver_nodes, saver_functions = _saver_only(meta)
 
         def expected(node, saver_nodes=saver_nodes, saver_functions=saver_functions) -> bool:
@@ -193,15 +196,59 @@ def scan_savedmodel(buf, start: int, end: int, ctx: Context, label: str) -> str:
         flagged += judge_nodes(everything, ctx, label, expected_checkpoint_io=expected)
         nodes += len(everything)
         functions += len(meta.functions)
-    bundle = ""
+    bundle = keras = ""
     if ctx.depth == 0 and ctx.directory is not None:
         prefix = os.path.join(ctx.directory, *savedmodel.VARIABLES_PREFIX.split("/"))
         if os.path.isfile(prefix + ".index"):
             bundle = ", " + check_bundle(prefix, ctx, label)
+        beside = os.path.join(ctx.directory, KERAS_METADATA)
+        if os.path.isfile(beside) and os.path.getsize(beside) <= MAX_KERAS_METADATA:   # what tf_keras loads with it
+            with open(beside, "rb") as f:
+                keras = ", " + scan_keras_metadata(f.read(), 0, os.path.getsize(beside), ctx, f"{label}:{KERAS_METADATA}",
+                                                   note=False)
+    keras += f", {configs} Keras configs" if configs else ""
     return_note = (f"SavedModel, {len(model.meta_graphs)} meta graph(s), {nodes} nodes in the graph and "
-                   f"{functions} functions, {flagged} risky op(s){bundle}")
+                   f"{functions} functions, {flagged} risky op(s){bundle}{keras}")
     ctx.examined.append(f"{label}: {return_note}")
     return "savedmodel"
+
+
+def judge_keras(metadata, ctx: Context, label: str) -> int:
+    """Keras 2 layer configs (JSON) kept in a SavedModel: Lambda bytecode, named modules (scan.keras's rules)."""
+    from modelkit.parse import keras as keras_json
+    from modelkit.scan import keras
+
+    count, first = 0, len(ctx.findings)
+    for _, doc in metadata:
+        try:
+            config = keras_json.load_json(doc.encode())
+        except ParseError:
+            continue            # not every object's metadata is a Keras config; the raw text is searched below
+        count += 1
+        keras.analyse_config(config, ctx, label)
+    # A model's config holds its layers' configs too: each layer is seen once per object that holds it.
+    unique = {(f.rule, f.detail, f.path): f for f in ctx.findings[first:]}
+    ctx.findings[first:] = list(unique.values())
+    raw = "".join(doc for _, doc in metadata)
+    if count == 0 and ('"class_name": "Lambda"' in raw or '"class_name":"Lambda"' in raw):
+        ctx.sink(label).add(D, "keras.lambda", "object metadata names a Lambda layer, which carries Python bytecode",
+                            name="Lambda")
+    return count
+
+
+def scan_keras_metadata(buf, start: int, end: int, ctx: Context, label: str, *, note: bool = True) -> str:
+    """keras_metadata.pb (Keras 2 SavedModels): every node's config, judged as Keras configs are."""
+    try:
+        metadata = savedmodel.keras_metadata(buf, start, end)
+    except ParseError as e:
+        ctx.sink(label, start).add(D, "tensorflow.keras_metadata.malformed",
+                                   f"keras_metadata.pb cannot be parsed ({e.reason}); Keras may read it differently")
+        return "keras_metadata.pb malformed"
+    count = judge_keras(metadata, ctx, label)
+    phrase = f"Keras metadata, {len(metadata)} nodes, {count} configs checked"
+    if note:
+        ctx.examined.append(f"{label}: {phrase}")
+    return phrase
 
 
 def check_bundle(prefix: str, ctx: Context, label: str, buf=None) -> str:
@@ -262,6 +309,11 @@ def scan_index(buf, start: int, end: int, ctx: Context, label: str) -> str:
             note = "checkpoint index malformed"
     ctx.examined.append(f"{label}: TensorFlow {note}")
     return "tf-checkpoint"
+
+
+def scan_keras_metadata_file(buf, start: int, end: int, ctx: Context, label: str) -> str:
+    scan_keras_metadata(buf, start, end, ctx, label)
+    return "keras metadata"
 
 
 def scan_fingerprint(buf, start: int, end: int, ctx: Context, label: str) -> str:
