@@ -20,7 +20,7 @@ Every count and length is checked against the file size before anything is slice
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from collections import namedtuple
 
 from modelkit.errors import ParseError
 
@@ -43,14 +43,11 @@ TYPES_OLD = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 20), 3: ("Q4_1"
              7: ("Q5_1", 32, 28), 8: ("Q8_0", 32, 36)}
 
 
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    type_code: int
-    type_name: str
-    ne: tuple[int, ...]             # GGML order: ne[0] varies fastest
-    offset: int
-    nbytes: int
+# Records are named tuples, not dataclasses: the scanner imports this module, and dataclasses' import is slow.
+class Tensor(namedtuple("Tensor", "name type_code type_name ne offset nbytes")):
+    """A tensor record: ne in GGML order (ne[0] varies fastest), its data's offset and size."""
+
+    __slots__ = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -58,14 +55,10 @@ class Tensor:
         return self.ne[::-1]
 
 
-@dataclass(frozen=True)
-class GgmlFile:
-    kind: str                       # "ggml", "ggmf", "ggjt"
-    version: int | None
-    hparams: dict[str, int]
-    tokens: list[bytes]
-    scores: list[float]
-    tensors: list[Tensor]
+class GgmlFile(namedtuple("GgmlFile", "kind version hparams tokens scores tensors")):
+    """kind "ggml", "ggmf" or "ggjt"; version (None for ggml); the hyperparameters; tokens and scores; tensors."""
+
+    __slots__ = ()
 
     @property
     def label(self) -> str:

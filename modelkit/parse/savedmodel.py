@@ -27,8 +27,6 @@ Standard library only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from modelkit.errors import ParseError
 from modelkit.parse.protobuf import LEN, VARINT, fields, text, varint
 
@@ -38,34 +36,44 @@ MAX_ATTR_DEPTH = 16
 MAX_NODES = 5_000_000
 
 
-@dataclass
+# Plain slotted classes, not dataclasses: the scanner imports this module, and dataclasses' import is slow.
 class Node:
-    """One NodeDef: where it is ("graph" or a function's name), its name and op, what it calls and reads."""
+    """One NodeDef: where it is ("graph" or a function's name), its name and op, its inputs, the function names
+    in its attributes (`calls`) and its string attributes (`strings`: attribute -> values)."""
 
-    where: str
-    name: str
-    op: str
-    inputs: list[str] = field(default_factory=list)
-    calls: list[str] = field(default_factory=list)          # function names in its attributes
-    strings: dict[str, list[str]] = field(default_factory=dict)   # attribute -> its string values
+    __slots__ = ("where", "name", "op", "inputs", "calls", "strings")
+
+    def __init__(self, where: str, name: str = "", op: str = "") -> None:
+        self.where, self.name, self.op = where, name, op
+        self.inputs: list[str] = []
+        self.calls: list[str] = []
+        self.strings: dict[str, list[str]] = {}
 
 
-@dataclass
 class MetaGraph:
-    tags: list[str] = field(default_factory=list)
-    tensorflow_version: str = ""
-    nodes: list[Node] = field(default_factory=list)               # the top-level graph's
-    functions: dict[str, list[Node]] = field(default_factory=dict)
-    saver: dict[str, str] = field(default_factory=dict)           # filename_tensor_name, save_tensor_name, ...
-    signatures: list[str] = field(default_factory=list)
-    object_nodes: int = 0
-    user_metadata: list[tuple[str, str]] = field(default_factory=list)   # (identifier, metadata JSON) of user objects
+    """One MetaGraphDef: tags, TensorFlow version, the top-level nodes, the library's functions by name, the
+    saver's tensor names, signature keys, the object graph's size and its user objects' (identifier, metadata)."""
+
+    __slots__ = ("tags", "tensorflow_version", "nodes", "functions", "saver", "signatures", "object_nodes",
+                 "user_metadata")
+
+    def __init__(self) -> None:
+        self.tags: list[str] = []
+        self.tensorflow_version = ""
+        self.nodes: list[Node] = []
+        self.functions: dict[str, list[Node]] = {}
+        self.saver: dict[str, str] = {}
+        self.signatures: list[str] = []
+        self.object_nodes = 0
+        self.user_metadata: list[tuple[str, str]] = []
 
 
-@dataclass
 class SavedModel:
-    schema_version: int = 0
-    meta_graphs: list[MetaGraph] = field(default_factory=list)
+    __slots__ = ("schema_version", "meta_graphs")
+
+    def __init__(self) -> None:
+        self.schema_version = 0
+        self.meta_graphs: list[MetaGraph] = []
 
 
 _SAVER = {1: "filename_tensor_name", 2: "save_tensor_name", 3: "restore_op_name"}
@@ -102,7 +110,7 @@ def _name_attr_list(buf, span, strings: list[str], funcs: list[str], depth: int)
 
 def node(buf, span, where: str) -> Node:
     """A NodeDef."""
-    out = Node(where, "", "")
+    out = Node(where)
     for number, wire, value in fields(buf, *span):
         if wire != LEN:
             continue

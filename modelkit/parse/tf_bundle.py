@@ -26,7 +26,7 @@ Standard library only.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from collections import namedtuple
 
 from modelkit.errors import ParseError
 from modelkit.parse.protobuf import I32, LEN, VARINT, fields, int64s, text, varint
@@ -165,18 +165,12 @@ def table_items(buf, end: int | None = None):
 # ---------------------------------------------------------------------------------------------
 # The bundle.
 
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a bundle, as its BundleEntryProto says."""
+# Records are named tuples, not dataclasses: the scanner imports this module, and dataclasses' import is slow.
+class Entry(namedtuple("Entry", "key dtype_code shape shard offset size crc32c sliced")):
+    """One tensor of a bundle, as its BundleEntryProto says: crc32c unmasked (None when the entry has none);
+    sliced for a partitioned variable's slices (not read by modelkit)."""
 
-    key: str
-    dtype_code: int
-    shape: tuple[int, ...]
-    shard: int
-    offset: int
-    size: int
-    crc32c: int | None             # unmasked; None when the entry has none
-    sliced: bool = False           # a partitioned variable's slices (not read by modelkit)
+    __slots__ = ()
 
     @property
     def dtype(self) -> str | None:
@@ -195,10 +189,10 @@ class Entry:
         return count
 
 
-@dataclass(frozen=True)
-class Bundle:
-    num_shards: int
-    entries: dict[str, Entry]
+class Bundle(namedtuple("Bundle", "num_shards entries")):
+    """The shard count and the entries by key."""
+
+    __slots__ = ()
 
 
 def _shape(buf, span) -> tuple[int, ...]:
@@ -290,13 +284,11 @@ def strings(data: bytes, count: int) -> list[bytes]:
     return out
 
 
-@dataclass(frozen=True)
-class Variable:
-    """A variable the object graph names: its checkpoint key, TF's name for it, and its object path."""
+class Variable(namedtuple("Variable", "checkpoint_key full_name path")):
+    """A variable the object graph names: its checkpoint key, TF's name for it, and its object path (local
+    names from the root: "model/layer_with_weights-0/kernel")."""
 
-    checkpoint_key: str
-    full_name: str
-    path: str               # local names from the root: "model/layer_with_weights-0/kernel"
+    __slots__ = ()
 
 
 def object_graph(blob: bytes) -> list[Variable]:
