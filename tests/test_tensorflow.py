@@ -21,7 +21,9 @@ from modelkit.formats import detect_format
 from modelkit.metadata import TF_KEYS_KEY, TF_SOURCE_KEY
 from modelkit.scan import Severity, scan
 
-BENIGN = ["dense_savedmodel", "conv_savedmodel", "module_savedmodel", "keras2_savedmodel", "module_ckpt", "keras_ckpt"]
+BENIGN = ["dense_savedmodel", "conv_savedmodel", "module_savedmodel", "keras2_savedmodel", "module_ckpt", "keras_ckpt",
+          "collide_ckpt", "tf1_ckpt"]
+PREFIX = {"tf1_ckpt": "model.ckpt"}           # the others: ckpt-1
 OP = "tensorflow.graph.op"
 HOSTILE = {"py_function": ("EagerPyFunc", OP), "numpy_function": ("PyFunc", OP), "read_file": ("ReadFile", OP),
            "write_file": ("WriteFile", OP), "matching_files": ("MatchingFiles", OP), "nested_read": ("ReadFile", OP),
@@ -36,11 +38,12 @@ def tf_dir(fixtures_dir):
 
 def _source(tf_dir, name):
     folder = tf_dir / "benign" / name
-    return folder if name.endswith("savedmodel") else folder / "ckpt-1.index"
+    return folder if name.endswith("savedmodel") else folder / f"{PREFIX.get(name, 'ckpt-1')}.index"
 
 
 def _prefix(name):
-    return f"benign/{name}/variables/variables" if name.endswith("savedmodel") else f"benign/{name}/ckpt-1"
+    return (f"benign/{name}/variables/variables" if name.endswith("savedmodel")
+            else f"benign/{name}/{PREFIX.get(name, 'ckpt-1')}")
 
 
 @pytest.mark.parametrize("name", BENIGN)
@@ -71,6 +74,10 @@ def test_names_come_from_the_object_graph(tf_dir):
     keras2 = modelkit.load(tf_dir / "benign" / "keras2_savedmodel")
     assert json.loads(keras2.metadata[TF_KEYS_KEY])["tensors"]["dense/kernel"]["key"] == \
         "layer_with_weights-0/kernel/.ATTRIBUTES/VARIABLE_VALUE"
+    collide = modelkit.load(tf_dir / "benign" / "collide_ckpt")     # two variables named "w": their object paths
+    assert list(collide.tensors) == ["encoder/w", "decoder/w"]
+    tf1 = modelkit.load(tf_dir / "benign" / "tf1_ckpt")             # no object graph: the keys are the names
+    assert sorted(tf1.tensors) == ["global_step", "layer/kernel"]
     module = modelkit.load(tf_dir / "benign" / "module_ckpt")       # a folder holding one checkpoint
     assert {n: str(t.dtype) for n, t in module.tensors.items()} == {
         "w": "float32", "b": "float16", "bf": "bfloat16", "steps": "int64", "table": "float64"}
