@@ -128,6 +128,8 @@ def load_format(name: str) -> ModuleType:
 def check_readable(path: Path) -> None:
     """One-line errors for the usual ways an input path is wrong."""
     if not path.exists():
+        if Path(f"{path}.index").is_file():      # TensorFlow names checkpoints by their prefix
+            raise FormatError(path, f"no such file or folder; for the TensorFlow checkpoint, name {path.name}.index")
         raise FormatError(path, "no such file or folder")
     if path.is_dir():
         return

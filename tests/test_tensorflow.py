@@ -161,6 +161,11 @@ def test_writing_tensorflow_formats_is_refused_before_any_work(tf_dir, tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_checkpoint_prefix_says_to_name_its_index(tf_dir):
+    with pytest.raises(FormatError, match=r"name ckpt-1\.index"):
+        modelkit.load(tf_dir / "benign" / "module_ckpt" / "ckpt-1")
+
+
 def test_inspect_json(tf_dir):
     result = CliRunner().invoke(main, ["inspect", "--json", str(tf_dir / "benign" / "conv_savedmodel")])
     assert result.exit_code == 0, result.output
