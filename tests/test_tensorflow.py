@@ -172,3 +172,14 @@ def test_inspect_json(tf_dir):
     doc = json.loads(result.stdout)
     assert doc["format"] == "savedmodel" and doc["parameters"] == 3 * 3 * 4 + 4 + 64 * 2 + 2
     assert {t["name"]: t["shape"] for t in doc["tensors"]}["sequential_1/conv2d/kernel"] == [3, 3, 1, 4]
+
+
+@pytest.mark.parametrize("size", [0, 9, (1 << 15) + 3, 5 * 1024 + 1, 37 * 1024])
+def test_vectorized_crc32c_equals_the_byte_loop(size):
+    from modelkit.parse.tf_bundle import crc32c as byte_loop
+    from modelkit.storage.checksums import crc32c
+
+    data = b"123456789" if size == 9 else np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    assert crc32c(data) == byte_loop(data)
+    if size == 9:
+        assert crc32c(data) == 0xE3069283          # RFC 3720's check value
