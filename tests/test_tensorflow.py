@@ -183,3 +183,12 @@ def test_vectorized_crc32c_equals_the_byte_loop(size):
     assert crc32c(data) == byte_loop(data)
     if size == 9:
         assert crc32c(data) == 0xE3069283          # RFC 3720's check value
+
+
+def test_an_op_tensorflow_does_not_register_is_a_custom_op(tf_dir, tmp_path):
+    folder = tmp_path / "sm"
+    shutil.copytree(tf_dir / "benign" / "module_savedmodel", folder)
+    pb = folder / "saved_model.pb"
+    pb.write_bytes(pb.read_bytes().replace(b"MatMul", b"MyMatX"))      # same length: the protobuf stays valid
+    flagged = [(f.severity, f.rule, f.name) for f in scan(pb).findings if f.severity > Severity.SAFE]
+    assert flagged and set(flagged) == {(Severity.SUSPICIOUS, "tensorflow.graph.custom_op", "MyMatX")}

@@ -101,6 +101,19 @@ ATTR_CHECKS = {
 DEBUG_OPS = ("DebugIdentity", "DebugIdentityV2", "DebugIdentityV3", "DebugNanCount", "DebugNumericSummary",
               "DebugNumericSummaryV2")
 MAX_FINDINGS = 100
+# Every op TensorFlow 2.21 registers (fixtures/tensorflow/generate.py writes it from TF_GetAllOpList). An op
+# outside it, and not a function of the graph's library, is a custom op: it runs only where the loading process
+# has loaded a native library that registers it (tf.load_op_library), so the file relies on native code.
+OPS_FILE = os.path.join(os.path.dirname(__file__), "tensorflow_ops.txt")
+_KNOWN_OPS: set[str] = set()
+
+
+def known_ops() -> set[str]:
+    """TensorFlow's registered op names (read once)."""
+    if not _KNOWN_OPS:
+        with open(OPS_FILE, encoding="utf-8") as f:
+            _KNOWN_OPS.update(line.strip() for line in f if line.strip() and not line.startswith("#"))
+    return _KNOWN_OPS
 KERAS_METADATA = "keras_metadata.pb"
 MAX_KERAS_METADATA = 256 << 20
 
@@ -143,8 +156,10 @@ def _saver_only(meta: savedmodel.MetaGraph) -> tuple[set[str], set[str]]:
     return saver_nodes, reached_by_saver - closure(other_roots)
 
 
-def judge_nodes(nodes, ctx: Context, label: str, *, expected_checkpoint_io=lambda node: False) -> int:
-    """Findings for the nodes' ops; returns how many were flagged."""
+def judge_nodes(nodes, ctx: Context, label: str, *, expected_checkpoint_io=lambda node: False,
+                functions=frozenset()) -> int:
+    """Findings for the nodes' ops (`functions`: the library's, which nodes may call as ops); returns how many
+    were flagged."""
     sink = ctx.sink(label)
     flagged = 0
 
@@ -171,6 +186,12 @@ def judge_nodes(nodes, ctx: Context, label: str, *, expected_checkpoint_io=lambd
             urls = [v for v in node.strings.get("debug_urls", []) if v]
             if urls:
                 flag(D, node, f"sends tensors to {urls[0][:120]!r} (debug_urls)")
+        elif node.op not in known_ops() and node.op not in functions:
+            flagged += 1
+            if flagged <= MAX_FINDINGS:
+                sink.add(S, "tensorflow.graph.custom_op", f"node {node.name[:80]!r} is a {node.op[:80]!r} op, which "
+                         "TensorFlow does not register: a custom op, native code from a library the loading "
+                         "process must load (tf.load_op_library)", name=node.op[:80])
     return flagged
 
 
@@ -193,7 +214,7 @@ def scan_savedmodel(buf, start: int, end: int, ctx: Context, label: str) -> str:
             return node.where in saver_functions or (node.where == "graph" and node.name in saver_nodes)
 
         everything = [*meta.nodes, *(n for fn in meta.functions.values() for n in fn)]
-        flagged += judge_nodes(everything, ctx, label, expected_checkpoint_io=expected)
+        flagged += judge_nodes(everything, ctx, label, expected_checkpoint_io=expected, functions=meta.functions)
         nodes += len(everything)
         functions += len(meta.functions)
     bundle = keras = ""
