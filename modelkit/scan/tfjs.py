@@ -12,7 +12,7 @@ import os
 from modelkit.errors import ParseError
 from modelkit.parse import tfjs
 from modelkit.parse.paths import location_problem
-from modelkit.scan import tensorflow
+from modelkit.scan import tf_ops
 from modelkit.scan.model import Severity
 
 TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
 # Ops a graph may hold that reach outside the model when a TensorFlow runtime runs it (a graph model
 # converted back with tfjs-to-tf, or read by TF tooling; TF.js itself has no kernel for them and refuses
-# to run them): TensorFlow's table (modelkit.scan.tensorflow), checkpoint I/O included (a TF.js graph
+# to run them): TensorFlow's table (modelkit.scan.tf_ops), checkpoint I/O included (a TF.js graph
 # has no saver). Op -> (severity, what it does).
-RISKY_OPS = {**tensorflow.RISKY_OPS, **{op: (Severity.DANGEROUS, why) for op, why in tensorflow.CHECKPOINT_OPS.items()}}
+RISKY_OPS = {**tf_ops.RISKY_OPS, **{op: (Severity.DANGEROUS, why) for op, why in tf_ops.CHECKPOINT_OPS.items()}}
 _MAX_OP_FINDINGS = 100
 
 
