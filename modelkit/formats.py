@@ -47,6 +47,7 @@ FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
     FormatInfo("npz",         (".npz",),                         "modelkit.converters.npz"),
     FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True,
                companions=(".data",)),
+    FormatInfo("pt2",         (".pt2",),                         "modelkit.converters.pt2", extra="torch", has_graph=True),
     FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", extra="torch", runs_pickle=True),
     FormatInfo("safetensors", (".safetensors",),                 "modelkit.converters.safetensors"),
     FormatInfo("savedmodel",  (".pb",),                          "modelkit.converters.savedmodel", folder=True,

@@ -121,6 +121,23 @@ def small_model(model_name: str) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="session")
+def zoo_pt2(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, Path]]:
+    """Each zoo model (SMALL_CONFIGS) saved once as .pt2 by modelkit (torch.export.save inside; the write path
+    verifies it by running the program): name -> (model, path). For tests/test_pt2.py and the scanner's."""
+    import modelkit
+    from modelkit.checkpoint import Checkpoint
+
+    folder = tmp_path_factory.mktemp("pt2")
+    out = {}
+    for name, config in SMALL_CONFIGS.items():
+        if name == "tinylm":          # torch.export's tracing time grows with the layers: one is the same program
+            config = {**config, "num_hidden_layers": 1}
+        model = build(name, config, seed=0).eval()
+        out[name] = model, modelkit.save(Checkpoint.from_module(model, metadata={"note": name}), folder / f"{name}.pt2")
+    return out
+
+
+@pytest.fixture(scope="session")
 def trained_mlp(tmp_path_factory) -> Path:
     """A quickly trained mlp checkpoint (a few epochs): for CLI and API tests, not for bars."""
     from modelkit.pipeline.train import TrainConfig, train

@@ -251,6 +251,7 @@ def test_metadata_keys_keep_their_values():
         "KERAS_LAYOUT_ATTR": "modelkit.keras_layout", "KERAS_NOTE_ATTR": "modelkit.keras_note",
         "KERAS_JSON_ATTR": "modelkit.keras_json",
         "TORCHSCRIPT_EXTRA": "modelkit.json", "TORCHSCRIPT_EXPORT_KEY": "modelkit.torchscript.export",
+        "PT2_EXTRA": "modelkit.json",
         "PTH_SOURCE_KEY": "modelkit.pth.source", "PTH_METADATA_ENTRY": "__modelkit__", "PTH_LAYOUT": "modelkit.pth/1",
         "NPZ_MEMBER": "modelkit.json", "NPZ_LAYOUT": "modelkit.npz/1",
         "TF_KEYS_KEY": "modelkit.tensorflow.keys", "TF_SOURCE_KEY": "modelkit.tensorflow.source",

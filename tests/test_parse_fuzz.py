@@ -38,6 +38,7 @@ from modelkit.parse import (
     npz,
     onnx,
     paths,
+    pt2,
     safetensors,
     savedmodel,
     sniff,
@@ -46,6 +47,7 @@ from modelkit.parse import (
     torch_format,
     zipdir,
 )
+from modelkit.parse import imatrix as imatrix_parse
 from modelkit.parse import pickle as pickle_parse
 from modelkit.parse.protobuf import fields, int64s, text
 from modelkit.scan import Limits, Severity, scan
@@ -90,6 +92,21 @@ def _gguf_seed() -> bytes:
     tensors = payloads.gguf_tensor_info("w", [4], 0, 0) + payloads.gguf_tensor_info("q", [32], 2, 32)
     head = payloads.gguf_bytes(n_kv=3, n_tensors=2, kv=kv, tensors=tensors)
     return head + bytes(-len(head) % 32) + bytes(32 + 18)
+
+
+def _imatrix_seeds() -> list[bytes]:
+    """llama-imatrix's two forms: GGUF (metadata, W.in_sum2 and W.counts) and the legacy .dat."""
+    kv = (payloads.gguf_string("general.type") + struct.pack("<I", 8) + payloads.gguf_string("imatrix")
+          + payloads.gguf_string("imatrix.datasets") + struct.pack("<IIQ", 9, 8, 1) + payloads.gguf_string("c.txt")
+          + payloads.gguf_string("imatrix.chunk_count") + struct.pack("<II", 4, 2)
+          + payloads.gguf_string("imatrix.chunk_size") + struct.pack("<II", 4, 512))
+    tensors = payloads.gguf_tensor_info("w.in_sum2", [4, 1], 0, 0) + payloads.gguf_tensor_info("w.counts", [1, 1], 0, 32)
+    head = payloads.gguf_bytes(n_kv=4, n_tensors=2, kv=kv, tensors=tensors)
+    values = struct.pack("<4f", 1.0, 2.0, 0.0, 8.0)
+    gguf_form = head + bytes(-len(head) % 32) + values + bytes(16) + struct.pack("<f", 2.0)
+    legacy = (struct.pack("<ii", 1, 1) + b"w" + struct.pack("<ii", 2, 4) + values
+              + struct.pack("<ii", 2, 5) + b"c.txt")
+    return [gguf_form, legacy]
 
 
 _PICKLES = [pickle.dumps({"w": [1.0, 2.0], "n": None, "s": "x" * 5000}, protocol=p) for p in (0, 1, 2, 5)]
@@ -172,6 +189,38 @@ def _torch_script(data: bytes) -> None:
     _read_small_tensors(torch_format.parse_script(data, source="fuzz.pt", limits=pickle_parse.Bounds(seconds=5)))
 
 
+def _pt2_seed() -> bytes:
+    """A small torch.export.save archive: a parameter, a buffer, a lifted constant, a dynamic batch."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+            self.register_buffer("scale", torch.arange(2.0))
+            self.bias = torch.tensor([0.5, 1.5])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * self.scale + self.bias
+
+    program = torch.export.export(Net(), (torch.ones(2, 3),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    return buffer.getvalue()
+
+
+_PT2 = [_pt2_seed(), payloads.pt2_zip(constants={"c": "tensor_0"})]
+
+
+def _pt2_archive(data: bytes) -> None:
+    """A PT2 archive parsed, its program summarised and every tensor read the way the converter reads them."""
+    parsed = pt2.parse(data, source="fuzz.pt2")
+    parsed.program.summary()
+    parsed.read_extra("modelkit.json", 1 << 16)
+    for record in (*parsed.weights.values(), *parsed.constants.values()):
+        if record.nbytes <= 1 << 26:
+            parsed.file.array(record)
+            parsed.file.span(record)
+
+
 def _walk_fields(data: bytes) -> None:
     for _, wire, value in fields(data, 0, len(data)):
         if wire == 2:
@@ -243,6 +292,9 @@ PARSERS = {
     "savedmodel.keras_metadata": (savedmodel.keras_metadata,
                                   [(_TF / "hostile" / "keras2_lambda" / "keras_metadata.pb").read_bytes()]),
     "ggml.read": (ggml.read, list(_GGML.values())),
+    "imatrix.read_imatrix": (lambda b: [e.importance for e in imatrix_parse.read_imatrix(b).entries.values()],
+                             _imatrix_seeds()),
+    "pt2.parse": (_pt2_archive, _PT2),
 }
 # predicates: answer True or False for anything
 PREDICATES = {
@@ -262,6 +314,9 @@ PREDICATES = {
     "ggml.magic": lambda b: ggml.magic(b) in (None, "ggml", "ggmf", "ggjt"),
     "savedmodel.looks_like": lambda b: savedmodel.looks_like(b, 0, len(b)) in (True, False),
     "savedmodel.fingerprint": lambda b: savedmodel.fingerprint(b, 0, len(b)) in (True, False),
+    "sniff.unsupported_archive": lambda b: sniff.unsupported_archive(b) in (None, "7z", "rar", "zstd", "lz4", "cab",
+                                                                          "xar", "ar", "cpio", "squashfs", "snappy",
+                                                                          "lzop"),
 }
 
 
@@ -372,8 +427,8 @@ def samples(tmp_path_factory) -> dict[str, bytes]:
 _VARIANTS = sorted([*(f for f in WRITABLE if not FORMATS[f].folder), "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain", "npz-numpy",
                     "ggml", "ggml-unversioned"])
 _PREFIXES = {"safetensors": struct.pack("<Q", 40), "gguf": b"GGUF\x03\x00\x00\x00", "onnx": b"\x08\x0a\x3a",
-             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE, "npz": b"PK\x03\x04",
-             "ggml": b"tjgg\x03\x00\x00\x00"}
+             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "pt2": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE,
+             "npz": b"PK\x03\x04", "ggml": b"tjgg\x03\x00\x00\x00"}
 
 
 @pytest.mark.parametrize("variant", _VARIANTS)

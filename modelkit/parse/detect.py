@@ -14,6 +14,7 @@ from modelkit.parse import gguf as gguf_header
 from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse import hf as hf_folder
 from modelkit.parse import npz as npz_members
+from modelkit.parse import pt2 as pt2_archive
 from modelkit.parse import safetensors as safetensors_header
 from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse import zipdir
@@ -136,6 +137,16 @@ def torchscript(path: Path) -> bool:
     try:
         return (path.is_file() and _head(path, 4) == ZIP_MAGIC
                 and torchscript_prefix(zipdir.member_names(path)) is not None)   # the central directory only
+    except (OSError, ParseError):
+        return False
+
+
+def pt2(path: Path) -> bool:
+    """A zip whose folder holds archive_format and models/<name>.json (what torch.export.save writes): the
+    central directory only."""
+    try:
+        return (path.is_file() and _head(path, 4) == ZIP_MAGIC
+                and pt2_archive.root_of(zipdir.member_names(path)) is not None)
     except (OSError, ParseError):
         return False
 

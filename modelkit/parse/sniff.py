@@ -58,6 +58,19 @@ def sniff(buf, start: int, end: int) -> str | None:
         return "tf-checkpoint"
     return None
 
+# Archives and compressed streams the scanner cannot open (no standard-library reader): what they hold is
+# unknown, so a file or member that is one is never judged from the outside. (prefix, name)
+UNSUPPORTED_ARCHIVES = ((b"7z\xbc\xaf\x27\x1c", "7z"), (b"Rar!\x1a\x07", "rar"), (b"\x28\xb5\x2f\xfd", "zstd"),
+                        (b"\x04\x22\x4d\x18", "lz4"), (b"MSCF\x00\x00\x00\x00", "cab"), (b"xar!", "xar"),
+                        (b"!<arch>\n", "ar"), (b"070701", "cpio"), (b"070707", "cpio"), (b"hsqs", "squashfs"),
+                        (b"\xff\x06\x00\x00sNaPpY", "snappy"), (b"\x89LZO\x00", "lzop"))
+
+
+def unsupported_archive(head: bytes) -> str | None:
+    """The name of an archive format the scanner cannot open that `head` starts with, or None."""
+    return next((name for magic, name in UNSUPPORTED_ARCHIVES if head.startswith(magic)), None)
+
+
 # (prefix, description), most specific first.
 _MAGIC: tuple[tuple[bytes, str], ...] = (
     (b"GGUF", "a GGUF file"),
