@@ -38,6 +38,10 @@ PTH_METADATA_ENTRY = "__modelkit__"           # pt/pth: the state_dict._metadata
 PTH_LAYOUT = "modelkit.pth/1"                 # pt/pth: that entry's layout version
 NPZ_MEMBER = "modelkit.json"                  # npz: the member holding metadata, ArchSpec and true dtypes
 NPZ_LAYOUT = "modelkit.npz/1"                 # npz: that member's layout version
+TF_KEYS_KEY = "modelkit.tensorflow.keys"      # SavedModel / TF checkpoint, on reading: tensor name -> {"key": the
+                                              # checkpoint key, "full_name": TF's variable name, "also": other keys}
+TF_SOURCE_KEY = "modelkit.tensorflow.source"  # SavedModel, on reading: its tags and TensorFlow version (JSON)
+GGML_SOURCE_KEY = "modelkit.ggml.source"     # legacy ggml, on reading: the file's kind, version and ftype
 
 
 def json_object(path: Path | str, key: str, raw: str, *, what: str, limit: int | None = None) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from modelkit.formats import FORMATS
+from modelkit.formats import FORMATS, WRITABLE
 from modelkit.models import build, zoo_models
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -96,7 +96,7 @@ def fixtures_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "fixtures"
 
 
-@pytest.fixture(params=sorted(f for f in FORMATS if not FORMATS[f].folder))   # hf folders: tests/test_hf.py
+@pytest.fixture(params=sorted(f for f in WRITABLE if not FORMATS[f].folder))  # hf folders: tests/test_hf.py
 def fmt(request) -> str:
     return request.param
 

@@ -179,3 +179,64 @@ def openvino(path: Path) -> bool:
         return path.is_file() and openvino_ir.looks_like_ir(_head(path, openvino_ir.HEAD))
     except OSError:
         return False
+
+
+def _saved_model_file(path: Path) -> Path | None:
+    from modelkit.parse.savedmodel import SAVED_MODEL_FILE
+
+    file = path / SAVED_MODEL_FILE if path.is_dir() else path
+    return file if file.name == SAVED_MODEL_FILE and file.is_file() else None
+
+
+def savedmodel(path: Path) -> bool:
+    """A TensorFlow SavedModel: a folder holding saved_model.pb (or that file), which starts as a SavedModel
+    does (schema version 1, then a meta graph)."""
+    from modelkit.parse.savedmodel import looks_like
+
+    try:
+        file = _saved_model_file(path)
+        if file is None:
+            return False
+        head = _head(file, 64)
+        return looks_like(head, 0, len(head))
+    except OSError:
+        return False
+
+
+def tf_index(path: Path) -> Path | None:
+    """The checkpoint index `path` names: PREFIX.index itself, or the only *.index of a folder that is not a
+    SavedModel; None otherwise."""
+    try:
+        if path.is_dir():
+            if (path / "saved_model.pb").exists():
+                return None
+            found = [p for p in path.glob("*.index") if p.is_file()]
+            return found[0] if len(found) == 1 else None
+        return path if path.suffix == ".index" and path.is_file() else None
+    except OSError:
+        return None
+
+
+def tfcheckpoint(path: Path) -> bool:
+    """A TensorFlow checkpoint: PREFIX.index (or a folder with one), a sorted table ending in its magic number."""
+    from modelkit.parse.tf_bundle import FOOTER_BYTES, TABLE_MAGIC
+
+    index = tf_index(path)
+    try:
+        if index is None or index.stat().st_size < FOOTER_BYTES:
+            return False
+        with index.open("rb") as f:
+            f.seek(-8, 2)
+            return int.from_bytes(f.read(8), "little") == TABLE_MAGIC
+    except OSError:
+        return False
+
+
+def ggml(path: Path) -> bool:
+    """A legacy llama.cpp file: the 'ggml', 'ggmf' or 'ggjt' magic (and a known version) in its first 8 bytes."""
+    from modelkit.parse.ggml import magic
+
+    try:
+        return path.is_file() and magic(_head(path, 8)) is not None
+    except OSError:
+        return False

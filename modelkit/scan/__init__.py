@@ -33,7 +33,8 @@ __all__ = ["Finding", "Limits", "ScanError", "ScanReport", "ScannedFile", "Sever
            "needs_trust", "scan", "scan_paths"]
 
 PathLike = str | os.PathLike[str]
-_NO_PICKLE = {"safetensors": "safetensors", "onnx": "ONNX", "gguf": "GGUF", "hdf5": "HDF5", "openvino": "OpenVINO IR"}
+_NO_PICKLE = {"safetensors": "safetensors", "onnx": "ONNX", "gguf": "GGUF", "hdf5": "HDF5", "openvino": "OpenVINO IR",
+              "tf-checkpoint": "A TensorFlow checkpoint index", "ggml": "A legacy llama.cpp file"}
 
 
 def scan(path: PathLike, *, recursive: bool = False, limits: Limits = Limits(),

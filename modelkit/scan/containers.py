@@ -80,7 +80,13 @@ class Context:
 
 def scan_buffer(buf, start: int, end: int, ctx: Context, label: str, *, hint: str = "") -> str:
     """Analyse buf[start:end] (a file or a member) as whatever its content is; returns the format name."""
-    fmt = sniff(buf, start, end)
+    fmt = None
+    if hint == "fingerprint.pb":       # a SavedModel's hashes; shaped like the start of an ONNX model
+        from modelkit.parse.savedmodel import fingerprint
+        fmt = "savedmodel fingerprint" if fingerprint(buf, start, end) else None
+    elif hint == "keras_metadata.pb":  # a Keras 2 SavedModel's layer configs: judged like every Keras config
+        fmt = "keras metadata"
+    fmt = fmt or sniff(buf, start, end)
     if fmt is None:
         unsupported = unsupported_archive(bytes(buf[start:start + 16]))
         if unsupported is not None:
@@ -547,7 +553,11 @@ def _lazy(module: str, function: str) -> Callable[..., str | None]:
 _HANDLERS: dict[str, Callable[..., None]] = {
     "zip": _scan_zip, "pickle": lambda *args: "pth" if _scan_pickle(*args).legacy_torch else "pickle", "npy": _scan_npy, "tar": _scan_tar,
     "safetensors": _lazy("headers", "scan_safetensors"), "gguf": _lazy("headers", "scan_gguf"),
+    "ggml": _lazy("headers", "scan_ggml"),
     "hdf5": _lazy("keras", "scan_hdf5"), "onnx": _lazy("onnx", "scan_onnx"),
+    "savedmodel": _lazy("tensorflow", "scan_savedmodel"), "tf-checkpoint": _lazy("tensorflow", "scan_index"),
+    "savedmodel fingerprint": _lazy("tensorflow", "scan_fingerprint"),
+    "keras metadata": _lazy("tensorflow", "scan_keras_metadata_file"),
     **{codec: _scan_compressed(codec) for _, codec in COMPRESSED},
 }
 
