@@ -174,6 +174,13 @@ def serve(models: Sequence[PathLike] | Mapping[str, PathLike], *, format: str | 
         >>> app = modelkit.serve(["runs/cnn/model.safetensors"])            # doctest: +SKIP
         >>> uvicorn.run(app, port=8080)                                       # doctest: +SKIP
     """
+    try:
+        import prometheus_client  # noqa: F401
+        import starlette  # noqa: F401
+    except ModuleNotFoundError as e:
+        from modelkit.errors import MissingDependencyError
+
+        raise MissingDependencyError(f"serving needs {e.name}: pip install 'modelkit[serve]'") from e
     options = ServeOptions(max_batch, batch_timeout_ms, max_queue, max_body_bytes)
     metrics = Metrics()
     named = model_names(models)
@@ -231,37 +238,37 @@ def build_app(models: Mapping[str, Any], options: ServeOptions, metrics: Metrics
     from starlette.exceptions import HTTPException
 
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error, RequestError: _request_error,
-                                        Exception: _server_error})
+                    exception_handlers={HTTPException: _http_error, ModelkitError: _request_error})
     app.add_middleware(_RequestIds, metrics=metrics, max_body_bytes=options.max_body_bytes)
     app.state.modelkit = state
     return app
 
 
-def _error(message: str, status: int) -> Any:
+def _error(message: str, status: int, request: Any = None) -> Any:
+    """{"error": message}; on the OpenAI routes OpenAI's shape, {"error": {"message", "type", "code"}}, which its
+    clients show."""
     from starlette.responses import JSONResponse
 
+    if request is not None and request.url.path.startswith("/v1/"):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                            status_code=status)
     return JSONResponse({"error": message}, status_code=status)
 
 
 async def _http_error(request: Any, exc: Any) -> Any:
     if exc.status_code == 404:
-        return _error(f"no route {request.url.path}; see /v2/health/live, /v2/models/NAME, /v1/models", 404)
+        return _error(f"no route {request.url.path}; see /v2/health/live, /v2/models/NAME, /v1/models", 404, request)
     if exc.status_code == 405:
-        return _error(f"{request.method} is not allowed on {request.url.path}", 405)
-    return _error(str(exc.detail), exc.status_code)
+        return _error(f"{request.method} is not allowed on {request.url.path}", 405, request)
+    return _error(str(exc.detail), exc.status_code, request)
 
 
-async def _request_error(request: Any, exc: RequestError) -> Any:
-    log.info("request %s refused (%d): %s", request.scope.get("modelkit.request_id"), exc.status, exc)
-    return _error(str(exc), exc.status)
-
-
-async def _server_error(request: Any, exc: Exception) -> Any:
-    if isinstance(exc, ModelkitError):
-        return _error(str(exc), 400)
-    log.error("request %s failed: %s: %s", request.scope.get("modelkit.request_id"), type(exc).__name__, exc)
-    return _error(f"the model failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", 500)
+async def _request_error(request: Any, exc: ModelkitError) -> Any:
+    status = exc.status if isinstance(exc, RequestError) else 400
+    log.log(logging.ERROR if status >= 500 else logging.INFO, "request %s refused (%d): %s",
+            request.scope.get("modelkit.request_id"), status, exc)
+    return _error(str(exc), status, request)
 
 
 class _RequestIds:
@@ -435,10 +442,10 @@ class _State:
         from starlette.responses import JSONResponse
 
         name = request.path_params["name"]
-        self._text_model(name)
+        self.text_model(name)
         return JSONResponse(self._model_card(name))
 
-    def _text_model(self, name: Any) -> Any:
+    def text_model(self, name: Any) -> Any:
         if not isinstance(name, str):
             raise RequestError('"model" must name a served language model (GET /v1/models lists them)')
         if name in self.tensors:

@@ -102,7 +102,7 @@ async def complete(state: Any, document: dict[str, Any], *, chat: bool, request_
     """Answer one /v1/completions or /v1/chat/completions request."""
     from starlette.responses import JSONResponse, StreamingResponse
 
-    model = state._text_model(document.get("model"))
+    model = state.text_model(document.get("model"))
     if _number(document, "n", 1, int) != 1:
         raise RequestError('"n" must be 1 (one choice per request)')
     if chat:
@@ -146,7 +146,7 @@ async def complete(state: Any, document: dict[str, Any], *, chat: bool, request_
                         yield delta, None
                     continue
                 if value.startswith("error"):
-                    raise RuntimeError(value)
+                    raise RequestError(f"the model failed: {value.removeprefix('error: ')}", 500)
                 yield text.finish(), "stop" if text.stopped else finish_reason(value)
                 return
         finally:
@@ -179,8 +179,8 @@ async def complete(state: Any, document: dict[str, Any], *, chat: bool, request_
                     yield chunk(delta, None)
                 if reason is not None:
                     yield chunk(None, reason)
-        except RuntimeError as e:
-            yield _sse({"error": str(e)})
+        except RequestError as e:           # the headers are sent: the error travels as an event
+            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": e.status}})
         if include_usage:
             yield _sse({**base, "object": kind + (".chunk" if chat else ""), "choices": [], "usage": usage()})
         yield "data: [DONE]\n\n"

@@ -266,6 +266,12 @@ class TensorModel:
         return [[o[bounds[i]:bounds[i + 1]] for o in outputs] for i in range(len(batch))]
 
 
+def model_failure(exc: BaseException) -> RequestError:
+    """The model's own exception as a 500 with one line."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return RequestError(f"the model failed: {type(exc).__name__}: {first[:300]}", 500)
+
+
 def forward_names(module: nn.Module, count: int) -> list[str]:
     """forward's positional parameter names for `count` inputs (input_<i> past them)."""
     try:
@@ -362,10 +368,10 @@ class Batcher:
             started = time.perf_counter()
             try:
                 results = await asyncio.to_thread(self.model.run_batch, [j.arrays for j in jobs])
-            except Exception as e:  # the model's own failure: every request of the batch gets it
+            except Exception as e:  # the model's own failure: every request of the batch gets it as a 500
                 for j in jobs:
                     if not j.future.done():
-                        j.future.set_exception(e)
+                        j.future.set_exception(model_failure(e))
                 continue
             if self.on_batch is not None:
                 self.on_batch(len(jobs), rows, time.perf_counter() - started)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from modelkit.errors import ConfigError, RequestError
+from modelkit.errors import RequestError
 
 Emit = Callable[[tuple[str, Any]], None]
 
