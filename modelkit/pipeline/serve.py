@@ -77,18 +77,19 @@ def model_names(paths: Sequence[PathLike] | Mapping[str, PathLike]) -> dict[str,
 # --------------------------------------------------------------------------------------------- loading
 def load_served(name: str, path: Path, *, format: str | None = None, trust: bool = False, key: str | None = None,
                 arch: str | None = None, input_shapes: Sequence[str] | None = None, options: ServeOptions,
-                metrics: Metrics) -> Any:
+                metrics: Metrics, device: str = "auto") -> Any:
     """A TensorModel or TextModel for one file: language models (tinylm, a Hugging Face causal LM with its
     tokenizer) get the OpenAI routes, every other module the v2 routes."""
     from modelkit.models import hf_config_of, load_model_module
     from modelkit.models.tinylm import TinyLM
+    from modelkit.pipeline.distributed import DistInfo, resolve_device
     from modelkit.pipeline.generate import eos_ids
     from modelkit.pipeline.load import load_language_model
     from modelkit.pipeline.serve_tensors import TensorModel, forward_names
     from modelkit.pipeline.serve_text import TextModel
 
     loaded = load_language_model(path, format=format, trust=trust, key=key, arch=arch)
-    model = loaded.model.eval()
+    model = loaded.model.eval().to(resolve_device(device, DistInfo()))
     on_step = metrics.text_step(name)
     if isinstance(model, TinyLM):
         return TextModel(name, model, None, max_batch=options.max_batch, max_queue=options.max_queue, on_step=on_step)
@@ -158,7 +159,7 @@ class Metrics:
 # --------------------------------------------------------------------------------------------- the app
 def serve(models: Sequence[PathLike] | Mapping[str, PathLike], *, format: str | None = None, trust: bool = False,
           key: str | None = None, arch: str | None = None, input_shapes: Sequence[str] | None = None,
-          max_batch: int = 32, batch_timeout_ms: float = 2.0, max_queue: int = 256,
+          device: str = "auto", max_batch: int = 32, batch_timeout_ms: float = 2.0, max_queue: int = 256,
           max_body_bytes: int = 64 * 1024 * 1024) -> Any:
     """Load the models and return the ASGI app that serves them (Starlette; run it with uvicorn, or mount it
     in tests with starlette's TestClient). Each model loads through the scanner gate, as every command does.
@@ -168,6 +169,7 @@ def serve(models: Sequence[PathLike] | Mapping[str, PathLike], *, format: str | 
             stem, and `NAME=PATH` items name one.
         format, trust, key, arch: As for `load_module`, for every model.
         input_shapes: For a user's module (`arch="module:function"`): its inputs, `NAME=DIMS[:DTYPE]`, batch first.
+        device: Where the models run: "auto" (cuda, then mps, then cpu), "cpu", "cuda", "mps".
         max_batch, batch_timeout_ms, max_queue, max_body_bytes: see ServeOptions.
 
     Example:
@@ -187,7 +189,7 @@ def serve(models: Sequence[PathLike] | Mapping[str, PathLike], *, format: str | 
     if not named:
         raise ConfigError("give at least one model to serve")
     loaded = {name: load_served(name, path, format=format, trust=trust, key=key, arch=arch, input_shapes=input_shapes,
-                                options=options, metrics=metrics) for name, path in named.items()}
+                                options=options, metrics=metrics, device=device) for name, path in named.items()}
     return build_app(loaded, options, metrics)
 
 

@@ -253,8 +253,9 @@ class TensorModel:
     def _run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         import torch
 
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         with torch.inference_mode():
-            out = self.module(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+            out = self.module(*(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays))
         outs = out if isinstance(out, (tuple, list)) else [out]
         return [o.detach().cpu().numpy() if isinstance(o, torch.Tensor) else np.asarray(o) for o in outs]
 

@@ -78,7 +78,7 @@ def pick(logits: torch.Tensor, seq: Job) -> int:
     """The next token from one row of logits (vocab,): argmax when greedy, else a seeded nucleus sample."""
     if seq.generator is None:
         return int(logits.argmax())
-    probs = (logits.float() / seq.sampling.temperature).softmax(-1)
+    probs = (logits.float().cpu() / seq.sampling.temperature).softmax(-1)     # the generator is on the CPU
     if seq.sampling.top_p < 1:
         ordered, order = probs.sort(descending=True)
         keep = ordered.cumsum(-1) - ordered < seq.sampling.top_p        # the smallest set reaching top_p
@@ -96,8 +96,8 @@ class TinyLMDecoder:
         cfg = model.config
         self.window = cfg.max_position_embeddings
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        weight = model.model.embed_tokens(torch.zeros(1, dtype=torch.long))
-        self.dtype, self.device = weight.dtype, weight.device
+        self.device = next(model.parameters()).device
+        self.dtype = model.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device)).dtype
         shape = (cfg.num_hidden_layers, slots, self.kv_heads, self.window, self.head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -279,14 +279,21 @@ class TextEngine:
         self.running: list[Job] = []
         self.on_step = on_step
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"modelkit-serve:{name}", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Start the engine thread (again after `stop`: an app's lifespan may run more than once)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name=f"modelkit-serve:{self.name}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Finish: running and waiting sequences end as "cancelled"."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
     def submit(self, ids: list[int], sampling: Sampling, emit: Emit) -> Job:
         seq = Job(list(ids), sampling, emit)
