@@ -242,6 +242,61 @@ def test_concurrent_requests_are_batched_and_metrics_count_them(files):
     assert grew('modelkit_request_seconds_bucket{le="+Inf",model="cnn",route="v2/infer"}') == 16
 
 
+USER_MODULE = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 2)
+
+    def forward(self, features, mask):
+        return self.a(features), self.b(features) * mask
+
+def make():
+    torch.manual_seed(0)
+    return Net()
+"""
+
+
+def test_a_users_module_with_two_inputs_and_two_outputs(tmp_path, monkeypatch):
+    (tmp_path / "user_net.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import user_net
+
+    torch.save(user_net.make().state_dict(), tmp_path / "net.pt")
+    app = modelkit.serve({"net": tmp_path / "net.pt"}, arch="user_net:make", input_shapes=["features=2x4", "mask=2x2"])
+    x, mask = np.arange(12, dtype=np.float32).reshape(3, 4), np.array([[1, 0]] * 3, dtype=np.float32)
+    with starlette_testclient.TestClient(app) as c:
+        meta = c.get("/v2/models/net").json()
+        r = c.post("/v2/models/net/infer", json={"inputs": [
+            {"name": "features", "datatype": "FP32", "shape": [3, 4], "data": x.tolist()},
+            {"name": "mask", "datatype": "FP32", "shape": [3, 2], "data": mask.tolist()}], "outputs": [{"name": "output_1"}]})
+    assert [i["name"] for i in meta["inputs"]] == ["features", "mask"]
+    assert [(o["name"], o["shape"]) for o in meta["outputs"]] == [("output_0", [-1, 3]), ("output_1", [-1, 2])]
+    (out,) = r.json()["outputs"]
+    with torch.no_grad():
+        expected = user_net.make().b(torch.from_numpy(x)) * torch.from_numpy(mask)
+    np.testing.assert_allclose(np.array(out["data"], dtype=np.float32).reshape(3, 2), expected.numpy(), rtol=1e-6)
+
+
+def test_kserve_model_dir_serves_its_one_file_or_the_model_folder(tmp_path, files):
+    from click.testing import CliRunner
+
+    from modelkit.cli import EXIT_ERROR, main
+    from modelkit.cli.serve import _model_dir
+
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copy(files["cnn"], one / "model.safetensors")
+    assert _model_dir(str(one), "digits") == f"digits={one / 'model.safetensors'}"
+    assert _model_dir(str(files["llama"]), None) == str(files["llama"])          # a model folder, as it is
+    result = CliRunner().invoke(main, ["serve", "--json"])
+    assert result.exit_code == EXIT_ERROR and "give a MODEL to serve" in json.loads(result.stdout)["error"]["message"]
+
+
 # ------------------------------------------------------------------------------------------ OpenAI, in-process
 @pytest.mark.parametrize("model", ["tinylm", "llama"])
 def test_completions_equal_greedy_generate_streaming_and_not(client, files, model):

@@ -183,7 +183,8 @@ def serve(models: Sequence[PathLike] | Mapping[str, PathLike], *, format: str | 
         from modelkit.errors import MissingDependencyError
 
         raise MissingDependencyError(f"serving needs {e.name}: pip install 'modelkit[serve]'") from e
-    options = ServeOptions(max_batch, batch_timeout_ms, max_queue, max_body_bytes)
+    options = ServeOptions(max_batch=max_batch, batch_timeout_ms=batch_timeout_ms, max_queue=max_queue,
+                           max_body_bytes=max_body_bytes)
     metrics = Metrics()
     named = model_names(models)
     if not named:
@@ -241,7 +242,7 @@ def build_app(models: Mapping[str, Any], options: ServeOptions, metrics: Metrics
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, ModelkitError: _request_error})
-    app.add_middleware(_RequestIds, metrics=metrics, max_body_bytes=options.max_body_bytes)
+    app.add_middleware(_RequestIds, metrics=metrics, max_body_bytes=options.max_body_bytes, models=frozenset(models))
     app.state.modelkit = state
     return app
 
@@ -277,8 +278,8 @@ class _RequestIds:
     """ASGI middleware: a request id on every request and response, one log line and the metrics per request,
     and the body limit (Content-Length checked up front; a body sent without one is counted as it arrives)."""
 
-    def __init__(self, app: Any, *, metrics: Metrics, max_body_bytes: int) -> None:
-        self.app, self.metrics, self.limit = app, metrics, max_body_bytes
+    def __init__(self, app: Any, *, metrics: Metrics, max_body_bytes: int, models: frozenset[str]) -> None:
+        self.app, self.metrics, self.limit, self.models = app, metrics, max_body_bytes, models
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -307,19 +308,19 @@ class _RequestIds:
 
     def _done(self, scope: dict[str, Any], status: int, started: float, request_id: str) -> None:
         seconds = time.perf_counter() - started
-        route, model = _route_of(scope["path"])
+        route, model = _route_of(scope["path"], self.models)
         self.metrics.requests.labels(route, model, str(status)).inc()
         self.metrics.latency.labels(route, model).observe(seconds)
         log.info("request %s %s %s -> %d in %.1f ms", request_id, scope["method"], scope["path"], status, seconds * 1000)
 
 
-def _route_of(path: str) -> tuple[str, str]:
+def _route_of(path: str, models: frozenset[str]) -> tuple[str, str]:
     """(route, model) labels without unbounded values: the model only where the path names a served one."""
     parts = path.strip("/").split("/")
     if parts[:2] == ["v2", "models"] and len(parts) >= 3:
-        return "v2/" + (parts[-1] if parts[-1] in ("infer", "ready") else "metadata"), parts[2][:64]
-    if parts[:1] == ["v1"]:
-        return "/".join(parts[:3])[:64], ""
+        return "v2/" + (parts[-1] if parts[-1] in ("infer", "ready") else "metadata"), parts[2] if parts[2] in models else ""
+    if parts[:1] == ["v1"] and "/".join(parts[:3]) in ("v1/completions", "v1/chat/completions", "v1/models"):
+        return "/".join(parts[:3]), ""
     return (path if path in ("/metrics", "/v2", "/v2/health/live", "/v2/health/ready") else "other"), ""
 
 

@@ -253,11 +253,17 @@ class TensorModel:
     def _run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         import torch
 
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        weight = next((p for p in self.module.parameters() if p.is_floating_point()), None)
+        device = weight.device if weight is not None else torch.device("cpu")
+
+        def tensor(a: np.ndarray) -> torch.Tensor:     # float inputs in the weights' type (a bfloat16 model takes FP32)
+            t = torch.from_numpy(np.ascontiguousarray(a)).to(device)
+            return t.to(weight.dtype) if weight is not None and t.is_floating_point() else t
+
         with torch.inference_mode():
-            out = self.module(*(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays))
+            out = self.module(*(tensor(a) for a in arrays))
         outs = out if isinstance(out, (tuple, list)) else [out]
-        return [o.detach().cpu().numpy() if isinstance(o, torch.Tensor) else np.asarray(o) for o in outs]
+        return [_numpy(o) if isinstance(o, torch.Tensor) else np.asarray(o) for o in outs]
 
     def run_batch(self, batch: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
         """Run several requests' inputs as one batch (axis 0); each request's output rows, in order."""
@@ -265,6 +271,14 @@ class TensorModel:
         outputs = self._run(stacked)
         bounds = np.cumsum([0, *(arrays[0].shape[0] for arrays in batch)])
         return [[o[bounds[i]:bounds[i + 1]] for o in outputs] for i in range(len(batch))]
+
+
+def _numpy(t: Any) -> np.ndarray:
+    """A model's output as numpy: bfloat16 (no numpy type) widened to float32, as `eval` reads it."""
+    import torch
+
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def model_failure(exc: BaseException) -> RequestError:
