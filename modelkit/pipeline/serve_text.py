@@ -307,34 +307,42 @@ class TextEngine:
     @torch.inference_mode()
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self.running:
-                try:
-                    first = self.waiting.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                self._admit(first)
-            while len(self.running) < self.max_batch:
-                try:
-                    self._admit(self.waiting.get_nowait())
-                except queue.Empty:
-                    break
-            self._drop_cancelled()
-            if not self.running:
-                continue
-            started = time.perf_counter()
-            batch = list(self.running)
             try:
-                rows = self.decoder.step(batch)
-            except Exception as e:  # the model's own failure ends every running sequence with it
-                for seq in batch:
+                self._iterate()
+            except Exception as e:  # a fault of ours: end what runs with it, keep serving the next requests
+                for seq in list(self.running):
                     self._finish(seq, f"error: {type(e).__name__}: {e}")
-                continue
-            for seq, logits in zip(batch, rows, strict=True):
-                self._next_token(seq, logits)
-            if self.on_step is not None:
-                self.on_step(StepStats(len(batch), len(batch), time.perf_counter() - started))
         for seq in [*self.running, *_drain(self.waiting)]:
             self._finish(seq, "cancelled")
+
+    def _iterate(self) -> None:
+        """Admit waiting sequences, then one decode step for every running one."""
+        if not self.running:
+            try:
+                first = self.waiting.get(timeout=0.05)
+            except queue.Empty:
+                return
+            self._admit(first)
+        while len(self.running) < self.max_batch:
+            try:
+                self._admit(self.waiting.get_nowait())
+            except queue.Empty:
+                break
+        self._drop_cancelled()
+        if not self.running:
+            return
+        started = time.perf_counter()
+        batch = list(self.running)
+        try:
+            rows = self.decoder.step(batch)
+        except Exception as e:  # the model's own failure ends every running sequence with it
+            for seq in batch:
+                self._finish(seq, f"error: {type(e).__name__}: {e}")
+            return
+        for seq, logits in zip(batch, rows, strict=True):
+            self._next_token(seq, logits)
+        if self.on_step is not None:
+            self.on_step(StepStats(len(batch), len(batch), time.perf_counter() - started))
 
     def _admit(self, seq: Job) -> None:
         if seq.cancelled:
@@ -355,7 +363,7 @@ class TextEngine:
         token = pick(logits, seq)
         seq.ids.append(token)
         seq.new_tokens += 1
-        seq.emit(("token", token))
+        _send(seq, ("token", token))
         if token in self.eos:
             self._finish(seq, "eos")
         elif seq.new_tokens >= seq.sampling.max_tokens:
@@ -369,7 +377,15 @@ class TextEngine:
         if seq in self.running:
             self.running.remove(seq)
         self.decoder.release(seq)
-        seq.emit(("done", reason))
+        _send(seq, ("done", reason))
+
+
+def _send(seq: Job, event: tuple[str, Any]) -> None:
+    """Hand an event to the caller; a caller that can no longer take it (its event loop closed) is cancelled."""
+    try:
+        seq.emit(event)
+    except Exception:  # the caller's own failure must not stop the engine
+        seq.cancelled = True
 
 
 def _drain(q: queue.Queue[Job]) -> list[Job]:
