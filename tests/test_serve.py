@@ -330,6 +330,17 @@ def test_a_users_module_with_two_inputs_and_two_outputs(tmp_path, monkeypatch):
     np.testing.assert_allclose(np.array(out["data"], dtype=np.float32).reshape(3, 2), expected.numpy(), rtol=1e-6)
 
 
+def test_every_file_passes_the_scanner_before_it_is_served(tmp_path):
+    from modelkit.errors import UnsafeFileError
+    from modelkit.testing.payloads import system_pickle, torch_zip
+
+    evil = tmp_path / "evil.pt"
+    evil.write_bytes(torch_zip(system_pickle(f"touch {tmp_path / 'pwned'}")))
+    with pytest.raises(UnsafeFileError, match="refused: pickle.global.denied posix.system"):
+        modelkit.serve([evil], trust=True)
+    assert not (tmp_path / "pwned").exists()
+
+
 def test_kserve_model_dir_serves_its_one_file_or_the_model_folder(tmp_path, files):
     from click.testing import CliRunner
 
