@@ -330,6 +330,29 @@ def test_a_users_module_with_two_inputs_and_two_outputs(tmp_path, monkeypatch):
     np.testing.assert_allclose(np.array(out["data"], dtype=np.float32).reshape(3, 2), expected.numpy(), rtol=1e-6)
 
 
+def test_any_onnx_file_runs_in_onnxruntime_with_its_graph_names(tmp_path, files):
+    """--runtime onnxruntime: an ONNX graph modelkit did not write (no ArchSpec), served by its own input and
+    output names, batched on axis 0; the other files still run in torch."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.arange(6, dtype=np.float32).reshape(3, 2) / 7
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["features", "w"], ["scores"])], "affine",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", 2])], [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "affine.onnx")
+    app = modelkit.serve({"affine": tmp_path / "affine.onnx", "mlp": files["mlp"]}, runtime="onnxruntime")
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    with starlette_testclient.TestClient(app) as c:
+        meta = c.get("/v2/models/affine").json()
+        r = c.post("/v2/models/affine/infer", json={"inputs": [{"name": "features", "datatype": "FP32", "shape": [4, 3],
+                                                                "data": x.tolist()}]})
+        assert c.get("/v2/models/mlp").json()["platform"] == "pytorch"
+    assert meta["platform"] == "onnxruntime" and meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": [-1, 2]}]
+    np.testing.assert_allclose(np.array(r.json()["outputs"][0]["data"], dtype=np.float32).reshape(4, 2), x @ w, rtol=1e-6)
+
+
 def test_every_file_passes_the_scanner_before_it_is_served(tmp_path):
     from modelkit.errors import UnsafeFileError
     from modelkit.testing.payloads import system_pickle, torch_zip

@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from modelkit.cli.options import device_option, output_options, read_options
+from modelkit.formats import RUNTIMES
 
 
 def _model_dir(model_dir: str, name: str | None) -> str:
@@ -37,12 +38,14 @@ def _model_dir(model_dir: str, name: str | None) -> str:
               help="On SIGTERM/SIGINT, seconds in-flight requests get to finish.")
 @click.option("--input-shape", "--example-input", "input_shapes", multiple=True, metavar="NAME=DIMS[:DTYPE]",
               help="A user's module (--arch module:function): an input, batch axis first; repeat for several.")
+@click.option("--runtime", type=click.Choice(RUNTIMES), default="torch", show_default=True,
+              help="onnxruntime: run ONNX files in an onnxruntime session instead of torch.")
 @device_option
 @read_options()
 @output_options
 def serve(models: tuple[str, ...], host: str, port: int, model_name: str | None, model_dir: str | None, max_batch: int,
           batch_timeout_ms: float, max_queue: int, max_body_mb: float, graceful_timeout: float,
-          input_shapes: tuple[str, ...], device: str, source_format: str | None, trust: bool, key: str | None, arch: str | None,
+          input_shapes: tuple[str, ...], runtime: str, device: str, source_format: str | None, trust: bool, key: str | None, arch: str | None,
           as_json: bool) -> None:
     """Serve MODEL files or folders over HTTP until SIGTERM or Ctrl-C.
 
@@ -77,7 +80,7 @@ def serve(models: tuple[str, ...], host: str, port: int, model_name: str | None,
     if logger.getEffectiveLevel() > logging.INFO and logger.level != logging.ERROR:     # -q keeps ERROR
         logger.setLevel(logging.INFO)            # a server's log: one line per request with its id
     app = build(items, format=source_format, trust=trust, key=key, arch=arch, input_shapes=input_shapes,
-                device=device, max_batch=max_batch, batch_timeout_ms=batch_timeout_ms, max_queue=max_queue,
+                device=device, runtime=runtime, max_batch=max_batch, batch_timeout_ms=batch_timeout_ms, max_queue=max_queue,
                 max_body_bytes=int(max_body_mb * 1024 * 1024))
     click.echo(f"serving {', '.join(app.state.modelkit.tensors) or '-'} (v2) and {', '.join(app.state.modelkit.texts) or '-'} "
                f"(OpenAI) on http://{host}:{port}", err=True)

@@ -77,9 +77,16 @@ def model_names(paths: Sequence[PathLike] | Mapping[str, PathLike]) -> dict[str,
 # --------------------------------------------------------------------------------------------- loading
 def load_served(name: str, path: Path, *, format: str | None = None, trust: bool = False, key: str | None = None,
                 arch: str | None = None, input_shapes: Sequence[str] | None = None, options: ServeOptions,
-                metrics: Metrics, device: str = "auto") -> Any:
+                metrics: Metrics, device: str = "auto", runtime: str = "torch") -> Any:
     """A TensorModel or TextModel for one file: language models (tinylm, a Hugging Face causal LM with its
-    tokenizer) get the OpenAI routes, every other module the v2 routes."""
+    tokenizer) get the OpenAI routes, every other module the v2 routes. runtime="onnxruntime" runs an ONNX
+    file in an onnxruntime session instead of the module its weights rebuild."""
+    if runtime == "onnxruntime":
+        from modelkit.pipeline.load import resolve_input
+
+        path, fmt = resolve_input(path, format)
+        if fmt == "onnx":                     # other formats run in torch as usual
+            return onnx_session_model(name, path)
     from modelkit.models import hf_config_of, load_model_module
     from modelkit.models.tinylm import TinyLM
     from modelkit.pipeline.distributed import DistInfo, resolve_device
@@ -114,6 +121,39 @@ def load_served(name: str, path: Path, *, format: str | None = None, trust: bool
         tensors = list(example) if isinstance(example, (tuple, list)) else [example]
         names = forward_names(model, len(tensors))
     return TensorModel(name, model, tensors, names, platform="pytorch")
+
+
+# ONNX element types (onnxruntime's NodeArg.type) -> torch dtype names, for the example inputs of a session
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16", "tensor(int8)": "int8",
+              "tensor(uint8)": "uint8", "tensor(bool)": "bool"}
+
+
+def onnx_session_model(name: str, path: Path) -> Any:
+    """An ONNX file as a TensorModel run by onnxruntime (the converter's `runnable`: external data checked
+    first). Inputs and outputs are the graph's, by name; axis 0 is the batch; other free axes are refused."""
+    import torch
+    from torch import nn
+
+    from modelkit.formats import load_format
+    from modelkit.pipeline.serve_tensors import TensorModel
+
+    run = load_format("onnx").runnable(path)
+    examples = []
+    for arg in run.session.get_inputs():
+        dtype = _ORT_TYPES.get(arg.type)
+        items = list(arg.shape[1:])
+        if dtype is None or not all(isinstance(d, int) and d > 0 for d in items):
+            raise ConfigError(f"{path}: input {arg.name!r} ({arg.type}, shape {arg.shape}) needs a numeric type and "
+                              "fixed sizes past the batch axis to be served")
+        examples.append(torch.zeros((1, *items), dtype=getattr(torch, dtype)))
+
+    class Session(nn.Module):
+        def forward(self, *inputs: torch.Tensor) -> Any:
+            return run(*inputs)
+
+    return TensorModel(name, Session(), examples, run.input_names, [o.name for o in run.session.get_outputs()],
+                       platform="onnxruntime")
 
 
 # --------------------------------------------------------------------------------------------- metrics
@@ -159,7 +199,7 @@ class Metrics:
 # --------------------------------------------------------------------------------------------- the app
 def serve(models: Sequence[PathLike] | Mapping[str, PathLike], *, format: str | None = None, trust: bool = False,
           key: str | None = None, arch: str | None = None, input_shapes: Sequence[str] | None = None,
-          device: str = "auto", max_batch: int = 32, batch_timeout_ms: float = 2.0, max_queue: int = 256,
+          device: str = "auto", runtime: str = "torch", max_batch: int = 32, batch_timeout_ms: float = 2.0, max_queue: int = 256,
           max_body_bytes: int = 64 * 1024 * 1024) -> Any:
     """Load the models and return the ASGI app that serves them (Starlette; run it with uvicorn, or mount it
     in tests with starlette's TestClient). Each model loads through the scanner gate, as every command does.
@@ -170,6 +210,7 @@ def serve(models: Sequence[PathLike] | Mapping[str, PathLike], *, format: str | 
         format, trust, key, arch: As for `load_module`, for every model.
         input_shapes: For a user's module (`arch="module:function"`): its inputs, `NAME=DIMS[:DTYPE]`, batch first.
         device: Where the models run: "auto" (cuda, then mps, then cpu), "cpu", "cuda", "mps".
+        runtime: "torch", or "onnxruntime" to run the ONNX files among them in an onnxruntime session (CPU).
         max_batch, batch_timeout_ms, max_queue, max_body_bytes: see ServeOptions.
 
     Example:
@@ -190,7 +231,8 @@ def serve(models: Sequence[PathLike] | Mapping[str, PathLike], *, format: str | 
     if not named:
         raise ConfigError("give at least one model to serve")
     loaded = {name: load_served(name, path, format=format, trust=trust, key=key, arch=arch, input_shapes=input_shapes,
-                                options=options, metrics=metrics, device=device) for name, path in named.items()}
+                                options=options, metrics=metrics, device=device, runtime=runtime)
+              for name, path in named.items()}
     return build_app(loaded, options, metrics)
 
 
