@@ -13,6 +13,7 @@ axis 0, runs the module once in a worker thread and hands each request its rows 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import math
@@ -328,6 +329,7 @@ class Batcher:
         self.queue: asyncio.Queue[_Job] = asyncio.Queue(maxsize=max_queue)
         self.on_batch = on_batch
         self._held: _Job | None = None          # taken from the queue but of another shape: first next time
+        self._arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -345,20 +347,24 @@ class Batcher:
         except asyncio.QueueFull:
             raise RequestError(f"model {self.model.name!r}: {self.queue.maxsize} requests are already waiting; "
                                "retry later", 503) from None
+        self._arrived.set()
         return await job.future
 
-    async def _next(self, wait: float | None) -> _Job | None:
+    async def _next(self, deadline: float | None) -> _Job | None:
+        """The next job: the one held back first, else the queue's; waits until `deadline` (loop time; None: for
+        ever). Waiting is on an event, never on a cancelled `queue.get()`, so no job is lost to a timeout."""
         if self._held is not None:
             job, self._held = self._held, None
             return job
-        if wait is None:
-            return await self.queue.get()
-        if wait <= 0:
-            return self.queue.get_nowait() if not self.queue.empty() else None
-        try:
-            return await asyncio.wait_for(self.queue.get(), wait)
-        except TimeoutError:
-            return None
+        loop = asyncio.get_running_loop()
+        while self.queue.empty():
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return None
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), left)
+        return self.queue.get_nowait()
 
     async def _loop(self) -> None:
         import time
@@ -369,7 +375,7 @@ class Batcher:
             jobs, rows = [first], first.rows
             deadline = loop.time() + self.timeout
             while rows < self.max_batch:
-                job = await self._next(deadline - loop.time())
+                job = await self._next(deadline)
                 if job is None:
                     break
                 if job.key != first.key or rows + job.rows > self.max_batch:
