@@ -415,6 +415,9 @@ def test_chat_uses_the_template_and_stop_seed_and_usage_work(client, files, load
     r = client.post("/v1/completions", json={"model": "tinylm", "prompt": "ab", "max_tokens": 0}).json()
     assert r["choices"][0]["text"] == "" and r["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tinylm", "llama"]
+    metrics = client.get("/metrics").text
+    assert 'modelkit_requests_total{model="llama",route="v1/chat/completions",status="200"} 1.0' in metrics
+    assert float(metrics.split('modelkit_generated_tokens_total{model="tinylm"} ')[1].split()[0]) >= 30
 
 
 @pytest.mark.parametrize("model", ["tinylm", "llama"])

@@ -351,6 +351,7 @@ class _RequestIds:
     def _done(self, scope: dict[str, Any], status: int, started: float, request_id: str) -> None:
         seconds = time.perf_counter() - started
         route, model = _route_of(scope["path"], self.models)
+        model = scope.get("modelkit.model", model)          # the OpenAI routes name it in the body
         self.metrics.requests.labels(route, model, str(status)).inc()
         self.metrics.latency.labels(route, model).observe(seconds)
         log.info("request %s %s %s -> %d in %.1f ms", request_id, scope["method"], scope["path"], status, seconds * 1000)
@@ -490,7 +491,7 @@ class _State:
         self.text_model(name)
         return JSONResponse(self._model_card(name))
 
-    def text_model(self, name: Any) -> Any:
+    def text_model(self, name: Any, request: Any = None) -> Any:
         if not isinstance(name, str):
             raise RequestError('"model" must name a served language model (GET /v1/models lists them)')
         if name in self.tensors:
@@ -500,19 +501,19 @@ class _State:
 
             raise RequestError(f"no language model {name!r}; served: {', '.join(self.texts) or 'none'}"
                                f"{did_you_mean(name, self.texts)}", 404)
+        if request is not None:
+            request.scope["modelkit.model"] = name      # the metrics' model label
         return self.texts[name]
 
     async def completions(self, request: Any) -> Any:
         from modelkit.pipeline.serve_openai import complete
 
-        return await complete(self, await read_json(request, self.options.max_body_bytes), chat=False,
-                              request_id=request.scope.get("modelkit.request_id", ""))
+        return await complete(self, await read_json(request, self.options.max_body_bytes), chat=False, request=request)
 
     async def chat(self, request: Any) -> Any:
         from modelkit.pipeline.serve_openai import complete
 
-        return await complete(self, await read_json(request, self.options.max_body_bytes), chat=True,
-                              request_id=request.scope.get("modelkit.request_id", ""))
+        return await complete(self, await read_json(request, self.options.max_body_bytes), chat=True, request=request)
 
     async def metrics_route(self, request: Any) -> Any:
         from starlette.responses import Response

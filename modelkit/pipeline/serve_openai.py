@@ -98,11 +98,12 @@ class TextAssembler:
         return delta
 
 
-async def complete(state: Any, document: dict[str, Any], *, chat: bool, request_id: str) -> Any:
+async def complete(state: Any, document: dict[str, Any], *, chat: bool, request: Any) -> Any:
     """Answer one /v1/completions or /v1/chat/completions request."""
     from starlette.responses import JSONResponse, StreamingResponse
 
-    model = state.text_model(document.get("model"))
+    model = state.text_model(document.get("model"), request)
+    request_id = request.scope.get("modelkit.request_id", "")
     if _number(document, "n", 1, int) != 1:
         raise RequestError('"n" must be 1 (one choice per request)')
     if chat:
