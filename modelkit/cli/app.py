@@ -35,6 +35,7 @@ COMMANDS = {
     "distill": "modelkit.cli.distill:distill",
     "eval": "modelkit.cli.evaluate:eval_command",
     "generate": "modelkit.cli.generate:generate",
+    "imatrix": "modelkit.cli.imatrix:imatrix",
     "inspect": "modelkit.cli.inspect:inspect",
     "models": "modelkit.cli.models:models",
     "prune": "modelkit.cli.prune:prune",

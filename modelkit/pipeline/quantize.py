@@ -303,6 +303,7 @@ def quantize(
     steps: int | None = None, evaluate: bool = False, latency: bool | None = None, verify: bool = True,
     force: bool = False, reference: dict[str, Any] | None = None, progress: Callable[..., None] | None = None,
     source_format: str | None = None, trust: bool = False, key: str | None = None, arch: ArchSpec | str | None = None,
+    imatrix: PathLike | None = None,
 ) -> QuantizeReport | None:
     """Quantize a model file (or module) with one scheme, write it, and measure the cost.
 
@@ -324,6 +325,8 @@ def quantize(
         progress: QAT training progress callback; for a weight file quantized to GGUF without a
             model (quantize_weights), called with (bytes written, total) instead.
         source_format, trust, key, arch: how to read `src`, as for `load_module`.
+        imatrix: a llama.cpp importance-matrix file (GGUF block schemes; `modelkit imatrix` makes one):
+            weights it has an entry for are quantized under it, as llama-quantize --imatrix does.
 
     Returns:
         The report; None on ranks other than 0 when QAT runs under torchrun (rank 0 writes).
@@ -346,7 +349,8 @@ def quantize(
 
         return quantize_onnx(src, dst, scheme=scheme, group_size=group_size, skip=skip, evaluate=evaluate,
                              latency=latency, verify=verify, force=force, reference=reference)
-    config = make_config(scheme, group_size=group_size, skip=skip)
+    config = make_config(scheme, group_size=group_size, skip=skip,
+                         **({"imatrix": os.fspath(imatrix)} if imatrix is not None else {}))
     is_file = isinstance(src, (str, os.PathLike))
     if dst is not None:          # "out" of a Hugging Face folder is a folder (format_for_output)
         format = format_for_output(dst, format, source=source_format or (detect_format(src) if is_file else None))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import shutil
 import tempfile
 import threading
@@ -105,15 +106,64 @@ def _commit(tmp: Path, target: Path) -> None:
     _fsync_dir(target.parent)
 
 
+class _ShardSync:
+    """fsyncs the finished files of a folder output on one thread while the writer writes the next.
+
+    A sharded output is many files; each is complete long before the last one is, so its write-back
+    to disk can overlap the writing of the rest instead of all of it waiting for the end.
+    """
+
+    def __init__(self) -> None:
+        self._files: queue.Queue[Path | None] = queue.Queue()
+        self.failure: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="modelkit-shard-fsync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (file := self._files.get()) is not None:
+            if self.failure is None:
+                try:
+                    with open(file, "rb") as f:
+                        os.fsync(f.fileno())
+                except OSError as e:             # reported at the commit: a later fsync may not see it
+                    self.failure = e
+
+    def submit(self, file: Path) -> None:
+        self._files.put(file)
+
+    def close(self) -> None:
+        self._files.put(None)
+        self._thread.join()
+
+
+_folder_syncs: dict[Path, _ShardSync] = {}
+
+
+def file_finished(file: Path) -> None:
+    """A writer closed `file` for good: if it belongs to a folder output being written, start its
+    write-back now (shards of safetensors folders, TF.js weight groups). Elsewhere nothing happens."""
+    sync = _folder_syncs.get(Path(file).parent)
+    if sync is not None:
+        sync.submit(Path(file))
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike[str], *, force: bool = False) -> Iterator[Path]:
-    """Like atomic_path, for outputs that are a folder (sharded checkpoints)."""
+    """Like atomic_path, for outputs that are a folder (sharded checkpoints). Files the writer
+    reports through `file_finished` are fsynced while it writes the rest."""
     target = Path(path)
     check_output(target, force=force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     os.chmod(tmp, 0o777 & ~_umask())
+    _folder_syncs[tmp] = early = _ShardSync()
     try:
-        yield tmp
+        try:
+            yield tmp
+        finally:
+            _folder_syncs.pop(tmp, None)
+            early.close()
+        if early.failure is not None:
+            raise early.failure
         for child in tmp.iterdir():
             with open(child, "rb") as f:
                 os.fsync(f.fileno())
