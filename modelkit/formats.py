@@ -69,8 +69,9 @@ FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
 WRITABLE: tuple[str, ...] = tuple(name for name, info in FORMATS.items() if not info.read_only)
 
 # How a model file can be run for evaluation: torch rebuilds the module from the weights; onnxruntime
-# runs an ONNX file's own graph in a session; openvino an OpenVINO IR in OpenVINO's runtime.
-RUNTIMES = ("torch", "onnxruntime", "openvino")
+# runs an ONNX file's own graph in a session (eval and serve); openvino an OpenVINO IR in OpenVINO's runtime (eval).
+RUNTIMES = ("torch", "onnxruntime")
+EVAL_RUNTIMES = (*RUNTIMES, "openvino")
 
 
 @dataclass(frozen=True, kw_only=True)

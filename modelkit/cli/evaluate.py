@@ -5,7 +5,7 @@ import click
 
 from modelkit.cli.options import device_option, output_options, read_options
 from modelkit.cli.output import Progress, emit_json, format_metrics
-from modelkit.formats import RUNTIMES
+from modelkit.formats import EVAL_RUNTIMES
 
 
 @click.command("eval")
@@ -19,7 +19,7 @@ from modelkit.formats import RUNTIMES
 @click.option("--max-tokens", "max_tokens", type=click.IntRange(1),
               help="Hugging Face language models: score at most this many tokens of the text.")
 @device_option
-@click.option("--runtime", type=click.Choice(RUNTIMES), default="torch", show_default=True,
+@click.option("--runtime", type=click.Choice(EVAL_RUNTIMES), default="torch", show_default=True,
               help="onnxruntime: run an ONNX file in an onnxruntime session instead of torch; openvino: an "
                    "OpenVINO IR in OpenVINO's runtime.")
 @read_options()

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from modelkit.errors import ConfigError, UnsupportedConversionError
-from modelkit.formats import RUNTIMES, detect_format
+from modelkit.formats import EVAL_RUNTIMES, detect_format
 from modelkit.models import ArchSpec
 
 PathLike = str | os.PathLike[str]
@@ -61,8 +61,8 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
     from modelkit.pipeline import train as training
     from modelkit.pipeline.load import load_language_model
 
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
+    if runtime not in EVAL_RUNTIMES:
+        raise ConfigError(f"unknown runtime {runtime!r}; known: {', '.join(EVAL_RUNTIMES)}")
     graph = _RUNTIME_FORMATS.get(runtime)
     if graph is not None:
         fmt, suffix = graph
