@@ -379,6 +379,25 @@ def test_kserve_model_dir_serves_its_one_file_or_the_model_folder(tmp_path, file
     assert result.exit_code == EXIT_ERROR and "give a MODEL to serve" in json.loads(result.stdout)["error"]["message"]
 
 
+@pytest.mark.parametrize("host, expected", [("127.0.0.1", "Address already in use; pick another --port"),
+                                            ("no-such-host.invalid", "--host no-such-host.invalid: cannot be resolved")])
+def test_a_port_in_use_or_a_bad_host_is_one_line_before_any_model_loads(tmp_path, host, expected):
+    import socket
+
+    from click.testing import CliRunner
+
+    from modelkit.cli import EXIT_ERROR, main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", str(tmp_path / "not-loaded.safetensors"), "--host", host,
+                                           "--port", str(port)])
+    assert result.exit_code == EXIT_ERROR and expected in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
 # ------------------------------------------------------------------------------------------ OpenAI, in-process
 @pytest.mark.parametrize("model", ["tinylm", "llama"])
 def test_completions_equal_greedy_generate_streaming_and_not(client, loaded, model):
