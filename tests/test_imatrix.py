@@ -127,6 +127,17 @@ def test_cli_imatrix_refuses_existing_output_and_non_language_models(tinylm_run,
     assert result.exit_code == 2 and "--context 2000" in result.output
 
 
+@pytest.mark.parametrize("text, expected", [("", "no calibration text in it"), ("  \n\n", "no calibration text in it"),
+                                            ("def f(): pass\n", "tokens, fewer than one chunk of 64")])
+def test_cli_imatrix_names_the_data_file_that_is_empty_or_short(tinylm_run, tmp_path, text, expected):
+    data = tmp_path / "calib.txt"
+    data.write_text(text, encoding="utf-8")
+    result = CliRunner().invoke(main, ["imatrix", str(tinylm_run["model"]), "--data", str(data),
+                                       "--out", str(tmp_path / "x.gguf")])
+    assert result.exit_code == 2 and result.stderr.startswith(f"Error: {data}") and expected in result.stderr
+    assert not (tmp_path / "x.gguf").exists()
+
+
 def test_quantize_with_imatrix_uses_each_weights_entry(tinylm_run, tmp_path):
     """The zoo model's module path: weights found by their GGUF names, quantized under their entries."""
     from safetensors.numpy import load_file

@@ -104,9 +104,10 @@ def _tokens(model: nn.Module, tokenizer: Any, text: str) -> tuple[list[int], int
 
 @torch.no_grad()
 def collect(model: nn.Module, tokenizer: Any, text: str, *, context: int | None = None, chunks: int | None = None,
-            progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, tuple[Any, Any]], int, int, int]:
+            progress: Callable[[int, int], None] | None = None, source: str = "the calibration text",
+            ) -> tuple[dict[str, tuple[Any, Any]], int, int, int]:
     """Run `model` on `text` as llama-imatrix does; returns ({GGUF name: (sums (1, n), counts (1,))}, chunks run,
-    chunk size, tokens run)."""
+    chunk size, tokens run). `source` names the text in errors (its file)."""
     from modelkit.models import arch_spec, gguf_conventions
 
     ids, bos, limit, run = _tokens(model, tokenizer, text)
@@ -115,7 +116,7 @@ def collect(model: nn.Module, tokenizer: Any, text: str, *, context: int | None 
         raise ConfigError(f"--context {context}: must be between 1 and the model's context length {limit}")
     available = len(ids) // context
     if available < 1:
-        raise ConfigError(f"the calibration text has {len(ids)} tokens, fewer than one chunk of {context}; give more "
+        raise ConfigError(f"{source}: {len(ids)} tokens, fewer than one chunk of {context}; give more "
                           "text or a smaller --context")
     n_chunks = available if chunks is None else min(chunks, available)
     rules = gguf_conventions(arch_spec(model))
@@ -178,10 +179,12 @@ def compute_imatrix(model_path: PathLike, data: PathLike, out: PathLike, *, cont
         text = Path(data).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{data}: cannot read it as UTF-8 text ({e})") from e
+    if not text.strip():                                        # before loading the model
+        raise ConfigError(f"{data}: no calibration text in it; give --data a file of text like the model's inputs")
     loaded = load_language_model(model_path, format=source_format, arch=arch, trust=trust, key=key)
     model = loaded.model.to(distributed.resolve_device(device, distributed.DistInfo()))
     entries, n_chunks, chunk_size, tokens = collect(model, loaded.tokenizer, text, context=context, chunks=chunks,
-                                                    progress=progress)
+                                                    progress=progress, source=str(data))
     datasets = [str(data)]
     size = write_imatrix(out, entries, datasets=datasets, chunk_count=n_chunks, chunk_size=chunk_size, force=force)
     from modelkit.models import arch_spec
