@@ -49,6 +49,9 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         raise FormatError(pb, str(e)) from e
     prefix = folder / saved.VARIABLES_PREFIX
     if not Path(f"{prefix}.index").is_file():
+        if any(n.op in saved.VARIABLE_OPS for m in model.meta_graphs for n in m.nodes):
+            raise FormatError(Path(f"{prefix}.index"), f"missing, but the graph in {pb.name} declares variables, "
+                              "whose values live there; copy the SavedModel's whole folder, variables/ included")
         tensors, metadata = {}, {}          # a SavedModel with no variables (constants only)
     else:
         tensors, metadata = read_bundle(prefix)

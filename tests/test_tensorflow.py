@@ -142,6 +142,14 @@ def test_a_cut_shard_is_one_line_at_read_and_suspicious_in_a_scan(module_copy):
     assert "tensorflow.shard.size" in rules
 
 
+def test_a_savedmodel_without_its_variables_folder_is_refused_not_read_as_empty(tf_dir, tmp_path):
+    folder = tmp_path / "sm"
+    shutil.copytree(tf_dir / "benign" / "dense_savedmodel", folder)
+    shutil.rmtree(folder / "variables")
+    with pytest.raises(FormatError, match=r"variables\.index: missing, but the graph in saved_model\.pb declares"):
+        modelkit.load(folder)
+
+
 @pytest.mark.parametrize("name", ["dense_savedmodel", "module_ckpt"])
 def test_converts_to_safetensors_and_gguf_bit_exact(tf_dir, name, tmp_path):
     source = _source(tf_dir, name)
