@@ -191,5 +191,5 @@ def format_for_output(path: str | os.PathLike[str], to: str | None = None, *, so
         return source
     raise ConfigError(
         f"cannot tell the output format of {Path(path).name!r} from its suffix; "
-        f"pass --to with one of: {', '.join(FORMATS)}"
+        f"pass --to with one of: {', '.join(WRITABLE)}"
     )
