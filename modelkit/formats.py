@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from modelkit.errors import ConfigError, FormatError, MissingDependencyError, UnknownFormatError
+from modelkit.errors import ConfigError, FormatError, MissingDependencyError, ParseError, UnknownFormatError
 from modelkit.parse import sniff
 
 
@@ -157,7 +157,19 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         matches = by_suffix or matches
     if matches:
         return matches[0]
-    seen = "a folder" if path.is_dir() else sniff.describe(sniff.read_head(path))
+    if path.is_dir():
+        seen = "a folder"
+    else:
+        head = sniff.read_head(path)
+        if head.startswith(b"PK\x03\x04"):           # a zip (torch.save, .pt2, TorchScript, .keras) cut short?
+            from modelkit.parse import zipdir
+
+            try:
+                zipdir.member_names(path)
+            except ParseError as e:
+                raise FormatError(path, f"its zip directory cannot be read ({e.reason}); copy or export the "
+                                        "file again") from None
+        seen = sniff.describe(head)
     raise FormatError(path, f"not a model file modelkit can read: it looks like {seen}; "
                             f"known formats: {', '.join(FORMATS)}")
 
