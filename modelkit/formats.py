@@ -149,7 +149,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     """
     path = Path(path)
     check_readable(path)
-    from modelkit.parse import detect  # the converters' own detectors, without importing the converters
+    from modelkit.parse import detect, tf_bundle  # the converters' own detectors, without importing the converters
 
     matches = [name for name in FORMATS if getattr(detect, name)(path)]
     if len(matches) > 1:  # e.g. a zip that two formats accept: prefer the one the suffix names
@@ -170,6 +170,10 @@ def detect_format(path: str | os.PathLike[str]) -> str:
                 raise FormatError(path, f"its zip directory cannot be read ({e.reason}); copy or export the "
                                         "file again") from None
         seen = sniff.describe(head)
+        prefix = tf_bundle.shard_prefix(str(path))
+        if prefix is not None and Path(f"{prefix}.index").is_file():
+            raise FormatError(path, f"a TensorFlow checkpoint's data shard; name its index, {Path(prefix).name}.index "
+                                    "(or, in a SavedModel's variables/, the SavedModel's folder)")
     raise FormatError(path, f"not a model file modelkit can read: it looks like {seen}; "
                             f"known formats: {', '.join(FORMATS)}")
 

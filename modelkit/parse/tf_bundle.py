@@ -268,6 +268,15 @@ def shard_name(prefix: str, shard: int, num_shards: int) -> str:
     return f"{prefix}.data-{shard:05d}-of-{num_shards:05d}"
 
 
+def shard_prefix(name: str) -> str | None:
+    """PREFIX for a data file named as `shard_name` names them (PREFIX.data-00000-of-00001), else None."""
+    stem, dot, tail = name.rpartition(".data-")
+    shard, of, count = tail.partition("-of-")
+    if not (dot and stem and of and len(shard) == len(count) == 5 and shard.isdigit() and count.isdigit()):
+        return None
+    return stem
+
+
 def strings(data: bytes, count: int) -> list[bytes]:
     """A string tensor's `count` elements from its bytes: varint lengths, a u32 crc of them, the strings."""
     pos, lengths = 0, []
