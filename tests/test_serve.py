@@ -375,6 +375,12 @@ def test_kserve_model_dir_serves_its_one_file_or_the_model_folder(tmp_path, file
     shutil.copy(files["cnn"], one / "model.safetensors")
     assert _model_dir(str(one), "digits") == f"digits={one / 'model.safetensors'}"
     assert _model_dir(str(files["llama"]), None) == str(files["llama"])          # a model folder, as it is
+    two = tmp_path / "two"
+    two.mkdir()
+    for stem in ("a", "b"):
+        shutil.copy(files["cnn"], two / f"{stem}.safetensors")
+    result = CliRunner().invoke(main, ["serve", "--model_dir", str(two)])
+    assert result.exit_code == EXIT_ERROR and "holds 2 entries (a.safetensors, b.safetensors)" in result.stderr
     result = CliRunner().invoke(main, ["serve", "--json"])
     assert result.exit_code == EXIT_ERROR and "give a MODEL to serve" in json.loads(result.stdout)["error"]["message"]
 

@@ -17,6 +17,17 @@ def _model_dir(model_dir: str, name: str | None) -> str:
     folder = Path(model_dir)
     files = [p for p in folder.iterdir() if not p.name.startswith(".")] if folder.is_dir() else []
     path = files[0] if len(files) == 1 and files[0].is_file() and not (folder / "config.json").exists() else folder
+    if path == folder and folder.is_dir():
+        from modelkit.errors import FormatError
+        from modelkit.formats import detect_format
+
+        try:
+            detect_format(folder)
+        except FormatError:
+            shown = ", ".join(sorted(p.name for p in files)[:4]) + (", ..." if len(files) > 4 else "")
+            raise click.BadParameter(f"{model_dir} holds {len(files)} entries ({shown or 'none'}) and is not a model "
+                                     "folder; give a folder holding one model file, or the model's path as MODEL",
+                                     param_hint="--model_dir") from None
     return f"{name}={path}" if name else str(path)
 
 
