@@ -125,6 +125,13 @@ def test_cli_imatrix_refuses_existing_output_and_non_language_models(tinylm_run,
     assert result.exit_code == 2 and json.loads(result.stdout)["error"]["type"] == "OutputExistsError"
     result = CliRunner().invoke(main, [*args[:-1], str(tmp_path / "x.gguf"), "--context", "2000"])
     assert result.exit_code == 2 and "--context 2000" in result.output
+    from modelkit.checkpoint import Checkpoint
+    from modelkit.models import build
+    from modelkit.pipeline.load import save
+
+    mlp = save(Checkpoint.from_module(build("mlp", seed=0)), tmp_path / "mlp.safetensors")
+    result = CliRunner().invoke(main, ["imatrix", str(mlp), *args[2:-1], str(tmp_path / "x.gguf")])
+    assert result.exit_code == 2 and f"{mlp}: an importance matrix needs a language model" in result.stderr
 
 
 @pytest.mark.parametrize("text, expected", [("", "no calibration text in it"), ("  \n\n", "no calibration text in it"),
