@@ -385,6 +385,14 @@ def test_kserve_model_dir_serves_its_one_file_or_the_model_folder(tmp_path, file
     assert result.exit_code == EXIT_ERROR and "give a MODEL to serve" in json.loads(result.stdout)["error"]["message"]
 
 
+def test_a_folder_given_as_dot_is_named_after_the_folder(tmp_path, monkeypatch):
+    from modelkit.pipeline.serve import model_names
+
+    (tmp_path / "qwen").mkdir()
+    monkeypatch.chdir(tmp_path / "qwen")
+    assert model_names([".", "lm=."]) == {"qwen": Path("."), "lm": Path(".")}
+
+
 @pytest.mark.parametrize("host, expected", [("127.0.0.1", "Address already in use; pick another --port"),
                                             ("no-such-host.invalid", "--host no-such-host.invalid: cannot be resolved")])
 def test_a_port_in_use_or_a_bad_host_is_one_line_before_any_model_loads(tmp_path, host, expected):

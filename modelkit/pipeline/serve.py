@@ -67,7 +67,7 @@ def model_names(paths: Sequence[PathLike] | Mapping[str, PathLike]) -> dict[str,
             path = Path(rest)
         else:
             path = Path(text)
-            name = path.name if path.is_dir() else path.stem
+            name = path.resolve().name if path.is_dir() else path.stem      # resolved: "." is its folder's name
         if name in named:
             raise ConfigError(f"two models are named {name!r} ({named[name]} and {path}); name them: NAME=PATH")
         named[name] = path
