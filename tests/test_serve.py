@@ -385,6 +385,13 @@ def test_kserve_model_dir_serves_its_one_file_or_the_model_folder(tmp_path, file
     assert result.exit_code == EXIT_ERROR and "give a MODEL to serve" in json.loads(result.stdout)["error"]["message"]
 
 
+def test_a_v2_model_name_with_a_slash_is_refused(files):
+    from modelkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model name 'a/b': a v2 model's name must be non-empty without '/'"):
+        modelkit.serve({"a/b": files["mlp"]})
+
+
 def test_a_folder_given_as_dot_is_named_after_the_folder(tmp_path, monkeypatch):
     from modelkit.pipeline.serve import model_names
 
