@@ -38,6 +38,10 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
 
     folder = _folder(path)
     pb = folder / saved.SAVED_MODEL_FILE
+    if not pb.is_file():
+        where = "in it" if path.is_dir() else "beside it"
+        raise FormatError(path, f"is not a TensorFlow SavedModel: no {saved.SAVED_MODEL_FILE} {where}; name the "
+                                "SavedModel's folder (or leave out --format to detect the format)")
     gate(pb, trust=options.trust)
     try:
         if pb.stat().st_size > MAX_PB_BYTES:

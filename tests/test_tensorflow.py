@@ -150,6 +150,13 @@ def test_a_data_shard_given_as_the_input_says_to_name_its_index(tf_dir, shard, i
         modelkit.load(tf_dir / shard)
 
 
+def test_format_savedmodel_on_something_else_names_the_input(tmp_path):
+    other = tmp_path / "w.safetensors"
+    other.write_bytes(b"not a savedmodel")
+    with pytest.raises(FormatError, match=r"w\.safetensors: is not a TensorFlow SavedModel: no saved_model\.pb beside"):
+        modelkit.load(other, format="savedmodel")
+
+
 def test_a_savedmodel_without_its_variables_folder_is_refused_not_read_as_empty(tf_dir, tmp_path):
     folder = tmp_path / "sm"
     shutil.copytree(tf_dir / "benign" / "dense_savedmodel", folder)
