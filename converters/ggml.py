@@ -51,10 +51,10 @@ def parse(path: Path) -> legacy.GgmlFile:
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return legacy.read(buf)
-    except (OSError, ValueError) as e:
-        raise FormatError(path, f"cannot read it ({getattr(e, 'strerror', None) or e})") from e
-    except ParseError as e:
+    except ParseError as e:                 # before ValueError, which it is
         raise FormatError(path, str(e)) from e
+    except (OSError, ValueError) as e:      # ValueError: mmap of an empty file
+        raise FormatError(path, f"cannot read it ({getattr(e, 'strerror', None) or e})") from e
 
 
 def _vocab_fields(file: legacy.GgmlFile) -> dict[str, Any]:
