@@ -38,6 +38,7 @@ from modelkit.models import _hf
 from modelkit.parse import ggml as legacy
 from modelkit.parse.detect import ggml as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage.dtypes import DTYPES
+from modelkit.storage.mapped import MappedFile
 
 CONTEXT_LENGTH = 2048        # convert_llama_ggml_to_gguf.py's --context-length default: the files do not say
 RMS_EPS = 5e-6               # ...and its --eps default (LLaMA-1 used 1e-6, Llama-2 1e-5)
@@ -45,20 +46,15 @@ _FLOAT = {"F32": DTYPES["float32"], "F16": DTYPES["float16"]}
 _SPACE = "\u2581"
 
 
-def _mapped(path: Path) -> mmap.mmap:
-    with path.open("rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-
 def parse(path: Path) -> legacy.GgmlFile:
     """The file's header, vocabulary and tensor records (no tensor data read)."""
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return legacy.read(buf)
-    except (OSError, ValueError) as e:
-        raise FormatError(path, f"cannot read it ({getattr(e, 'strerror', None) or e})") from e
-    except ParseError as e:
+    except ParseError as e:                 # before ValueError, which it is
         raise FormatError(path, str(e)) from e
+    except (OSError, ValueError) as e:      # ValueError: mmap of an empty file
+        raise FormatError(path, f"cannot read it ({getattr(e, 'strerror', None) or e})") from e
 
 
 def _vocab_fields(file: legacy.GgmlFile) -> dict[str, Any]:
@@ -110,22 +106,21 @@ def _gguf_names(path: Path, file: legacy.GgmlFile) -> dict[str, str]:
     return names
 
 
-def _entry(buf_of, tensor: legacy.Tensor, n_heads: int | None, source: str) -> LazyTensor | QuantizedTensor:
+def _entry(mapped: MappedFile, tensor: legacy.Tensor, n_heads: int | None, source: str) -> LazyTensor | QuantizedTensor:
     """One tensor, rows in Hugging Face's order (llama.cpp's RoPE order undone for Q/K)."""
     shape = tensor.shape
     if tensor.type_name in _FLOAT:
         dtype = _FLOAT[tensor.type_name]
 
         def values() -> np.ndarray:
-            array = np.frombuffer(buf_of(), dtype=dtype.numpy, count=tensor.nbytes // dtype.itemsize,
-                                  offset=tensor.offset).reshape(shape)
+            array = mapped.view(tensor.offset, tensor.nbytes).view(dtype.numpy).reshape(shape)
             return np.array(array if n_heads is None else _hf.from_llama_rope(array, n_heads))
         return LazyTensor(dtype, shape, values, source)
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     byte_shape = (rows, tensor.nbytes // rows)
 
     def blocks() -> np.ndarray:
-        array = np.frombuffer(buf_of(), dtype=np.uint8, count=tensor.nbytes, offset=tensor.offset).reshape(byte_shape)
+        array = mapped.view(tensor.offset, tensor.nbytes).reshape(byte_shape)
         return np.array(array if n_heads is None else _hf.from_llama_rope(array, n_heads))
     qdata = LazyTensor(DTYPES["uint8"], byte_shape, blocks, source)
     ggml_type = GGMLQuantizationType(tensor.type_code)
@@ -153,13 +148,7 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     tied = "output.weight" not in gguf_names.values()
     config = _hf.config_from_gguf(family, fields, tied=tied)
     rules = _hf.conventions("llama", family, config)
-    mapped: list[mmap.mmap] = []
-
-    def buf_of() -> mmap.mmap:
-        if not mapped:
-            mapped.append(_mapped(path))
-        return mapped[0]
-
+    mapped = MappedFile(path)                   # mapped on the first tensor read
     tensors: dict[str, LazyTensor | QuantizedTensor] = {}
     for tensor in file.tensors:
         name = rules.from_gguf.get(gguf_names[tensor.name])
@@ -169,7 +158,7 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         if n_heads is not None and tensor.shape[0] % (2 * n_heads):
             raise FormatError(path, f"tensor {tensor.name!r} of shape {list(tensor.shape)} does not split into "
                                     f"{n_heads} heads of RoPE pairs")
-        entry = _entry(buf_of, tensor, n_heads, f"{path}:{tensor.name}")
+        entry = _entry(mapped, tensor, n_heads, f"{path}:{tensor.name}")
         if options.dequantize and isinstance(entry, QuantizedTensor):
             entry = LazyTensor(DTYPES["float32"], entry.shape, entry.load, entry.source)
         tensors[name] = entry

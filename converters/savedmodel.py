@@ -38,6 +38,10 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
 
     folder = _folder(path)
     pb = folder / saved.SAVED_MODEL_FILE
+    if not pb.is_file():
+        where = "in it" if path.is_dir() else "beside it"
+        raise FormatError(path, f"is not a TensorFlow SavedModel: no {saved.SAVED_MODEL_FILE} {where}; name the "
+                                "SavedModel's folder (or leave out --format to detect the format)")
     gate(pb, trust=options.trust)
     try:
         if pb.stat().st_size > MAX_PB_BYTES:
@@ -49,6 +53,9 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         raise FormatError(pb, str(e)) from e
     prefix = folder / saved.VARIABLES_PREFIX
     if not Path(f"{prefix}.index").is_file():
+        if any(n.op in saved.VARIABLE_OPS for m in model.meta_graphs for n in m.nodes):
+            raise FormatError(Path(f"{prefix}.index"), f"missing, but the graph in {pb.name} declares variables, "
+                              "whose values live there; copy the SavedModel's whole folder, variables/ included")
         tensors, metadata = {}, {}          # a SavedModel with no variables (constants only)
     else:
         tensors, metadata = read_bundle(prefix)

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from modelkit.errors import ConfigError, FormatError, MissingDependencyError, UnknownFormatError
+from modelkit.errors import ConfigError, FormatError, MissingDependencyError, ParseError, UnknownFormatError
 from modelkit.parse import sniff
 
 
@@ -156,7 +156,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     """
     path = Path(path)
     check_readable(path)
-    from modelkit.parse import detect  # the converters' own detectors, without importing the converters
+    from modelkit.parse import detect, tf_bundle  # the converters' own detectors, without importing the converters
 
     matches = [name for name in FORMATS if getattr(detect, name)(path)]
     if len(matches) > 1:  # e.g. a zip that two formats accept: prefer the one the suffix names
@@ -164,7 +164,23 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         matches = by_suffix or matches
     if matches:
         return matches[0]
-    seen = "a folder" if path.is_dir() else sniff.describe(sniff.read_head(path))
+    if path.is_dir():
+        seen = "a folder"
+    else:
+        head = sniff.read_head(path)
+        if head.startswith(b"PK\x03\x04"):           # a zip (torch.save, .pt2, TorchScript, .keras) cut short?
+            from modelkit.parse import zipdir
+
+            try:
+                zipdir.member_names(path)
+            except ParseError as e:
+                raise FormatError(path, f"its zip directory cannot be read ({e.reason}); copy or export the "
+                                        "file again") from None
+        seen = sniff.describe(head)
+        prefix = tf_bundle.shard_prefix(str(path))
+        if prefix is not None and Path(f"{prefix}.index").is_file():
+            raise FormatError(path, f"a TensorFlow checkpoint's data shard; name its index, {Path(prefix).name}.index "
+                                    "(or, in a SavedModel's variables/, the SavedModel's folder)")
     raise FormatError(path, f"not a model file modelkit can read: it looks like {seen}; "
                             f"known formats: {', '.join(FORMATS)}")
 
@@ -198,5 +214,5 @@ def format_for_output(path: str | os.PathLike[str], to: str | None = None, *, so
         return source
     raise ConfigError(
         f"cannot tell the output format of {Path(path).name!r} from its suffix; "
-        f"pass --to with one of: {', '.join(FORMATS)}"
+        f"pass --to with one of: {', '.join(WRITABLE)}"
     )

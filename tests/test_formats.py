@@ -158,10 +158,21 @@ def test_output_format_from_suffix_or_to():
         format_for_output("x.weird")
 
 
+def _zip_of(members: dict[str, bytes]) -> bytes:
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return out.getvalue()
+
+
 @pytest.mark.parametrize("head, seen", [
     (b"", "an empty file"),
     (b"GGUF\x03\x00\x00\x00", "a GGUF file"),
-    (b"PK\x03\x04rest", "a zip archive"),
+    (_zip_of({"notes.txt": b"hello"}), "a zip archive"),
     (b"\x80\x02}q\x00.", "a pickle (protocol 2)"),
     (b"\x89HDF\r\n\x1a\nxx", "an HDF5 file"),
     (b"hello world\n", "text"),
@@ -174,6 +185,15 @@ def test_unknown_input_names_what_was_seen_and_the_known_formats(tmp_path, head,
     message = str(info.value)
     assert seen in message and "known formats: " + ", ".join(FORMATS) in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("name, members", [("model.pt", {"archive/data.pkl": b"\x80\x02}q\x00." * 40}),
+                                           ("model.pt2", {"archive/models/model.json": b"{}" * 80})])
+def test_a_cut_zip_says_its_directory_is_unreadable_and_what_to_do(tmp_path, name, members):
+    path = tmp_path / name
+    path.write_bytes(_zip_of(members)[:120])
+    with pytest.raises(FormatError, match=r"its zip directory cannot be read \(.*truncated\); copy or export the file"):
+        detect_format(path)
 
 
 def test_missing_file_is_a_one_line_error(tmp_path):

@@ -127,3 +127,12 @@ def test_dequantized_read_matches_gguf_dequantization(converted):
     floats = modelkit.load(source, dequantize=True).tensors["model.layers.0.mlp.down_proj.weight"].load().numpy()
     tensor = next(t for t in GGUFReader(target).tensors if t.name == "blk.0.ffn_down.weight")
     assert np.array_equal(floats, dequantize(tensor.data, tensor.tensor_type).reshape(floats.shape))
+
+
+def test_format_ggml_on_another_file_says_what_its_magic_is(tmp_path):
+    from modelkit.errors import FormatError
+
+    other = tmp_path / "notes.txt"
+    other.write_bytes(b"hello, not a model\n")
+    with pytest.raises(FormatError, match=r"notes\.txt: magic 0x6c6c6568 is not ggml, ggmf or ggjt"):
+        modelkit.load(other, format="ggml")

@@ -125,6 +125,24 @@ def test_cli_imatrix_refuses_existing_output_and_non_language_models(tinylm_run,
     assert result.exit_code == 2 and json.loads(result.stdout)["error"]["type"] == "OutputExistsError"
     result = CliRunner().invoke(main, [*args[:-1], str(tmp_path / "x.gguf"), "--context", "2000"])
     assert result.exit_code == 2 and "--context 2000" in result.output
+    from modelkit.checkpoint import Checkpoint
+    from modelkit.models import build
+    from modelkit.pipeline.load import save
+
+    mlp = save(Checkpoint.from_module(build("mlp", seed=0)), tmp_path / "mlp.safetensors")
+    result = CliRunner().invoke(main, ["imatrix", str(mlp), *args[2:-1], str(tmp_path / "x.gguf")])
+    assert result.exit_code == 2 and f"{mlp}: an importance matrix needs a language model" in result.stderr
+
+
+@pytest.mark.parametrize("text, expected", [("", "no calibration text in it"), ("  \n\n", "no calibration text in it"),
+                                            ("def f(): pass\n", "tokens, fewer than one chunk of 64")])
+def test_cli_imatrix_names_the_data_file_that_is_empty_or_short(tinylm_run, tmp_path, text, expected):
+    data = tmp_path / "calib.txt"
+    data.write_text(text, encoding="utf-8")
+    result = CliRunner().invoke(main, ["imatrix", str(tinylm_run["model"]), "--data", str(data),
+                                       "--out", str(tmp_path / "x.gguf")])
+    assert result.exit_code == 2 and result.stderr.startswith(f"Error: {data}") and expected in result.stderr
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_quantize_with_imatrix_uses_each_weights_entry(tinylm_run, tmp_path):

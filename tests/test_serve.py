@@ -375,8 +375,48 @@ def test_kserve_model_dir_serves_its_one_file_or_the_model_folder(tmp_path, file
     shutil.copy(files["cnn"], one / "model.safetensors")
     assert _model_dir(str(one), "digits") == f"digits={one / 'model.safetensors'}"
     assert _model_dir(str(files["llama"]), None) == str(files["llama"])          # a model folder, as it is
+    two = tmp_path / "two"
+    two.mkdir()
+    for stem in ("a", "b"):
+        shutil.copy(files["cnn"], two / f"{stem}.safetensors")
+    result = CliRunner().invoke(main, ["serve", "--model_dir", str(two)])
+    assert result.exit_code == EXIT_ERROR and "holds 2 entries (a.safetensors, b.safetensors)" in result.stderr
     result = CliRunner().invoke(main, ["serve", "--json"])
     assert result.exit_code == EXIT_ERROR and "give a MODEL to serve" in json.loads(result.stdout)["error"]["message"]
+
+
+def test_a_v2_model_name_with_a_slash_is_refused(files):
+    from modelkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model name 'a/b': a v2 model's name must be non-empty without '/'"):
+        modelkit.serve({"a/b": files["mlp"]})
+
+
+def test_a_folder_given_as_dot_is_named_after_the_folder(tmp_path, monkeypatch):
+    from modelkit.pipeline.serve import model_names
+
+    (tmp_path / "qwen").mkdir()
+    monkeypatch.chdir(tmp_path / "qwen")
+    assert model_names([".", "lm=."]) == {"qwen": Path("."), "lm": Path(".")}
+
+
+@pytest.mark.parametrize("host, expected", [("127.0.0.1", "Address already in use; pick another --port"),
+                                            ("no-such-host.invalid", "--host no-such-host.invalid: cannot be resolved")])
+def test_a_port_in_use_or_a_bad_host_is_one_line_before_any_model_loads(tmp_path, host, expected):
+    import socket
+
+    from click.testing import CliRunner
+
+    from modelkit.cli import EXIT_ERROR, main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", str(tmp_path / "not-loaded.safetensors"), "--host", host,
+                                           "--port", str(port)])
+    assert result.exit_code == EXIT_ERROR and expected in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
 # ------------------------------------------------------------------------------------------ OpenAI, in-process

@@ -142,6 +142,29 @@ def test_a_cut_shard_is_one_line_at_read_and_suspicious_in_a_scan(module_copy):
     assert "tensorflow.shard.size" in rules
 
 
+@pytest.mark.parametrize("shard, index", [("benign/keras_ckpt/ckpt-1.data-00000-of-00001", "ckpt-1.index"),
+                                          ("benign/dense_savedmodel/variables/variables.data-00000-of-00001",
+                                           "variables.index")])
+def test_a_data_shard_given_as_the_input_says_to_name_its_index(tf_dir, shard, index):
+    with pytest.raises(FormatError, match=f"a TensorFlow checkpoint's data shard; name its index, {index}"):
+        modelkit.load(tf_dir / shard)
+
+
+def test_format_savedmodel_on_something_else_names_the_input(tmp_path):
+    other = tmp_path / "w.safetensors"
+    other.write_bytes(b"not a savedmodel")
+    with pytest.raises(FormatError, match=r"w\.safetensors: is not a TensorFlow SavedModel: no saved_model\.pb beside"):
+        modelkit.load(other, format="savedmodel")
+
+
+def test_a_savedmodel_without_its_variables_folder_is_refused_not_read_as_empty(tf_dir, tmp_path):
+    folder = tmp_path / "sm"
+    shutil.copytree(tf_dir / "benign" / "dense_savedmodel", folder)
+    shutil.rmtree(folder / "variables")
+    with pytest.raises(FormatError, match=r"variables\.index: missing, but the graph in saved_model\.pb declares"):
+        modelkit.load(folder)
+
+
 @pytest.mark.parametrize("name", ["dense_savedmodel", "module_ckpt"])
 def test_converts_to_safetensors_and_gguf_bit_exact(tf_dir, name, tmp_path):
     source = _source(tf_dir, name)

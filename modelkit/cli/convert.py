@@ -57,6 +57,10 @@ def convert(src: str, dst: str, to: str | None, source_format: str | None, dtype
       modelkit convert Llama-3.2-1B/ llama.onnx --kv-cache
       modelkit convert Llama-3.2-1B/ llama-copy       # a Hugging Face folder's suffix-less output: a folder
       modelkit convert runs/cnn/model.safetensors web/model.json --dtype f16   # TF.js Layers model in web/
+      modelkit convert runs/cnn/model.safetensors cnn.pt2         # a torch.export program
+      modelkit convert exported_savedmodel/ weights.safetensors    # a TensorFlow SavedModel's variables
+      modelkit convert tf_ckpt/ckpt-1.index weights.safetensors    # a TensorFlow checkpoint
+      modelkit convert ggml-model-q4_0.bin model.gguf              # a legacy llama.cpp ggml/ggjt file
     """
     from modelkit.pipeline.convert import convert as run_convert
 

@@ -24,6 +24,8 @@ def inspect(file: str, limit: int | None, source_format: str | None, trust: bool
     Examples:
       modelkit inspect runs/cnn/model.safetensors
       modelkit inspect model.safetensors --json | jq .parameters
+      modelkit inspect exported.pt2          # its program's inputs, outputs and dynamic dimensions
+      modelkit inspect exported_savedmodel/  # a TensorFlow SavedModel's variables
     """
     from modelkit.api import inspect as run_inspect
 

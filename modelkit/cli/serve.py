@@ -1,6 +1,8 @@
 """`modelkit serve`: models behind HTTP (Open Inference Protocol v2, OpenAI routes), run by uvicorn."""
 from __future__ import annotations
 
+import errno
+import socket
 from pathlib import Path
 
 import click
@@ -15,7 +17,40 @@ def _model_dir(model_dir: str, name: str | None) -> str:
     folder = Path(model_dir)
     files = [p for p in folder.iterdir() if not p.name.startswith(".")] if folder.is_dir() else []
     path = files[0] if len(files) == 1 and files[0].is_file() and not (folder / "config.json").exists() else folder
+    if path == folder and folder.is_dir():
+        from modelkit.errors import FormatError
+        from modelkit.formats import detect_format
+
+        try:
+            detect_format(folder)
+        except FormatError:
+            shown = ", ".join(sorted(p.name for p in files)[:4]) + (", ..." if len(files) > 4 else "")
+            raise click.BadParameter(f"{model_dir} holds {len(files)} entries ({shown or 'none'}) and is not a model "
+                                     "folder; give a folder holding one model file, or the model's path as MODEL",
+                                     param_hint="--model_dir") from None
     return f"{name}={path}" if name else str(path)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, taken before any model loads, so a port in use or an address this machine
+    lacks is one line of error at once, not uvicorn's log after the models loaded. uvicorn listens on it."""
+    from modelkit.errors import ConfigError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ConfigError(f"--host {host}: cannot be resolved to an address ({e.strerror or e}); "
+                          f"pass 127.0.0.1, 0.0.0.0 or one of its interfaces' addresses") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        fix = "pick another --port (0: any free one)" if e.errno == errno.EADDRINUSE else "pick another --host or --port"
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}; {fix}") from e
+    return sock
 
 
 @click.command()
@@ -79,10 +114,14 @@ def serve(models: tuple[str, ...], host: str, port: int, model_name: str | None,
     logger = logging.getLogger("modelkit")
     if logger.getEffectiveLevel() > logging.INFO and logger.level != logging.ERROR:     # -q keeps ERROR
         logger.setLevel(logging.INFO)            # a server's log: one line per request with its id
+    sock = _listening_socket(host, port)
     app = build(items, format=source_format, trust=trust, key=key, arch=arch, input_shapes=input_shapes,
                 device=device, runtime=runtime, max_batch=max_batch, batch_timeout_ms=batch_timeout_ms, max_queue=max_queue,
                 max_body_bytes=int(max_body_mb * 1024 * 1024))
-    click.echo(f"serving {', '.join(app.state.modelkit.tensors) or '-'} (v2) and {', '.join(app.state.modelkit.texts) or '-'} "
-               f"(OpenAI) on http://{host}:{port}", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=graceful_timeout)
+    routes = [f"{', '.join(names)} ({protocol})" for names, protocol in ((app.state.modelkit.tensors, "v2"),
+                                                                         (app.state.modelkit.texts, "OpenAI")) if names]
+    shown = f"[{host}]" if ":" in host else host                     # an IPv6 address in a URL
+    click.echo(f"serving {' and '.join(routes)} on http://{shown}:{sock.getsockname()[1]}", err=True)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=graceful_timeout)
+    uvicorn.Server(config).run(sockets=[sock])

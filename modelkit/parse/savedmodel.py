@@ -32,6 +32,9 @@ from modelkit.parse.protobuf import LEN, VARINT, fields, text, varint
 
 SAVED_MODEL_FILE = "saved_model.pb"
 VARIABLES_PREFIX = "variables/variables"
+# The ops that declare a variable in a graph (TF2 resource variables; TF1 ref variables): their values live in
+# the variables/ bundle, never in saved_model.pb.
+VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 MAX_ATTR_DEPTH = 16
 MAX_NODES = 5_000_000
 

@@ -34,7 +34,7 @@ from modelkit.parse.protobuf import I32, LEN, VARINT, fields, int64s, text, vari
 TABLE_MAGIC = 0xDB4775248B80FB57
 FOOTER_BYTES = 48
 TRAILER_BYTES = 5
-HEADER_KEY = ""
+HEADER_KEY = b""                # the entry holding BundleHeaderProto (shards, endianness)
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 MAX_INDEX_BYTES = 1 << 30
 MAX_ENTRIES = 1_000_000
@@ -242,7 +242,7 @@ def read_index(buf) -> Bundle:
     entries: dict[str, Entry] = {}
     for raw_key, span in table_items(buf):
         key = raw_key.decode("utf-8", "replace")
-        if raw_key == b"":
+        if raw_key == HEADER_KEY:
             header = {n: v for n, w, v in fields(buf, *span) if w == VARINT}
             num_shards = header.get(1, 1)
             if header.get(2, 0) != 0:
@@ -266,6 +266,15 @@ def read_index(buf) -> Bundle:
 def shard_name(prefix: str, shard: int, num_shards: int) -> str:
     """The data file of `shard`: PREFIX.data-00000-of-00001 (tensor_bundle.cc DataFilename)."""
     return f"{prefix}.data-{shard:05d}-of-{num_shards:05d}"
+
+
+def shard_prefix(name: str) -> str | None:
+    """PREFIX for a data file named as `shard_name` names them (PREFIX.data-00000-of-00001), else None."""
+    stem, dot, tail = name.rpartition(".data-")
+    shard, of, count = tail.partition("-of-")
+    if not (dot and stem and of and len(shard) == len(count) == 5 and shard.isdigit() and count.isdigit()):
+        return None
+    return stem
 
 
 def strings(data: bytes, count: int) -> list[bytes]:

@@ -85,42 +85,45 @@ def _is_matmul(module: nn.Module) -> bool:
                                              and module.weight.ndim == 2)
 
 
-def _tokens(model: nn.Module, tokenizer: Any, text: str) -> tuple[list[int], int | None, int, Callable[..., Any]]:
-    """The text's token ids, the BOS id to start each chunk with, the model's context, and how to run a batch."""
+def _tokens(model: nn.Module, tokenizer: Any, text: str, model_source: str = "the model",
+            ) -> tuple[list[int], int | None, int, Callable[..., Any]]:
+    """The text's token ids, the BOS id to start each chunk with, the model's context, and how to run a batch.
+    `model_source` names the model in errors (its file)."""
     from modelkit.models import hf_config_of
 
     if hf_config_of(model) is not None:
         if tokenizer is None:
-            raise ConfigError(f"computing an importance matrix for a {type(model).__name__} needs its tokenizer: the "
-                              "model carries no tokenizer.json")
+            raise ConfigError(f"{model_source}: computing an importance matrix for a {type(model).__name__} needs "
+                              "its tokenizer, and it carries no tokenizer.json; put the tokenizer files beside it")
         ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
         return ids, tokenizer.bos_token_id, int(limit or CONTEXT), lambda batch: model(input_ids=batch, use_cache=False)
     if getattr(type(model), "arch", None) == "tinylm":          # a byte-level model: the bytes are the tokens
         return list(text.encode("utf-8")), None, int(model.config.max_position_embeddings), model
-    raise ConfigError(f"an importance matrix needs a language model (tinylm or a Hugging Face causal LM), "
-                      f"not {type(model).__name__}")
+    raise ConfigError(f"{model_source}: an importance matrix needs a language model (tinylm or a Hugging Face "
+                      f"causal LM), not {type(model).__name__}")
 
 
 @torch.no_grad()
 def collect(model: nn.Module, tokenizer: Any, text: str, *, context: int | None = None, chunks: int | None = None,
-            progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, tuple[Any, Any]], int, int, int]:
+            progress: Callable[[int, int], None] | None = None, source: str = "the calibration text",
+            model_source: str = "the model") -> tuple[dict[str, tuple[Any, Any]], int, int, int]:
     """Run `model` on `text` as llama-imatrix does; returns ({GGUF name: (sums (1, n), counts (1,))}, chunks run,
-    chunk size, tokens run)."""
+    chunk size, tokens run). `source` and `model_source` name the text and the model in errors (their files)."""
     from modelkit.models import arch_spec, gguf_conventions
 
-    ids, bos, limit, run = _tokens(model, tokenizer, text)
+    ids, bos, limit, run = _tokens(model, tokenizer, text, model_source)
     context = context or min(limit, CONTEXT)
     if not 1 <= context <= limit:
-        raise ConfigError(f"--context {context}: must be between 1 and the model's context length {limit}")
+        raise ConfigError(f"--context {context}: must be between 1 and the context length of {model_source}, {limit}")
     available = len(ids) // context
     if available < 1:
-        raise ConfigError(f"the calibration text has {len(ids)} tokens, fewer than one chunk of {context}; give more "
+        raise ConfigError(f"{source}: {len(ids)} tokens, fewer than one chunk of {context}; give more "
                           "text or a smaller --context")
     n_chunks = available if chunks is None else min(chunks, available)
     rules = gguf_conventions(arch_spec(model))
     if rules is None:
-        raise ConfigError(f"{arch_spec(model).name} has no llama.cpp layout, so its weights have no GGUF names for "
+        raise ConfigError(f"{model_source}: {arch_spec(model).name} has no llama.cpp layout, so its weights have no GGUF names for "
                           "an importance matrix")
     tokens = torch.tensor(ids[:n_chunks * context], dtype=torch.long).reshape(n_chunks, context)
     if bos is not None:
@@ -128,7 +131,7 @@ def collect(model: nn.Module, tokenizer: Any, text: str, *, context: int | None 
     device = next(model.parameters()).device
     collector = _Collector(model, dict(rules.names))
     if not collector.handles:
-        raise ConfigError(f"no layer of {type(model).__name__} has a llama.cpp weight name under {LAYER_PREFIX}*")
+        raise ConfigError(f"{model_source}: no layer of {type(model).__name__} has a llama.cpp weight name under {LAYER_PREFIX}*")
     was_training = model.training
     model.eval()
     try:
@@ -178,10 +181,12 @@ def compute_imatrix(model_path: PathLike, data: PathLike, out: PathLike, *, cont
         text = Path(data).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{data}: cannot read it as UTF-8 text ({e})") from e
+    if not text.strip():                                        # before loading the model
+        raise ConfigError(f"{data}: no calibration text in it; give --data a file of text like the model's inputs")
     loaded = load_language_model(model_path, format=source_format, arch=arch, trust=trust, key=key)
     model = loaded.model.to(distributed.resolve_device(device, distributed.DistInfo()))
     entries, n_chunks, chunk_size, tokens = collect(model, loaded.tokenizer, text, context=context, chunks=chunks,
-                                                    progress=progress)
+                                                    progress=progress, source=str(data), model_source=str(model_path))
     datasets = [str(data)]
     size = write_imatrix(out, entries, datasets=datasets, chunk_count=n_chunks, chunk_size=chunk_size, force=force)
     from modelkit.models import arch_spec

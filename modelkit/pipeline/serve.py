@@ -67,7 +67,7 @@ def model_names(paths: Sequence[PathLike] | Mapping[str, PathLike]) -> dict[str,
             path = Path(rest)
         else:
             path = Path(text)
-            name = path.name if path.is_dir() else path.stem
+            name = path.resolve().name if path.is_dir() else path.stem      # resolved: "." is its folder's name
         if name in named:
             raise ConfigError(f"two models are named {name!r} ({named[name]} and {path}); name them: NAME=PATH")
         named[name] = path
@@ -246,6 +246,10 @@ def build_app(models: Mapping[str, Any], options: ServeOptions, metrics: Metrics
     metrics = metrics or Metrics()
     tensors = {n: m for n, m in models.items() if isinstance(m, TensorModel)}
     texts = {n: m for n, m in models.items() if n not in tensors}
+    slashed = [n for n in tensors if "/" in n or not n]
+    if slashed:
+        raise ConfigError(f"model name {slashed[0]!r}: a v2 model's name must be non-empty without '/' (its routes "
+                          "are /v2/models/NAME/...); give another with NAME=PATH")
     state = _State(tensors, texts, options, metrics)
 
     @contextlib.asynccontextmanager
