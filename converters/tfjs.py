@@ -56,6 +56,7 @@ from modelkit.parse import keras as keras_json
 from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse.detect import tfjs as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import dtypes
+from modelkit.storage.tensors import decode_tfjs_codes
 
 MODEL_JSON = "model.json"
 DEFAULT_SHARD_SIZE = 4 * 1024 * 1024        # tensorflowjs_converter's weight_shard_size_bytes default
@@ -63,6 +64,8 @@ FORMAT = "layers-model"
 METADATA_KEY = "userDefinedMetadata"
 KERAS_VERSION = "tfjs-layers 4.22.0"        # what tfjs-layers' own model.save writes
 # Checkpoint dtype -> (manifest dtype, quantization) as TF.js decodes it (io_utils.ts decodeWeight).
+# A QuantizedTensor of this layout (modelkit.quantizers.tfjs_uint) is written as TF.js's uint8/uint16 weights.
+QUANTIZED_LAYOUT = "tfjs"
 _WRITTEN = {"float32": ("float32", None), "float16": ("float32", {"dtype": "float16"}), "int32": ("int32", None)}
 
 
@@ -175,9 +178,8 @@ def _lazy(file: Path, weight: tfjs_json.Weight, files: list[tuple[str, int]], of
     out = dtypes.DTYPES["int32" if original == "int32" else "float32"]
 
     def dequantize() -> np.ndarray:
-        values = _bytes(files, offset, weight.nbytes).view(stored).astype(np.float32) * np.float32(scale) + np.float32(low)
-        values = np.round(values).astype(np.int32) if out.name == "int32" else values
-        return values.reshape(weight.shape)
+        codes = _bytes(files, offset, weight.nbytes).view(stored)
+        return decode_tfjs_codes(codes, float(low), float(scale), integer=out.name == "int32").reshape(weight.shape)
     return LazyTensor(out, weight.shape, dequantize, source)
 
 
@@ -274,9 +276,10 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     order = _order(plan)
     for name in order:
         entry = ckpt.tensors[name]
-        if isinstance(entry, QuantizedTensor):
+        if isinstance(entry, QuantizedTensor) and entry.layout != QUANTIZED_LAYOUT:
             raise UnsupportedConversionError("quantized checkpoint", "tfjs", f"tensor {name!r} is quantized "
-                                             f"({entry.scheme}); dequantize it first")
+                                             f"({entry.scheme}); TF.js stores its own uint8/uint16 weights "
+                                             "(--scheme tfjs-uint8 or tfjs-uint16): quantize the float model so")
         if entry.dtype.name not in _WRITTEN:
             raise UnsupportedConversionError(source, "tfjs", f"tensor {name!r} is {entry.dtype.name}; TF.js reads "
                                              "float32, float16 and int32 weights: convert with --dtype f32 or f16")
@@ -288,6 +291,9 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     for name in order:
         target, entry = plan.targets[name], ckpt.tensors[name]
         dtype, quantization = _WRITTEN[entry.dtype.name]
+        if isinstance(entry, QuantizedTensor):        # TF.js's uint8/uint16 codes with their min and scale
+            quantization = {"dtype": entry.params["dtype"], "min": entry.params["min"],
+                            "scale": entry.params["scale"], "original_dtype": dtype}
         spec: dict[str, Any] = {"name": f"{target.path}/{target.weight}", "shape": list(target.shape), "dtype": dtype}
         if quantization is not None:
             spec["quantization"] = quantization
@@ -305,7 +311,9 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     with _Shards(path, paths, shard_size) as out:
         for name in order:
             target = plan.targets[name]
-            out.write(np.ascontiguousarray(target.to_keras(ckpt.tensors[name].array())))
+            entry = ckpt.tensors[name]
+            stored = entry.parts["qdata"] if isinstance(entry, QuantizedTensor) else entry
+            out.write(np.ascontiguousarray(target.to_keras(stored.array())))
     (path / MODEL_JSON).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
 
 
