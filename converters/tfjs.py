@@ -40,9 +40,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -50,16 +51,26 @@ from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, Quan
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, json_object
-from modelkit.models.keras_plan import TRANSFORM_NAMES, KerasPlan, keras_plan, torch_shape, transforms
+from modelkit.models.keras_plan import (
+    TRANSFORM_NAMES,
+    KerasPlan,
+    keras_pieces,
+    keras_plan,
+    torch_shape,
+    transforms,
+    transpose_into,
+)
 from modelkit.models.plugin import KerasWeight
 from modelkit.parse import keras as keras_json
 from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse.detect import tfjs as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import dtypes
+from modelkit.storage.mapped import FileSpan, MappedFile
 from modelkit.storage.tensors import decode_tfjs_codes
 
 MODEL_JSON = "model.json"
 DEFAULT_SHARD_SIZE = 4 * 1024 * 1024        # tensorflowjs_converter's weight_shard_size_bytes default
+_PIECE = 4 * 1024 * 1024                    # a large Dense kernel is transposed and written this much at a time
 FORMAT = "layers-model"
 METADATA_KEY = "userDefinedMetadata"
 KERAS_VERSION = "tfjs-layers 4.22.0"        # what tfjs-layers' own model.save writes
@@ -112,36 +123,26 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     except ParseError as e:
         raise FormatError(file, str(e)) from e
     tensors: dict[str, LazyTensor] = {}
+    pieces: dict[str, Callable[[], list[np.ndarray]]] = {}
     for group, names in zip(model.groups, shards, strict=True):
-        files = [(name, os.stat(name).st_size) for name in names]      # checked against the manifest just now
+        # sizes checked against the manifest just now; each shard mapped into memory on first use
+        files = [_Shard(MappedFile(Path(name)), os.stat(name).st_size) for name in names]
         offset = 0
         for weight in group.weights:
             if weight.name in tensors:
                 raise FormatError(file, f"weight {weight.name!r} appears twice in the manifest")
             tensors[weight.name] = _lazy(file, weight, files, offset)
+            if weight.quantization is None:
+                pieces[weight.name] = partial(_pieces, files, offset, weight.nbytes)
             offset += weight.nbytes
     metadata, arch = _metadata(file, model.document.get(METADATA_KEY))
     names = metadata.pop(NAMES_KEY, None)
-    return _torch_names(file, Checkpoint(tensors=tensors, metadata=metadata, arch=arch), names)
-
-
-_SHOWN = ("units", "filters", "kernel_size", "strides", "padding", "activation", "pool_size", "rate", "axis",
-          "batch_input_shape", "batch_shape", "target_shape", "input_dim", "output_dim")
+    return _torch_names(file, Checkpoint(tensors=tensors, metadata=metadata, arch=arch), names, pieces)
 
 
 def layers(path: Path) -> list[dict[str, str]]:
     """The topology's layers, for `modelkit inspect`: name, Keras class and the arguments that shape it."""
-    file = model_json(path)
-    config = _model(file).config or {}
-    items = config.get("config", {}).get("layers", []) if isinstance(config.get("config"), dict) else []
-    shown = []
-    for item in items if isinstance(items, list) else []:
-        if not isinstance(item, dict):
-            continue
-        args = item.get("config") if isinstance(item.get("config"), dict) else {}
-        shown.append({"name": str(args.get("name", item.get("name", "")))[:80], "class": str(item.get("class_name"))[:80],
-                      "config": ", ".join(f"{k}={json.dumps(args[k])}" for k in _SHOWN if k in args)[:160]})
-    return shown
+    return keras_json.describe_layers(_model(model_json(path)).config or {})
 
 
 def _metadata(file: Path, given: Any) -> tuple[dict[str, str], ArchSpec | None]:
@@ -156,7 +157,12 @@ _DECODED = {"float32": "float32", "int32": "int32", "float16": "float16", "uint8
             "uint16": "uint16", "int16": "int16"}
 
 
-def _lazy(file: Path, weight: tfjs_json.Weight, files: list[tuple[str, int]], offset: int) -> LazyTensor:
+class _Shard(NamedTuple):
+    file: MappedFile
+    size: int                       # what the manifest declares, checked when the model was opened
+
+
+def _lazy(file: Path, weight: tfjs_json.Weight, files: list[_Shard], offset: int) -> LazyTensor:
     """One manifest weight at `offset` in its group's shards, decoded as TF.js decodes it."""
     q = weight.quantization
     source = f"{file}:{weight.name}"
@@ -165,11 +171,11 @@ def _lazy(file: Path, weight: tfjs_json.Weight, files: list[tuple[str, int]], of
     if q is None:
         dtype = dtypes.DTYPES[_DECODED[weight.dtype]]
         return LazyTensor(dtype, weight.shape, lambda: _bytes(files, offset, weight.nbytes).view(dtype.numpy)
-                          .reshape(weight.shape), source)
+                          .reshape(weight.shape), source, span=_span(files, offset, weight.nbytes))
     if q["dtype"] == "float16":
         dtype = dtypes.DTYPES["float16"]
         return LazyTensor(dtype, weight.shape, lambda: _bytes(files, offset, weight.nbytes).view(np.float16)
-                          .reshape(weight.shape), source)
+                          .reshape(weight.shape), source, span=_span(files, offset, weight.nbytes))
     scale, low = q.get("scale"), q.get("min", 0.0)
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (scale, low)):
         raise FormatError(file, f"weight {weight.name!r} is {q['dtype']}-quantized without a finite scale and min")
@@ -183,30 +189,65 @@ def _lazy(file: Path, weight: tfjs_json.Weight, files: list[tuple[str, int]], of
     return LazyTensor(out, weight.shape, dequantize, source)
 
 
-def _bytes(files: list[tuple[str, int]], offset: int, nbytes: int) -> np.ndarray:
-    """`nbytes` bytes at `offset` of the group's shards (name, size) taken end to end (a weight may straddle
-    shards)."""
-    out = np.empty(nbytes, dtype=np.uint8)
-    done = 0
-    for name, size in files:
-        if done == nbytes:
-            return out
-        if offset >= size:
-            offset -= size
+def _pieces(files: list[_Shard], offset: int, nbytes: int) -> list[np.ndarray]:
+    """`nbytes` bytes at `offset` of the group's shards taken end to end (a weight may straddle shards), as
+    uint8 views of the mapped shards, one per shard it lies in: nothing is copied."""
+    pieces = []
+    for shard in files:
+        if nbytes == 0:
+            break
+        if offset >= shard.size:
+            offset -= shard.size
             continue
-        want = min(size - offset, nbytes - done)
-        with open(name, "rb") as f:
-            f.seek(offset)
-            if f.readinto(memoryview(out)[done:done + want]) != want:
-                break
-        done, offset = done + want, 0
-    if done == nbytes:
-        return out
-    raise FormatError(files[-1][0] if files else "<shards>", "the weight shards changed since the model was opened "
-                      "(shorter than the manifest says)")
+        if os.stat(shard.file.path).st_size != shard.size:
+            raise FormatError(shard.file.path, "the weight shards changed since the model was opened "
+                              "(not the size the manifest says)")
+        want = min(shard.size - offset, nbytes)
+        pieces.append(shard.file.view(offset, want, "a weight"))
+        nbytes, offset = nbytes - want, 0
+    if nbytes:
+        raise FormatError(files[-1].file.path if files else "<shards>", "the weight shards changed since the model "
+                          "was opened (shorter than the manifest says)")
+    return pieces
 
 
-def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None) -> Checkpoint:
+def _bytes(files: list[_Shard], offset: int, nbytes: int) -> np.ndarray:
+    """The weight's bytes as one uint8 array: a view of its shard, or joined where it straddles shards."""
+    pieces = _pieces(files, offset, nbytes)
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
+
+
+def _span(files: list[_Shard], offset: int, nbytes: int) -> FileSpan | None:
+    """Where the weight's bytes lie, when they lie in one shard (writers then copy them in the kernel)."""
+    for shard in files:
+        if offset < shard.size:
+            return shard.file.span(offset, nbytes) if offset + nbytes <= shard.size and nbytes else None
+        offset -= shard.size
+    return None
+
+
+def _dense_kernel_from_pieces(pieces: list[np.ndarray], dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A Keras Dense kernel (in, out) stored across `pieces` (uint8 views of the shards), transposed straight
+    into torch's (out, in): each piece's whole rows tile by tile, a row cut by a shard boundary joined first."""
+    rows, cols = shape
+    result = np.empty((cols, rows), dtype=dtype)
+    row_bytes, row, carry = cols * dtype.itemsize, 0, None
+    for data in pieces:
+        if carry is not None:                      # the rest of a row the last shard began
+            need = row_bytes - len(carry)
+            result[:, row] = np.concatenate([carry, data[:need]]).view(dtype)
+            data, row, carry = data[need:], row + 1, None
+        whole = len(data) // row_bytes
+        if whole:
+            transpose_into(result[:, row:row + whole], data[:whole * row_bytes].view(dtype).reshape(whole, cols))
+            row += whole
+        if len(data) > whole * row_bytes:
+            carry = data[whole * row_bytes:]
+    return result
+
+
+def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None,
+                 pieces: dict[str, Callable[[], list[np.ndarray]]]) -> Checkpoint:
     """The torch state_dict names and layouts back, where the file records them (modelkit's NAMES_KEY:
     state_dict name -> {"weight", "transform", "flatten"}, transforms from a closed set of transposes and
     reshapes); anything else as the manifest names it ("dense/kernel"), in Keras layouts."""
@@ -229,12 +270,18 @@ def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None) -> Checkpoint:
         if shape is None:
             raise FormatError(file, f"{NAMES_KEY} entry {name!r}: {weight} {list(stored.shape)} does not take the "
                               f"{transform} layout")
-        tensors[name] = _in_torch_layout(stored, back, shape)
+        if transform == "dense_kernel" and len(shape) == 2 and weight in pieces:
+            tensors[name] = LazyTensor(stored.dtype, shape, lambda w=pieces[weight], s=stored: _dense_kernel_from_pieces(
+                w(), s.dtype.numpy, s.shape), stored.source)
+        else:
+            tensors[name] = _in_torch_layout(stored, back, shape, same=transform == "same")
     return Checkpoint(tensors={**tensors, **ckpt.tensors}, metadata=ckpt.metadata, arch=ckpt.arch)
 
 
-def _in_torch_layout(stored: LazyTensor, back: Any, shape: tuple[int, ...]) -> LazyTensor:
-    return LazyTensor(stored.dtype, shape, lambda: np.ascontiguousarray(back(stored.array())), stored.source)
+def _in_torch_layout(stored: LazyTensor, back: Any, shape: tuple[int, ...], *, same: bool = False) -> LazyTensor:
+    """`stored` (Keras layout) read through `back`; `same`: no transform, so its bytes keep their file span."""
+    return LazyTensor(stored.dtype, shape, lambda: np.ascontiguousarray(back(stored.array())), stored.source,
+                      span=stored.span if same else None)
 
 
 def adopt_arch(ckpt: Checkpoint) -> Checkpoint:
@@ -313,7 +360,8 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
             target = plan.targets[name]
             entry = ckpt.tensors[name]
             stored = entry.parts["qdata"] if isinstance(entry, QuantizedTensor) else entry
-            out.write(np.ascontiguousarray(target.to_keras(stored.array())))
+            for piece in keras_pieces(target, stored.array(), _PIECE):
+                out.write(piece)
     (path / MODEL_JSON).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
 
 

@@ -91,3 +91,23 @@ def marshalled_code(text: str) -> bool:
     except binascii.Error:
         return False
     return len(raw) >= 5 and raw[0] in _CODE_TYPES and int.from_bytes(raw[1:5], "little") < 256
+
+
+# The arguments `describe_layers` shows: those that shape a layer.
+_SHOWN = ("units", "filters", "kernel_size", "strides", "padding", "activation", "pool_size", "rate", "axis",
+          "batch_input_shape", "batch_shape", "target_shape", "input_dim", "output_dim")
+
+
+def describe_layers(config) -> list[dict[str, str]]:
+    """A Keras model config's layers, for `modelkit inspect`: name, class and the arguments that shape it
+    (each cut short; entries that are not objects skipped)."""
+    inner = config.get("config") if isinstance(config, dict) else None
+    items = inner.get("layers", []) if isinstance(inner, dict) else []
+    shown = []
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict):
+            continue
+        args = item.get("config") if isinstance(item.get("config"), dict) else {}
+        shown.append({"name": str(args.get("name", item.get("name", "")))[:80], "class": str(item.get("class_name"))[:80],
+                      "config": ", ".join(f"{k}={json.dumps(args[k])}" for k in _SHOWN if k in args)[:160]})
+    return shown

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from modelkit.errors import ModelkitError, OutputExistsError
@@ -25,7 +26,8 @@ def check_output(path: Path, *, force: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions: tuple[str, ...] = ()) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], *, force: bool = False,
+                companions: tuple[str | tuple[str, str], ...] = ()) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success fsync it and rename it to `path`.
 
     The yielded path has the output's own name inside a new temporary folder beside the target
@@ -37,7 +39,11 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions
     `companions` are suffixes of sidecar files the writer may create next to the output (ONNX
     external data: ".data"), named as they will be called; on success each sidecar is renamed into
     place first and the output last, and a sidecar of an earlier output that this one does not have
-    is removed. On error the temporary folder goes, sidecars and all.
+    is removed. A companion (ending, replacement) names a sidecar that replaces the end of the
+    output's name (Keras's architecture beside its weights: (".weights.h5", ".json") makes
+    "m.weights.h5" -> "m.json"), for outputs whose name has that ending; an existing one needs `force`
+    like the output, and one this output does not write is left alone. On error the temporary folder
+    goes, sidecars and all.
 
     Example:
         >>> with atomic_path("model.safetensors", force=True) as tmp:   # doctest: +SKIP
@@ -45,22 +51,35 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions
     """
     target = Path(path)
     check_output(target, force=force)
+    named = [(name, isinstance(companion, str)) for companion in companions
+             if (name := sidecar_name(target.name, companion)) is not None]
+    for name, appended in named:
+        if not appended and not force and target.with_name(name).exists():
+            raise OutputExistsError(target.with_name(name))
     folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     tmp = folder / target.name
     try:
         yield tmp
         if not tmp.is_file():
             raise ModelkitError(f"internal error: the writer left no file at {tmp}")
-        for suffix in companions:
-            sidecar, final = folder / f"{target.name}{suffix}", target.with_name(f"{target.name}{suffix}")
+        for name, appended in named:
+            sidecar, final = folder / name, target.with_name(name)
             if sidecar.is_file():
                 _commit(sidecar, final)
-            elif final.is_file():               # the earlier output's sidecar: not this one's
+            elif appended and final.is_file():     # the earlier output's sidecar: not this one's
                 final.unlink()
         os.chmod(tmp, 0o666 & ~_umask())
         _commit(tmp, target)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def sidecar_name(name: str, companion: str | tuple[str, str]) -> str | None:
+    """The file name of an output's sidecar (see atomic_path's `companions`), None where it has none."""
+    if isinstance(companion, str):
+        return f"{name}{companion}"
+    ending, replacement = companion
+    return f"{name.removesuffix(ending)}{replacement}" if name.endswith(ending) and name != ending else None
 
 
 def sync_in_background(path: Path) -> Callable[..., None]:
@@ -76,9 +95,7 @@ def sync_in_background(path: Path) -> Callable[..., None]:
 
     def sync() -> None:
         try:
-            for file in ([path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())):
-                with open(file, "rb") as f:
-                    os.fsync(f.fileno())
+            fsync_files([path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()))
         except OSError as e:
             failure.append(e)
 
@@ -91,6 +108,27 @@ def sync_in_background(path: Path) -> Callable[..., None]:
             raise failure[0]
 
     return wait
+
+
+_SYNC_THREADS = 8
+
+
+def fsync_files(files: list[Path]) -> None:
+    """fsync every file, several at a time: a journaling filesystem (ext4's jbd2) commits the fsyncs that
+    arrive together in one transaction, where one after another each waits for a commit of its own (256
+    4 MiB shards: about 3x faster with 8 threads, measured 2026-11-25 on the 2-core VM). Raises the first
+    error."""
+    def sync(file: Path) -> None:
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+
+    if len(files) <= 1:
+        for file in files:
+            sync(file)
+        return
+    with ThreadPoolExecutor(max_workers=min(_SYNC_THREADS, len(files)), thread_name_prefix="modelkit-fsync") as pool:
+        for _ in pool.map(sync, files):
+            pass
 
 
 def _commit(tmp: Path, target: Path) -> None:
@@ -114,9 +152,7 @@ def atomic_dir(path: str | os.PathLike[str], *, force: bool = False) -> Iterator
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
-        for child in tmp.iterdir():
-            with open(child, "rb") as f:
-                os.fsync(f.fileno())
+        fsync_files(sorted(tmp.iterdir()))
         if target.exists():
             backup = target.with_name(f".{target.name}.old")
             os.replace(target, backup)
