@@ -21,13 +21,18 @@ Layout of a folder modelkit writes:
 
 Weights are stored as Keras holds them (Dense kernel (in, out), Conv2D (kh, kw, in, out), channels_last,
 a Dense after Flatten with its rows in Keras's (H, W, C) order): modelkit.models.keras_plan. float32 as
-`"dtype": "float32"`; float16 as TF.js reads it, `"dtype": "float32", "quantization": {"dtype": "float16"}`.
+`"dtype": "float32"`; float16 as TF.js reads it, `"dtype": "float32", "quantization": {"dtype": "float16"}`;
+TF.js's uint8/uint16 codes (QuantizedTensors of layout "tfjs", from `modelkit quantize --scheme tfjs-uint8`)
+as `"quantization": {"dtype": "uint8", "min", "scale", "original_dtype": "float32"}`. A large Dense kernel
+is transposed and written in bands (keras_plan.keras_pieces), never copied whole.
 A checkpoint without a Keras layout (no mlp, cnn or user Sequential) cannot be a Layers model and is refused.
 
 Reading (ours and TF.js's or tensorflowjs_converter's): the topology with or without the `model_config`
 wrapper, any number of groups and shards, float32, int32, float16 (plain or as quantization), and the
 quantized uint8/uint16 weights with `quantization: {dtype, min, scale}` or `{dtype, scale, original_dtype}`
-(dequantized: q * scale + min, as TF.js does). The JSON and the manifest are read by modelkit.parse.tfjs
+(decoded as TF.js does: q * scale + min in double precision, then float32). Shards are mapped into memory
+and weights are views of them (a Dense kernel is transposed straight from the pages into torch's layout).
+The JSON and the manifest are read by modelkit.parse.tfjs
 (size caps, every shard path inside the folder, the shards' sizes equal to what the manifest declares)
 and the file goes through the scanner's gate (a Lambda layer carrying code is refused). A file whose
 `userDefinedMetadata` records modelkit's names ("modelkit.names": state_dict name -> manifest weight and
