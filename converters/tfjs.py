@@ -45,7 +45,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -389,22 +391,41 @@ def _order(plan: KerasPlan) -> list[str]:
 
 
 class _Shards:
-    """Bytes written end to end into the named shard files, each `size` bytes but the last."""
+    """Bytes written end to end into the named shard files, each `size` bytes but the last, on a thread of
+    their own: `write` returns once the piece before this one is written, so the caller makes the next piece
+    (a transposed band) while this one goes to the page cache, and may reuse the buffer of two pieces ago."""
 
     def __init__(self, folder: Path, names: list[str], size: int) -> None:
         self.names: Iterator[str] = iter(names)
         self.folder, self.size, self.file, self.room = folder, size, None, 0
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelkit-shards")
+        self.pending: deque[Future[None]] = deque()
 
     def __enter__(self) -> _Shards:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self.file is not None:
-            self.file.close()
-        for name in self.names:                      # a model without weights still gets its (empty) shard
-            (self.folder / name).write_bytes(b"")
+    def __exit__(self, kind: object, *exc: object) -> None:
+        try:
+            while self.pending:                      # the writes' own errors surface here
+                future = self.pending.popleft()
+                if kind is None:
+                    future.result()
+                else:
+                    future.exception()
+        finally:
+            self.thread.shutdown(wait=True)
+            if self.file is not None:
+                self.file.close()
+        if kind is None:
+            for name in self.names:                  # a model without weights still gets its (empty) shard
+                (self.folder / name).write_bytes(b"")
 
     def write(self, array: np.ndarray) -> None:
+        self.pending.append(self.thread.submit(self._write, array))
+        if len(self.pending) > 1:
+            self.pending.popleft().result()
+
+    def _write(self, array: np.ndarray) -> None:
         data = memoryview(array.reshape(-1).view(np.uint8))
         while len(data):
             if self.room == 0:

@@ -55,15 +55,16 @@ def _dense_kernel(w: np.ndarray) -> np.ndarray:
 
 def keras_pieces(target: KerasTarget, array: np.ndarray, piece_bytes: int) -> Iterator[np.ndarray]:
     """`target.to_keras(array)` as contiguous pieces in order, for writers that stream: a large Dense kernel
-    in bands of whole Keras rows (about `piece_bytes` each) transposed into one reused buffer, each valid
-    until the next is asked for, so no kernel-sized copy is made; anything else in one piece."""
+    in bands of whole Keras rows (about `piece_bytes` each) transposed into two buffers in turn, each band
+    valid until the one after next is asked for (a writer may still be writing one while the next is made),
+    so no kernel-sized copy is made; anything else in one piece."""
     if target.spec.transform != "dense_kernel" or array.ndim != 2 or array.size < 1 << 20:
         yield np.ascontiguousarray(target.to_keras(array))
         return
     rows = max(1, piece_bytes // (array.shape[0] * array.itemsize))      # Keras rows = the source's columns
-    buffer = np.empty((min(rows, array.shape[1]), array.shape[0]), dtype=array.dtype)
-    for start in range(0, array.shape[1], rows):
-        band = buffer[:min(rows, array.shape[1] - start)]
+    buffers = [np.empty((min(rows, array.shape[1]), array.shape[0]), dtype=array.dtype) for _ in range(2)]
+    for n, start in enumerate(range(0, array.shape[1], rows)):
+        band = buffers[n % 2][:min(rows, array.shape[1] - start)]
         transpose_into(band, array[:, start:start + rows])
         yield band
 
