@@ -59,19 +59,20 @@ from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, json_object
 from modelkit.models.keras_plan import (
-    TRANSFORM_NAMES,
     KerasPlan,
+    in_torch_layout,
     keras_pieces,
     keras_plan,
+    names_record,
+    torch_names,
     torch_shape,
-    transforms,
     transpose_into,
 )
-from modelkit.models.plugin import KerasWeight
 from modelkit.parse import keras as keras_json
 from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse.detect import tfjs as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import dtypes
+from modelkit.storage.atomic import file_finished
 from modelkit.storage.mapped import FileSpan, MappedFile
 from modelkit.storage.tensors import decode_tfjs_codes
 
@@ -261,34 +262,17 @@ def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None,
     if raw is None:
         return ckpt
     names = json_object(file, NAMES_KEY, raw, what="the torch name of each weight")
-    tensors: dict[str, LazyTensor] = {}
-    for name, entry in names.items():
-        weight = entry.get("weight") if isinstance(entry, dict) else None
-        transform = entry.get("transform") if isinstance(entry, dict) else None
-        flatten = entry.get("flatten") if isinstance(entry, dict) else None
-        if weight not in ckpt.tensors or transform not in TRANSFORM_NAMES or not (
-                flatten is None or isinstance(flatten, list) and len(flatten) == 3
-                and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in flatten)):
-            raise FormatError(file, f"{NAMES_KEY} entry {name!r} is not a manifest weight with a known transform")
-        stored = ckpt.tensors.pop(weight)
-        spec = KerasWeight(name, weight, transform, tuple(flatten) if flatten else None)
-        _, back = transforms(spec)
-        shape = torch_shape(spec, stored.shape)
-        if shape is None:
-            raise FormatError(file, f"{NAMES_KEY} entry {name!r}: {weight} {list(stored.shape)} does not take the "
-                              f"{transform} layout")
+    tensors = torch_names(ckpt.tensors, names, lambda reason: FormatError(file, f"{NAMES_KEY} {reason}"))
+    for name, entry in names.items():           # checked by torch_names: a stored weight, a known transform
+        weight, transform = entry["weight"], entry["transform"]
+        stored, shape = ckpt.tensors[weight], tensors[name].shape
         if transform == "dense_kernel" and len(shape) == 2 and weight in pieces:
+            # straight from the mapped shards into torch's layout, no joined copy first
             tensors[name] = LazyTensor(stored.dtype, shape, lambda w=pieces[weight], s=stored: _dense_kernel_from_pieces(
                 w(), s.dtype.numpy, s.shape), stored.source)
-        else:
-            tensors[name] = _in_torch_layout(stored, back, shape, same=transform == "same")
-    return Checkpoint(tensors={**tensors, **ckpt.tensors}, metadata=ckpt.metadata, arch=ckpt.arch)
-
-
-def _in_torch_layout(stored: LazyTensor, back: Any, shape: tuple[int, ...], *, same: bool = False) -> LazyTensor:
-    """`stored` (Keras layout) read through `back`; `same`: no transform, so its bytes keep their file span."""
-    return LazyTensor(stored.dtype, shape, lambda: np.ascontiguousarray(back(stored.array())), stored.source,
-                      span=stored.span if same else None)
+        elif transform == "same" and stored.span is not None:      # the same bytes: writers copy them file to file
+            tensors[name] = LazyTensor(stored.dtype, shape, stored.reader, stored.source, span=stored.span)
+    return Checkpoint(tensors=tensors, metadata=ckpt.metadata, arch=ckpt.arch)
 
 
 def adopt_arch(ckpt: Checkpoint) -> Checkpoint:
@@ -306,7 +290,7 @@ def adopt_arch(ckpt: Checkpoint) -> Checkpoint:
     if len(entries) != len(order) or any(not isinstance(e, LazyTensor) or tuple(e.shape) != plan.targets[n].shape
                                          for e, n in zip(entries, order, strict=True)):
         return ckpt
-    tensors = {name: _in_torch_layout(entry, plan.targets[name].from_keras,
+    tensors = {name: in_torch_layout(entry, plan.targets[name].from_keras,
                                       torch_shape(plan.targets[name].spec, entry.shape))
                for entry, name in zip(entries, order, strict=True)}
     return Checkpoint(tensors=tensors, metadata=ckpt.metadata, arch=ckpt.arch)
@@ -353,9 +337,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
             spec["quantization"] = quantization
         weights.append(spec)
     metadata = dict(ckpt.metadata)
-    metadata[NAMES_KEY] = json.dumps({name: {"weight": f"{t.path}/{t.weight}", "transform": t.spec.transform,
-                                             **({"flatten": list(t.spec.flatten)} if t.spec.flatten else {})}
-                                      for name in order for t in [plan.targets[name]]}, separators=(",", ":"))
+    metadata[NAMES_KEY] = names_record(plan, order, lambda t: f"{t.path}/{t.weight}")
     if ckpt.arch is not None:
         metadata[ARCH_KEY] = ckpt.arch.to_json()
     document = {"format": FORMAT, "generatedBy": _version(), "convertedBy": _version(),
@@ -414,8 +396,7 @@ class _Shards:
                     future.exception()
         finally:
             self.thread.shutdown(wait=True)
-            if self.file is not None:
-                self.file.close()
+            self._close()
         if kind is None:
             for name in self.names:                  # a model without weights still gets its (empty) shard
                 (self.folder / name).write_bytes(b"")
@@ -425,12 +406,18 @@ class _Shards:
         if len(self.pending) > 1:
             self.pending.popleft().result()
 
+    def _close(self) -> None:
+        """Close the shard being written; its write-back starts now (storage.atomic.file_finished)."""
+        if self.file is not None:
+            self.file.close()
+            file_finished(Path(self.file.name))
+            self.file = None
+
     def _write(self, array: np.ndarray) -> None:
         data = memoryview(array.reshape(-1).view(np.uint8))
         while len(data):
             if self.room == 0:
-                if self.file is not None:
-                    self.file.close()
+                self._close()
                 self.file, self.room = open(self.folder / next(self.names), "wb"), self.size
             n = min(self.room, len(data))
             self.file.write(data[:n])
