@@ -33,7 +33,7 @@ _HARNESS = textwrap.dedent('''
     import json, os, shutil, sys, threading, time
     import torch, safetensors.torch, modelkit, modelkit.pipeline.convert
     from modelkit.formats import load_format
-    for name in ("gguf", "hdf5", "pth", "safetensors"):
+    for name in ("gguf", "hdf5", "pth", "safetensors", "tfjs"):
         load_format(name)
 
     def rss_anon():
@@ -63,7 +63,14 @@ _HARNESS = textwrap.dedent('''
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     started = time.perf_counter()
-    if kind == "copy":       # as a careful copy writes: a new file, fsync, rename (what modelkit does too)
+    if kind == "copy" and os.path.isdir(src):     # a folder (TF.js shards): each file copied and fsynced
+        tmp = dst + ".tmp"
+        shutil.copytree(src, tmp)
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    elif kind == "copy":     # as a careful copy writes: a new file, fsync, rename (what modelkit does too)
         tmp = dst + ".tmp"
         shutil.copyfile(src, tmp)
         with open(tmp, "rb+") as f:
@@ -116,8 +123,9 @@ def measure(src: Path, dst: Path, kind: str, runs: int = 5) -> dict[str, float]:
     copy baseline and every conversion get the same treatment."""
     best: dict[str, float] | None = None
     for attempt in range(runs + 1):
-        if dst.exists():
-            dst.unlink() if dst.is_file() else __import__("shutil").rmtree(dst)
+        folder = dst.parent if dst.name == "model.json" else dst        # a TF.js model is its folder
+        if folder.exists():
+            folder.unlink() if folder.is_file() else __import__("shutil").rmtree(folder)
         subprocess.run(["sync"], check=False)
         result = subprocess.run([sys.executable, "-c", _HARNESS, str(src), str(dst), kind],
                                 capture_output=True, text=True, check=False)
@@ -131,11 +139,18 @@ def measure(src: Path, dst: Path, kind: str, runs: int = 5) -> dict[str, float]:
     return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(description: str, *, runs: bool = False) -> argparse.Namespace:
+    """--size-mib, --dir (and --runs): the options of this bench and of those that reuse its harness."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--size-mib", type=int, default=1024)
+    if runs:
+        parser.add_argument("--runs", type=int, default=5, help="timed runs of each conversion (after a warm-up)")
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0])
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         folder = Path(scratch)
         paths = make_checkpoint(folder, args.size_mib)

@@ -1,10 +1,12 @@
 """The TensorFlow.js judge: TF.js 4.22 itself loads the Layers models modelkit writes and runs them.
 
-For each case (the zoo's mlp and cnn built with seed 0; float32, float16, and a cnn cut into 100 KB shards
-so that weights straddle shards; a user's own Sequential of conv, batch norm, pooling, GELU, softmax), this writes the TF.js model with `modelkit.convert`, runs
+For each case (the zoo's mlp and cnn built with seed 0; float32, float16, TF.js's uint8/uint16 quantized
+weights (modelkit quantize --scheme tfjs-uint8), and a cnn cut into 100 KB shards so that weights straddle
+shards; a user's own Sequential of conv, batch norm, pooling, GELU, softmax), this writes the TF.js model with `modelkit.convert`, runs
 bench/tfjs_judge.mjs in node (`tf.loadLayersModel` with an fs IO handler, the pure JavaScript CPU backend)
 on seeded inputs, compares TF.js's outputs with torch's (the f16 case: torch with the same float16-rounded
-weights) and records the verdicts in fixtures/tfjs/judge.json: the inputs, TF.js's outputs, the sha256 of
+weights; the quantized cases: torch with the weights modelkit reads back, and the float model for the
+quantization error) and records the verdicts in fixtures/tfjs/judge.json: the inputs, TF.js's outputs, the sha256 of
 the files modelkit wrote, the TF.js version and the measured max abs difference. It also has TF.js write a
 model of its own (fixtures/tfjs/tfjs_written/, with TF.js's predictions) for the reader to be judged on. tests/test_tfjs.py checks
 that record without node: the same files come out, and torch is within the pinned tolerance of TF.js.
@@ -32,8 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "fixtures" / "tfjs" / "judge.json"
 TOLERANCE = 1e-4          # the issue's bar for TF.js against torch
 # (name, model, dtype, shard size)
+# (dtype uint8 / uint16: `modelkit quantize --scheme tfjs-uint8 / tfjs-uint16`, TF.js's quantized weights)
 CASES = (("mlp", "mlp", None, None), ("mlp-f16", "mlp", "f16", None), ("cnn", "cnn", None, None),
-         ("cnn-f16", "cnn", "f16", None), ("cnn-shards", "cnn", None, 100_000), ("user", "user", None, None))
+         ("cnn-f16", "cnn", "f16", None), ("cnn-shards", "cnn", None, 100_000), ("user", "user", None, None),
+         ("mlp-uint8", "mlp", "uint8", None), ("cnn-uint8", "cnn", "uint8", None), ("cnn-uint16", "cnn", "uint16", None))
 
 
 def user_sequential() -> torch.nn.Sequential:
@@ -71,7 +75,10 @@ def write_case(folder: Path, name: str) -> Path:
     src = folder / f"{model}.safetensors"
     if not src.exists():
         modelkit.export(build(model, seed=0), src)
-    modelkit.convert(src, target, dtype=dtype, shard_size=shard)
+    if dtype in ("uint8", "uint16"):
+        modelkit.quantize(src, target, scheme=f"tfjs-{dtype}")
+    else:
+        modelkit.convert(src, target, dtype=dtype, shard_size=shard)
     return target
 
 
@@ -86,11 +93,16 @@ def digests(target: Path) -> dict[str, str]:
     return out
 
 
-def torch_outputs(model: str, dtype: str | None, x: np.ndarray) -> np.ndarray:
-    """torch's outputs on the same weights as the file (float16-rounded for f16), computed in float32."""
+def torch_outputs(model: str, dtype: str | None, x: np.ndarray, target: Path | None = None) -> np.ndarray:
+    """torch's outputs on the same weights as the file (float16-rounded for f16; for uint8/uint16 the weights
+    modelkit reads back from `target`, decoded as TF.js decodes them; None: the float model), in float32."""
+    from modelkit.checkpoint import instantiate
+
     net = _model(model)
     if dtype == "f16":
         net = net.half().float()
+    if dtype in ("uint8", "uint16") and target is not None:
+        net = instantiate(modelkit.load(target))
     t = torch.from_numpy(x)
     if model != "mlp":
         t = t.permute(0, 3, 1, 2)                 # Keras's (B, H, W, C) -> torch's (B, C, H, W)
@@ -137,12 +149,16 @@ def main() -> int:
                 return 1
             result = json.loads(run.stdout.strip().splitlines()[-1])
             got = np.asarray(result["outputs"], dtype=np.float32).reshape(result["shape"])
-            diff = float(np.abs(got - torch_outputs(model, dtype, x)).max())
+            diff = float(np.abs(got - torch_outputs(model, dtype, x, target)).max())
             worst = max(worst, diff)
             print(f"{name}: TF.js {result['version']} loaded {result['layers']}; max abs diff vs torch {diff:.2e}")
-            cases.append({"name": name, "inputs": {"shape": list(x.shape), "data": x.reshape(-1).tolist()},
-                          "tfjs_outputs": {"shape": result["shape"], "data": result["outputs"]},
-                          "max_abs_diff": diff, "files": digests(target), "layers": result["layers"]})
+            case = {"name": name, "inputs": {"shape": list(x.shape), "data": x.reshape(-1).tolist()},
+                    "tfjs_outputs": {"shape": result["shape"], "data": result["outputs"]},
+                    "max_abs_diff": diff, "files": digests(target), "layers": result["layers"]}
+            if dtype in ("uint8", "uint16"):       # the quantization error: TF.js against the float model
+                case["max_abs_diff_vs_float"] = float(np.abs(got - torch_outputs(model, None, x)).max())
+                print(f"{name}: max abs diff vs the float model {case['max_abs_diff_vs_float']:.2e}")
+            cases.append(case)
             version = result["version"]
     record = {"judge": "TensorFlow.js (@tensorflow/tfjs, pure JavaScript CPU backend, tf.loadLayersModel)",
               "tfjs_version": version, "tolerance": TOLERANCE, "max_abs_diff": worst, "cases": cases}

@@ -45,13 +45,16 @@ import h5py
 import numpy as np
 
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import FormatError, ModelkitError, UnsupportedConversionError
+from modelkit.errors import FormatError, ModelkitError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import KERAS_JSON_ATTR, KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
 from modelkit.models.keras_plan import KerasPlan, keras_plan
 from modelkit.parse import hdf5 as hdf5_header
+from modelkit.parse import keras as keras_json
+from modelkit.parse.detect import KERAS_WEIGHTS, keras_weights
 from modelkit.parse.detect import hdf5 as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import hdf5_files
+from modelkit.storage.atomic import companion_name
 from modelkit.storage.dtypes import DType, contiguous, dtype_name, widen_to_float32
 from modelkit.storage.mapped import FileSpan, copy_span
 
@@ -63,6 +66,9 @@ VERSION = 1
 LAYOUT_ATTR = KERAS_LAYOUT_ATTR
 NOTE_ATTR = KERAS_NOTE_ATTR
 JSON_ATTR = KERAS_JSON_ATTR
+# A `.weights.h5` output gets the architecture beside it, `m.weights.h5` -> `m.json` (Keras's model.to_json(), for
+# keras.models.model_from_json; FORMATS["hdf5"].companions, so it is renamed into place with the weights).
+ARCHITECTURE_SIDECAR = (".weights.h5", ".json")
 _LIBVER = ("v108", "latest")           # HDF5 1.8 format: attributes over 64 KiB (long metadata) fit
 
 
@@ -73,7 +79,10 @@ DTYPES = hdf5_files.DTYPES
 # Reading
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
-    """Names, dtypes, shapes and metadata now; each dataset is read when its tensor is loaded."""
+    """Names, dtypes, shapes and metadata now; each dataset is read when its tensor is loaded. A Keras
+    architecture JSON (`m.json`, scanned first) reads as the `m.weights.h5` beside it."""
+    if path.suffix == ".json":
+        return read(_architecture_weights(path, options), options)
     try:
         size = path.stat().st_size
         with h5py.File(path, "r", locking=False) as f:
@@ -89,6 +98,36 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     arch_json = metadata.pop(ARCH_KEY, None)
     arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
     return Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
+
+
+def _architecture_weights(path: Path, options: ReadOptions) -> Path:
+    """The `.weights.h5` of a Keras architecture JSON, once the scanner's gate passed the JSON (a Lambda
+    layer carrying code is refused there)."""
+    from modelkit.scan import gate
+
+    weights = keras_weights(path)
+    if weights is None:
+        raise FormatError(path, f"is not a Keras architecture JSON with its weights beside it "
+                          f"({path.stem}{KERAS_WEIGHTS}); write both with modelkit convert SRC {path.stem}{KERAS_WEIGHTS}")
+    gate(path, trust=options.trust)
+    return weights
+
+
+def layers(path: Path) -> list[dict[str, str]] | None:
+    """A Keras architecture JSON's layers, for `modelkit inspect` (None for an HDF5 file)."""
+    if path.suffix != ".json":
+        return None
+    try:
+        if path.stat().st_size > keras_json.MAX_JSON:
+            raise FormatError(path, f"is over {keras_json.MAX_JSON} bytes; an architecture that large is not read")
+        config = keras_json.model_config(keras_json.load_json(path.read_bytes()))
+    except OSError as e:
+        raise FormatError(path, f"cannot read it ({e.strerror})") from e
+    except ParseError as e:
+        raise FormatError(path, str(e)) from e
+    if config is None:
+        raise FormatError(path, "is not a Keras model config (no class_name)")
+    return keras_json.describe_layers(config)
 
 
 def _modelkit_header(path: Path, f: h5py.File, size: int) -> tuple[dict[str, hdf5_files.Entry], dict[str, str]]:
@@ -240,6 +279,9 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     with path.open("r+b") as out:                  # HDF5 is closed: fill the reserved bytes, file to file
         for offset, span in reserved:
             copy_span(span, out, at=offset)
+    sidecar = companion_name(final, ARCHITECTURE_SIDECAR)
+    if sidecar is not None and not isinstance(plan, str):      # m.weights.h5 -> m.json, as Keras users pair them
+        path.with_name(sidecar).write_text(plan.keras_json + "\n", encoding="utf-8")
 
 
 def _copyable(entry: LazyTensor | QuantizedTensor) -> bool:

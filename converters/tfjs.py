@@ -21,13 +21,18 @@ Layout of a folder modelkit writes:
 
 Weights are stored as Keras holds them (Dense kernel (in, out), Conv2D (kh, kw, in, out), channels_last,
 a Dense after Flatten with its rows in Keras's (H, W, C) order): modelkit.models.keras_plan. float32 as
-`"dtype": "float32"`; float16 as TF.js reads it, `"dtype": "float32", "quantization": {"dtype": "float16"}`.
+`"dtype": "float32"`; float16 as TF.js reads it, `"dtype": "float32", "quantization": {"dtype": "float16"}`;
+TF.js's uint8/uint16 codes (QuantizedTensors of layout "tfjs", from `modelkit quantize --scheme tfjs-uint8`)
+as `"quantization": {"dtype": "uint8", "min", "scale", "original_dtype": "float32"}`. A large Dense kernel
+is transposed and written in bands (keras_plan.keras_pieces), never copied whole.
 A checkpoint without a Keras layout (no mlp, cnn or user Sequential) cannot be a Layers model and is refused.
 
 Reading (ours and TF.js's or tensorflowjs_converter's): the topology with or without the `model_config`
 wrapper, any number of groups and shards, float32, int32, float16 (plain or as quantization), and the
 quantized uint8/uint16 weights with `quantization: {dtype, min, scale}` or `{dtype, scale, original_dtype}`
-(dequantized: q * scale + min, as TF.js does). The JSON and the manifest are read by modelkit.parse.tfjs
+(decoded as TF.js does: q * scale + min in double precision, then float32). Shards are mapped into memory
+and weights are views of them (a Dense kernel is transposed straight from the pages into torch's layout).
+The JSON and the manifest are read by modelkit.parse.tfjs
 (size caps, every shard path inside the folder, the shards' sizes equal to what the manifest declares)
 and the file goes through the scanner's gate (a Lambda layer carrying code is refused). A file whose
 `userDefinedMetadata` records modelkit's names ("modelkit.names": state_dict name -> manifest weight and
@@ -40,9 +45,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -50,18 +58,33 @@ from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, Quan
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, json_object
-from modelkit.models.keras_plan import KerasPlan, in_torch_layout, keras_plan, names_record, torch_names, torch_shape
+from modelkit.models.keras_plan import (
+    KerasPlan,
+    in_torch_layout,
+    keras_pieces,
+    keras_plan,
+    names_record,
+    torch_names,
+    torch_shape,
+    transpose_into,
+)
 from modelkit.parse import keras as keras_json
 from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse.detect import tfjs as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage import dtypes
+from modelkit.storage.atomic import file_finished
+from modelkit.storage.mapped import FileSpan, MappedFile
+from modelkit.storage.tensors import decode_tfjs_codes
 
 MODEL_JSON = "model.json"
 DEFAULT_SHARD_SIZE = 4 * 1024 * 1024        # tensorflowjs_converter's weight_shard_size_bytes default
+_PIECE = 4 * 1024 * 1024                    # a large Dense kernel is transposed and written this much at a time
 FORMAT = "layers-model"
 METADATA_KEY = "userDefinedMetadata"
 KERAS_VERSION = "tfjs-layers 4.22.0"        # what tfjs-layers' own model.save writes
 # Checkpoint dtype -> (manifest dtype, quantization) as TF.js decodes it (io_utils.ts decodeWeight).
+# A QuantizedTensor of this layout (modelkit.quantizers.tfjs_uint) is written as TF.js's uint8/uint16 weights.
+QUANTIZED_LAYOUT = "tfjs"
 _WRITTEN = {"float32": ("float32", None), "float16": ("float32", {"dtype": "float16"}), "int32": ("int32", None)}
 
 
@@ -108,17 +131,21 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     except ParseError as e:
         raise FormatError(file, str(e)) from e
     tensors: dict[str, LazyTensor] = {}
+    pieces: dict[str, Callable[[], list[np.ndarray]]] = {}
     for group, names in zip(model.groups, shards, strict=True):
-        files = [(name, os.stat(name).st_size) for name in names]      # checked against the manifest just now
+        # sizes checked against the manifest just now; each shard mapped into memory on first use
+        files = [_Shard(MappedFile(Path(name)), os.stat(name).st_size) for name in names]
         offset = 0
         for weight in group.weights:
             if weight.name in tensors:
                 raise FormatError(file, f"weight {weight.name!r} appears twice in the manifest")
             tensors[weight.name] = _lazy(file, weight, files, offset)
+            if weight.quantization is None:
+                pieces[weight.name] = partial(_pieces, files, offset, weight.nbytes)
             offset += weight.nbytes
     metadata, arch = _metadata(file, model.document.get(METADATA_KEY))
     names = metadata.pop(NAMES_KEY, None)
-    return _torch_names(file, Checkpoint(tensors=tensors, metadata=metadata, arch=arch), names)
+    return _torch_names(file, Checkpoint(tensors=tensors, metadata=metadata, arch=arch), names, pieces)
 
 
 def layers(path: Path) -> list[dict[str, str]]:
@@ -138,7 +165,12 @@ _DECODED = {"float32": "float32", "int32": "int32", "float16": "float16", "uint8
             "uint16": "uint16", "int16": "int16"}
 
 
-def _lazy(file: Path, weight: tfjs_json.Weight, files: list[tuple[str, int]], offset: int) -> LazyTensor:
+class _Shard(NamedTuple):
+    file: MappedFile
+    size: int                       # what the manifest declares, checked when the model was opened
+
+
+def _lazy(file: Path, weight: tfjs_json.Weight, files: list[_Shard], offset: int) -> LazyTensor:
     """One manifest weight at `offset` in its group's shards, decoded as TF.js decodes it."""
     q = weight.quantization
     source = f"{file}:{weight.name}"
@@ -147,11 +179,11 @@ def _lazy(file: Path, weight: tfjs_json.Weight, files: list[tuple[str, int]], of
     if q is None:
         dtype = dtypes.DTYPES[_DECODED[weight.dtype]]
         return LazyTensor(dtype, weight.shape, lambda: _bytes(files, offset, weight.nbytes).view(dtype.numpy)
-                          .reshape(weight.shape), source)
+                          .reshape(weight.shape), source, span=_span(files, offset, weight.nbytes))
     if q["dtype"] == "float16":
         dtype = dtypes.DTYPES["float16"]
         return LazyTensor(dtype, weight.shape, lambda: _bytes(files, offset, weight.nbytes).view(np.float16)
-                          .reshape(weight.shape), source)
+                          .reshape(weight.shape), source, span=_span(files, offset, weight.nbytes))
     scale, low = q.get("scale"), q.get("min", 0.0)
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (scale, low)):
         raise FormatError(file, f"weight {weight.name!r} is {q['dtype']}-quantized without a finite scale and min")
@@ -160,36 +192,70 @@ def _lazy(file: Path, weight: tfjs_json.Weight, files: list[tuple[str, int]], of
     out = dtypes.DTYPES["int32" if original == "int32" else "float32"]
 
     def dequantize() -> np.ndarray:
-        values = _bytes(files, offset, weight.nbytes).view(stored).astype(np.float32) * np.float32(scale) + np.float32(low)
-        values = np.round(values).astype(np.int32) if out.name == "int32" else values
-        return values.reshape(weight.shape)
+        codes = _bytes(files, offset, weight.nbytes).view(stored)
+        return decode_tfjs_codes(codes, float(low), float(scale), integer=out.name == "int32").reshape(weight.shape)
     return LazyTensor(out, weight.shape, dequantize, source)
 
 
-def _bytes(files: list[tuple[str, int]], offset: int, nbytes: int) -> np.ndarray:
-    """`nbytes` bytes at `offset` of the group's shards (name, size) taken end to end (a weight may straddle
-    shards)."""
-    out = np.empty(nbytes, dtype=np.uint8)
-    done = 0
-    for name, size in files:
-        if done == nbytes:
-            return out
-        if offset >= size:
-            offset -= size
+def _pieces(files: list[_Shard], offset: int, nbytes: int) -> list[np.ndarray]:
+    """`nbytes` bytes at `offset` of the group's shards taken end to end (a weight may straddle shards), as
+    uint8 views of the mapped shards, one per shard it lies in: nothing is copied."""
+    pieces = []
+    for shard in files:
+        if nbytes == 0:
+            break
+        if offset >= shard.size:
+            offset -= shard.size
             continue
-        want = min(size - offset, nbytes - done)
-        with open(name, "rb") as f:
-            f.seek(offset)
-            if f.readinto(memoryview(out)[done:done + want]) != want:
-                break
-        done, offset = done + want, 0
-    if done == nbytes:
-        return out
-    raise FormatError(files[-1][0] if files else "<shards>", "the weight shards changed since the model was opened "
-                      "(shorter than the manifest says)")
+        if os.stat(shard.file.path).st_size != shard.size:
+            raise FormatError(shard.file.path, "the weight shards changed since the model was opened "
+                              "(not the size the manifest says)")
+        want = min(shard.size - offset, nbytes)
+        pieces.append(shard.file.view(offset, want, "a weight"))
+        nbytes, offset = nbytes - want, 0
+    if nbytes:
+        raise FormatError(files[-1].file.path if files else "<shards>", "the weight shards changed since the model "
+                          "was opened (shorter than the manifest says)")
+    return pieces
 
 
-def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None) -> Checkpoint:
+def _bytes(files: list[_Shard], offset: int, nbytes: int) -> np.ndarray:
+    """The weight's bytes as one uint8 array: a view of its shard, or joined where it straddles shards."""
+    pieces = _pieces(files, offset, nbytes)
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
+
+
+def _span(files: list[_Shard], offset: int, nbytes: int) -> FileSpan | None:
+    """Where the weight's bytes lie, when they lie in one shard (writers then copy them in the kernel)."""
+    for shard in files:
+        if offset < shard.size:
+            return shard.file.span(offset, nbytes) if offset + nbytes <= shard.size and nbytes else None
+        offset -= shard.size
+    return None
+
+
+def _dense_kernel_from_pieces(pieces: list[np.ndarray], dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A Keras Dense kernel (in, out) stored across `pieces` (uint8 views of the shards), transposed straight
+    into torch's (out, in): each piece's whole rows tile by tile, a row cut by a shard boundary joined first."""
+    rows, cols = shape
+    result = np.empty((cols, rows), dtype=dtype)
+    row_bytes, row, carry = cols * dtype.itemsize, 0, None
+    for data in pieces:
+        if carry is not None:                      # the rest of a row the last shard began
+            need = row_bytes - len(carry)
+            result[:, row] = np.concatenate([carry, data[:need]]).view(dtype)
+            data, row, carry = data[need:], row + 1, None
+        whole = len(data) // row_bytes
+        if whole:
+            transpose_into(result[:, row:row + whole], data[:whole * row_bytes].view(dtype).reshape(whole, cols))
+            row += whole
+        if len(data) > whole * row_bytes:
+            carry = data[whole * row_bytes:]
+    return result
+
+
+def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None,
+                 pieces: dict[str, Callable[[], list[np.ndarray]]]) -> Checkpoint:
     """The torch state_dict names and layouts back, where the file records them (modelkit's NAMES_KEY:
     state_dict name -> {"weight", "transform", "flatten"}, transforms from a closed set of transposes and
     reshapes); anything else as the manifest names it ("dense/kernel"), in Keras layouts."""
@@ -197,6 +263,15 @@ def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None) -> Checkpoint:
         return ckpt
     names = json_object(file, NAMES_KEY, raw, what="the torch name of each weight")
     tensors = torch_names(ckpt.tensors, names, lambda reason: FormatError(file, f"{NAMES_KEY} {reason}"))
+    for name, entry in names.items():           # checked by torch_names: a stored weight, a known transform
+        weight, transform = entry["weight"], entry["transform"]
+        stored, shape = ckpt.tensors[weight], tensors[name].shape
+        if transform == "dense_kernel" and len(shape) == 2 and weight in pieces:
+            # straight from the mapped shards into torch's layout, no joined copy first
+            tensors[name] = LazyTensor(stored.dtype, shape, lambda w=pieces[weight], s=stored: _dense_kernel_from_pieces(
+                w(), s.dtype.numpy, s.shape), stored.source)
+        elif transform == "same" and stored.span is not None:      # the same bytes: writers copy them file to file
+            tensors[name] = LazyTensor(stored.dtype, shape, stored.reader, stored.source, span=stored.span)
     return Checkpoint(tensors=tensors, metadata=ckpt.metadata, arch=ckpt.arch)
 
 
@@ -239,9 +314,10 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     order = _order(plan)
     for name in order:
         entry = ckpt.tensors[name]
-        if isinstance(entry, QuantizedTensor):
+        if isinstance(entry, QuantizedTensor) and entry.layout != QUANTIZED_LAYOUT:
             raise UnsupportedConversionError("quantized checkpoint", "tfjs", f"tensor {name!r} is quantized "
-                                             f"({entry.scheme}); dequantize it first")
+                                             f"({entry.scheme}); TF.js stores its own uint8/uint16 weights "
+                                             "(--scheme tfjs-uint8 or tfjs-uint16): quantize the float model so")
         if entry.dtype.name not in _WRITTEN:
             raise UnsupportedConversionError(source, "tfjs", f"tensor {name!r} is {entry.dtype.name}; TF.js reads "
                                              "float32, float16 and int32 weights: convert with --dtype f32 or f16")
@@ -253,6 +329,9 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     for name in order:
         target, entry = plan.targets[name], ckpt.tensors[name]
         dtype, quantization = _WRITTEN[entry.dtype.name]
+        if isinstance(entry, QuantizedTensor):        # TF.js's uint8/uint16 codes with their min and scale
+            quantization = {"dtype": entry.params["dtype"], "min": entry.params["min"],
+                            "scale": entry.params["scale"], "original_dtype": dtype}
         spec: dict[str, Any] = {"name": f"{target.path}/{target.weight}", "shape": list(target.shape), "dtype": dtype}
         if quantization is not None:
             spec["quantization"] = quantization
@@ -268,7 +347,10 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     with _Shards(path, paths, shard_size) as out:
         for name in order:
             target = plan.targets[name]
-            out.write(np.ascontiguousarray(target.to_keras(ckpt.tensors[name].array())))
+            entry = ckpt.tensors[name]
+            stored = entry.parts["qdata"] if isinstance(entry, QuantizedTensor) else entry
+            for piece in keras_pieces(target, stored.array(), _PIECE):
+                out.write(piece)
     (path / MODEL_JSON).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
 
 
@@ -291,27 +373,51 @@ def _order(plan: KerasPlan) -> list[str]:
 
 
 class _Shards:
-    """Bytes written end to end into the named shard files, each `size` bytes but the last."""
+    """Bytes written end to end into the named shard files, each `size` bytes but the last, on a thread of
+    their own: `write` returns once the piece before this one is written, so the caller makes the next piece
+    (a transposed band) while this one goes to the page cache, and may reuse the buffer of two pieces ago."""
 
     def __init__(self, folder: Path, names: list[str], size: int) -> None:
         self.names: Iterator[str] = iter(names)
         self.folder, self.size, self.file, self.room = folder, size, None, 0
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelkit-shards")
+        self.pending: deque[Future[None]] = deque()
 
     def __enter__(self) -> _Shards:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self.file is not None:
-            self.file.close()
-        for name in self.names:                      # a model without weights still gets its (empty) shard
-            (self.folder / name).write_bytes(b"")
+    def __exit__(self, kind: object, *exc: object) -> None:
+        try:
+            while self.pending:                      # the writes' own errors surface here
+                future = self.pending.popleft()
+                if kind is None:
+                    future.result()
+                else:
+                    future.exception()
+        finally:
+            self.thread.shutdown(wait=True)
+            self._close()
+        if kind is None:
+            for name in self.names:                  # a model without weights still gets its (empty) shard
+                (self.folder / name).write_bytes(b"")
 
     def write(self, array: np.ndarray) -> None:
+        self.pending.append(self.thread.submit(self._write, array))
+        if len(self.pending) > 1:
+            self.pending.popleft().result()
+
+    def _close(self) -> None:
+        """Close the shard being written; its write-back starts now (storage.atomic.file_finished)."""
+        if self.file is not None:
+            self.file.close()
+            file_finished(Path(self.file.name))
+            self.file = None
+
+    def _write(self, array: np.ndarray) -> None:
         data = memoryview(array.reshape(-1).view(np.uint8))
         while len(data):
             if self.room == 0:
-                if self.file is not None:
-                    self.file.close()
+                self._close()
                 self.file, self.room = open(self.folder / next(self.names), "wb"), self.size
             n = min(self.room, len(data))
             self.file.write(data[:n])

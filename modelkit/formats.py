@@ -31,7 +31,8 @@ class FormatInfo:
     extra: str | None = None       # pip extra that brings its dependencies
     has_graph: bool = False        # the file holds the computation, not only weights
     runs_pickle: bool = False      # loading unpickles: scan first, then weights_only=True
-    companions: tuple[str, ...] = ()   # sidecar files a write may add: "<name><suffix>", "{stem}.bin" (atomic_path)
+    # sidecar files a write may add: "<name><suffix>", "{stem}.bin", or (ending, replacement) of the name (atomic_path)
+    companions: tuple[str | tuple[str, str], ...] = ()
     folder: bool = False           # the output is a folder (a Hugging Face model folder): no suffix, --to names it;
                                    # with suffixes (tfjs), DIR/model.json names the folder DIR
     folder_file: str | None = None     # a folder format whose output may be named by its main file: DIR/model.json
@@ -44,7 +45,8 @@ class FormatInfo:
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
     FormatInfo("ggml",        (".ggml", ".bin"),                 "modelkit.converters.ggml", read_only=True),
     FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf"),
-    FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5", maps_module=True),
+    FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5", maps_module=True,
+               companions=((".weights.h5", ".json"),)),      # converters/hdf5.py ARCHITECTURE_SIDECAR
     FormatInfo("hf",          (),                                "modelkit.converters.hf", folder=True),
     FormatInfo("keras",       (".keras",),                       "modelkit.converters.keras", maps_module=True,
                keras_model=True),

@@ -36,6 +36,8 @@ SCHEMES: dict[str, str] = {
     "q5_k": "modelkit.quantizers.gguf_arrays:Q5_KConfig",
     "q6_k": "modelkit.quantizers.gguf_arrays:Q6_KConfig",
     "q8_0": "modelkit.quantizers.gguf_arrays:Q8_0Config",
+    "tfjs-uint16": "modelkit.quantizers.tfjs_uint:TfjsUint16Config",
+    "tfjs-uint8": "modelkit.quantizers.tfjs_uint:TfjsUint8Config",
 }
 
 # Schemes for ONNX models, run by onnxruntime's own quantization tools (modelkit.pipeline.onnx_quantize).

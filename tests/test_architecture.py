@@ -47,6 +47,7 @@ TORCH_FREE = (
     "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.hf", "modelkit.converters.npz",
     "modelkit.converters.pt2", "modelkit.converters.pth",
     "modelkit.converters.safetensors", "modelkit.converters.tfjs", "modelkit.converters.torchscript", "modelkit.quantizers.gguf_arrays",
+    "modelkit.quantizers.tfjs_uint",
 )
 
 

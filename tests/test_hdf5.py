@@ -405,14 +405,17 @@ def test_plain_file_reads_converted_to_native_byte_order(tmp_path):
 
 @pytest.mark.parametrize(("name", "config"), KERAS_CASES, ids=["mlp", "mlp-small", "cnn", "cnn-small"])
 def test_the_models_keras_json_loads_in_keras_with_our_weights(keras, name, config, tmp_path):
-    """KerasLayout.keras_json() is the architecture Keras's own model_from_json builds; with the
-    .weights.h5 modelkit writes, the pair predicts what torch does (the layout HDF5 and TF.js share)."""
+    """KerasLayout.keras_json() is the architecture Keras's own model_from_json builds; modelkit writes it
+    beside the .weights.h5 (m.weights.h5 -> m.json, as Keras users pair them), and the pair loaded the way
+    a Keras user loads it predicts what torch does (the layout HDF5 and TF.js share)."""
     model = build(name, config, seed=0).eval()
     path = modelkit.save(Checkpoint.from_module(model), tmp_path / f"{name}.weights.h5")
     layout = load_model_module(name).keras_layers(config_from_dict(name, config))
     with h5py.File(path, "r") as f:            # the file carries the architecture too
         assert json.loads(f.attrs[hdf5.JSON_ATTR]) == layout.keras_json()
-    net = keras.models.model_from_json(json.dumps(layout.keras_json()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{name}.json", f"{name}.weights.h5"]
+    assert json.loads((tmp_path / f"{name}.json").read_text()) == layout.keras_json()
+    net = keras.models.model_from_json((tmp_path / f"{name}.json").read_text())
     assert len(net.layers) == len(layout.layers)
     net.load_weights(str(path))
     inputs = load_model_module(name).example_inputs(8)

@@ -24,6 +24,10 @@ RECORD = json.loads((ROOT / "fixtures" / "tfjs" / "judge.json").read_text())
 # 4 inputs per case): 2.98e-08 over mlp, cnn, their f16 files, a cnn in 100 KB shards and a user's Sequential. The issue's bar is
 # 1e-4; pinned at 1e-6, about 30x the measured figure (float32 summation order differs, weights are identical).
 TFJS_ATOL = 1e-6
+# TF.js on TF.js's quantized weights (modelkit quantize --scheme tfjs-uint8/16) against the float torch model:
+# the quantization error, measured by bench/tfjs_judge.py as 6.42e-04 (mlp uint8), 4.30e-04 (cnn uint8),
+# 1.91e-06 (cnn uint16); pinned about 8x above. (Against torch on the decoded weights: TFJS_ATOL, as above.)
+QUANTIZED_ATOL = {"uint8": 5e-3, "uint16": 2e-5}
 
 spec = importlib.util.spec_from_file_location("tfjs_judge", ROOT / "bench" / "tfjs_judge.py")
 judge = importlib.util.module_from_spec(spec)
@@ -50,10 +54,13 @@ def test_we_write_the_files_tfjs_ran_and_torch_agrees_with_its_outputs(written, 
     model = judge.CASES[[c[0] for c in judge.CASES].index(case["name"])]
     x = np.asarray(case["inputs"]["data"], dtype=np.float32).reshape(case["inputs"]["shape"])
     expected = np.asarray(case["tfjs_outputs"]["data"], dtype=np.float32).reshape(case["tfjs_outputs"]["shape"])
-    assert np.abs(judge.torch_outputs(model[1], model[2], x) - expected).max() < TFJS_ATOL
+    assert np.abs(judge.torch_outputs(model[1], model[2], x, target) - expected).max() < TFJS_ATOL
+    if model[2] in QUANTIZED_ATOL:
+        error = np.abs(judge.torch_outputs(model[1], None, x) - expected).max()
+        assert 0 < error < QUANTIZED_ATOL[model[2]] and case["max_abs_diff_vs_float"] < QUANTIZED_ATOL[model[2]]
 
 
-@pytest.mark.parametrize("name", ["cnn-shards", "user"])
+@pytest.mark.parametrize("name", ["cnn-shards", "user", "cnn-uint8"])
 def test_tfjs_itself_when_installed_gives_the_recorded_outputs(written, name, tmp_path):
     """The live judge, as the llama.cpp verdicts are kept: no npm install in the tests; with TFJS_MODULES
     naming an install of @tensorflow/tfjs (bench/tfjs_judge.py says how), TF.js runs our files again."""
@@ -157,6 +164,61 @@ def test_models_without_a_keras_layout_are_refused_before_writing(tmp_path):
     mlp = Checkpoint.from_module(build("mlp", seed=0).to(torch.bfloat16))
     with pytest.raises(UnsupportedConversionError, match="--dtype f32 or f16"):
         modelkit.save(mlp, tmp_path / "y" / "model.json", format="tfjs")
+
+
+# --- TF.js's quantized weights (tfjs-uint8, tfjs-uint16) ------------------------------------------
+
+def test_quantized_models_store_codes_with_min_and_scale_and_read_back_as_tfjs_decodes(written):
+    doc = json.loads(written[1]["cnn-uint8"].read_text())
+    weights = doc["weightsManifest"][0]["weights"]
+    assert all(w["dtype"] == "float32" and w["quantization"]["dtype"] == "uint8"
+               and w["quantization"]["original_dtype"] == "float32" for w in weights)
+    shard = written[1]["cnn-uint8"].parent / "group1-shard1of1.bin"
+    assert shard.stat().st_size == sum(int(np.prod(w["shape"])) for w in weights)      # one byte a weight
+    kernel = weights[0]
+    codes = np.frombuffer(shard.read_bytes()[:int(np.prod(kernel["shape"]))], np.uint8)
+    q = kernel["quantization"]
+    decoded = [float(np.float32(float(c) * q["scale"] + q["min"])) for c in codes[:50]]   # JavaScript's doubles
+    ckpt = modelkit.load(written[1]["cnn-uint8"])
+    assert ckpt.tensors["conv1.weight"].array().transpose(2, 3, 1, 0).reshape(-1)[:50].tolist() == decoded
+    original = build("cnn", seed=0).state_dict()
+    for name, value in original.items():          # within half a step of the float weights
+        step = next(w["quantization"]["scale"] for w in weights if w["name"] == json.loads(
+            doc["userDefinedMetadata"]["modelkit.names"])[name]["weight"])
+        assert (ckpt.tensors[name].load() - value).abs().max() <= step / 2 + 1e-7, name
+
+
+def test_the_quantize_report_and_what_is_refused(written, tmp_path):
+    src = written[0] / "mlp.safetensors"
+    report = modelkit.quantize(src, tmp_path / "q" / "model.json", scheme="tfjs-uint16")
+    assert report.scheme == "tfjs-uint16" and report.stats["bits_per_weight"] == 16.0
+    assert report.verify["method"] == "bit-exact" and report.verify["rebuilt_outputs"] == "identical"
+    assert 0 < report.verify["max_abs_err_vs_float"] < QUANTIZED_ATOL["uint16"] and report.size_ratio < 0.9
+    from modelkit import schemes
+
+    config = schemes.config_from_dict({"scheme": "tfjs-uint8", "skip": ["net.0"]})
+    assert schemes.config_from_json(schemes.config_to_json(config)) == config and config.skip == ("net.0",)
+    with pytest.raises(ConfigError, match="not a layer change"):
+        schemes.apply(build("mlp", seed=0), config)
+    with pytest.raises(ConfigError, match="TensorFlow.js's own weight encoding"):
+        modelkit.quantize(src, tmp_path / "q.safetensors", scheme="tfjs-uint8")
+    int8 = tmp_path / "i8.safetensors"
+    modelkit.quantize(src, int8, scheme="int8")
+    with pytest.raises(UnsupportedConversionError, match="tfjs-uint8"):
+        modelkit.convert(int8, tmp_path / "i8" / "model.json")
+
+
+@pytest.mark.parametrize(("values", "codes"), [([-1.0, 0.0, 2.0], [0, 85, 255]), ([0.5, 0.5], [0, 0]),
+                                               ([1.0, 3.0], [0, 255]), ([-0.3, 0.0, 0.7], [0, 77, 255])])
+def test_quantize_array_keeps_zero_exact_as_tensorflowjs_nudges(values, codes):
+    from modelkit.quantizers.tfjs_uint import quantize_array
+    from modelkit.storage.tensors import decode_tfjs_codes
+
+    got, low, scale = quantize_array(np.asarray(values, np.float32), 8)
+    assert got.tolist() == codes
+    decoded = decode_tfjs_codes(got, low, scale)
+    assert np.abs(decoded - np.asarray(values, np.float32)).max() <= scale / 2 + 1e-7
+    assert 0.0 not in values or 0.0 in decoded.tolist()
 
 
 # --- models TF.js and tensorflowjs_converter write ----------------------------------------------
@@ -284,3 +346,25 @@ def test_large_kernels_transpose_tile_by_tile_to_the_same_array(shape):
     w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     out = _dense_kernel(w)
     assert out.flags.c_contiguous and np.array_equal(out, w.T) and np.array_equal(_dense_kernel(out), w)
+
+
+def test_large_kernels_stream_in_bands_and_read_back_across_shards(tmp_path):
+    """A Dense kernel over 2^20 weights is written transposed band by band (keras_pieces) and read back
+    straight from the mapped shards (rows cut by shard boundaries included): the same bytes as the whole
+    transposed array, and the same tensor back."""
+    from modelkit.checkpoint import ArchSpec
+
+    spec = ArchSpec("mlp", {"in_features": 2, "hidden": [1100, 1030], "num_classes": 2})
+    rng = np.random.default_rng(0)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in modelkit.models.build_from_spec(spec).state_dict().items()}
+    state = {k: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+    modelkit.save(Checkpoint.from_state_dict(state, arch=spec), tmp_path / "w.safetensors")
+    report = modelkit.convert(tmp_path / "w.safetensors", tmp_path / "web" / "model.json", shard_size=999_999)
+    assert report.verify["method"] == "bit-exact"
+    stream = b"".join(p.read_bytes() for p in sorted((tmp_path / "web").glob("*.bin"),
+                                                     key=lambda p: int(p.name.split("shard")[1].split("of")[0])))
+    expected = b"".join((v.numpy().T if v.ndim == 2 else v.numpy()).tobytes() for v in state.values())
+    assert stream == expected
+    back = modelkit.load(tmp_path / "web" / "model.json")
+    assert all(np.array_equal(back.tensors[k].array(), v.numpy()) for k, v in state.items())

@@ -247,3 +247,27 @@ def test_a_training_checkpoint_becomes_safetensors_without_torch(training_checkp
     result = _modelkit(["inspect", str(path), "--key", "model", "--json"], tmp_path, torch_free=True)
     assert result.returncode == 0, result.stderr
     assert {t["name"] for t in json.loads(result.stdout)["tensors"]} == set(state)
+
+
+@pytest.mark.parametrize("source", ["float", "uint8"])
+def test_tfjs_models_convert_without_torch_to_the_same_bytes(tmp_path, source):
+    """Reading a TF.js Layers model needs no torch: ours (torch names and layouts back from the manifest,
+    float or TF.js's uint8 weights) converts to safetensors with torch unimportable, byte for byte what the
+    run with torch writes. (Writing one needs the zoo model's Keras layout, which its torch module gives:
+    the torch-free run says so in one line; see docs/formats/tfjs.md.)"""
+    import modelkit
+    from modelkit.models import build
+
+    modelkit.export(build("mlp", seed=0), tmp_path / "mlp.safetensors")
+    model = tmp_path / "web" / "model.json"
+    if source == "uint8":
+        modelkit.quantize(tmp_path / "mlp.safetensors", model, scheme="tfjs-uint8")
+    else:
+        modelkit.convert(tmp_path / "mlp.safetensors", model)
+        refused = _modelkit(["convert", "mlp.safetensors", "again/model.json"], tmp_path, torch_free=True)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr and "modelkit[torch]" in refused.stderr
+    for torch_free in (False, True):
+        result = _modelkit(["convert", str(model), f"out-{torch_free}.safetensors"], tmp_path, torch_free=torch_free)
+        assert result.returncode == 0, result.stderr
+        assert "verified: weights bit-exact" in result.stdout
+    assert (tmp_path / "out-True.safetensors").read_bytes() == (tmp_path / "out-False.safetensors").read_bytes()

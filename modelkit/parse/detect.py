@@ -85,16 +85,37 @@ def gguf(path: Path) -> bool:
 
 
 def hdf5(path: Path) -> bool:
-    """The HDF5 signature and a plausible superblock at the start (16 bytes).
+    """The HDF5 signature and a plausible superblock at the start (16 bytes); or a Keras architecture JSON
+    with its weights beside it (keras_weights).
 
     HDF5 also allows the signature after a user block (at 512, 1024, ... bytes); such a file
     starts with other bytes, possibly another format's, so detection does not claim it
     (`--format hdf5` still reads it).
     """
     try:
-        return path.is_file() and hdf5_header.plausible_superblock(_head(path, hdf5_header.SUPERBLOCK_HEAD))
+        if path.is_file() and hdf5_header.plausible_superblock(_head(path, hdf5_header.SUPERBLOCK_HEAD)):
+            return True
     except OSError:
         return False
+    return keras_weights(path) is not None
+
+
+KERAS_WEIGHTS = ".weights.h5"
+
+
+def keras_weights(path: Path) -> Path | None:
+    """The weights of a Keras architecture JSON (`model.to_json()`, not a TF.js model.json): `m.json` ->
+    `m.weights.h5` beside it, when that is an HDF5 file; None for anything else."""
+    if path.suffix != ".json" or not path.is_file() or tfjs(path):
+        return None
+    weights = path.with_name(f"{path.stem}{KERAS_WEIGHTS}")
+    try:
+        head = _head(path, _TFJS_HEAD).lstrip()
+        if not head.startswith(b"{") or b'"class_name"' not in head or not weights.is_file():
+            return None
+        return weights if hdf5_header.plausible_superblock(_head(weights, hdf5_header.SUPERBLOCK_HEAD)) else None
+    except OSError:
+        return None
 
 
 def onnx(path: Path) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
 from modelkit.errors import ParseError
 
@@ -28,9 +29,27 @@ def member_problem(name: str) -> str | None:
     return None
 
 
+def is_plain_name(name: str) -> bool:
+    """A file name alone: no folder, no separator, not '.' or '..', no NUL, no drive."""
+    return bool(name) and name not in (".", "..") and "\x00" not in name and not _SEPARATORS.search(name) \
+        and not _DRIVE.match(name)
+
+
+def plain_file(root: str, name: str) -> str | None:
+    """`root`/`name` when `name` is a plain name of a regular file (not a symlink) in `root`, a folder's real
+    path: inside the folder without resolving anything (one lstat); None where the full rules must decide."""
+    if not is_plain_name(name):
+        return None
+    target = os.path.join(root, name)
+    try:
+        return target if stat.S_ISREG(os.lstat(target).st_mode) else None
+    except OSError:
+        return None
+
+
 def plain_name_problem(name: str, directory: str) -> str | None:
     """Why `name` is not a plain file name inside `directory` (shards of a sharded checkpoint), or None."""
-    if not name or name in (".", "..") or "\x00" in name or _SEPARATORS.search(name) or _DRIVE.match(name):
+    if not is_plain_name(name):
         return "is not a plain file name"
     root = os.path.realpath(directory)
     if os.path.dirname(os.path.realpath(os.path.join(root, name))) != root:

@@ -19,7 +19,7 @@ import stat
 
 from modelkit.errors import ParseError
 from modelkit.parse.keras import load_json, model_config
-from modelkit.parse.paths import location_problem
+from modelkit.parse.paths import location_problem, plain_file
 
 FORMATS = ("layers-model", "graph-model")
 MAX_GROUPS = 100_000
@@ -252,16 +252,26 @@ def shard_problems(model: Model, directory: str) -> list[ShardProblem]:
     file, and the group's shards together hold exactly the bytes its weights need. Only sizes are
     looked at (os.stat); nothing outside the folder is touched and no shard is read.
     """
+    return _shards(model, directory)[0]
+
+
+def _shards(model: Model, directory: str) -> tuple[list[ShardProblem], list[list[str]]]:
+    """(problems, each group's shard files as real paths). A plain file name of a regular file costs one
+    lstat (parse.paths.plain_file); anything else goes through the full location rules."""
     problems: list[ShardProblem] = []
+    root = os.path.realpath(directory)
+    resolved: list[list[str]] = []
     for g, group in enumerate(model.groups):
-        total, complete = 0, True
+        total, complete, files = 0, True, []
         for path in group.paths:
-            problem = location_problem(path, directory)
-            if problem is not None:
-                problems.append(ShardProblem("escape", g, path, f"weight shard {path[:200]!r} {problem}"))
-                complete = False
-                continue
-            target = os.path.realpath(os.path.join(directory, path.replace("\\", "/")))
+            target = plain_file(root, path)
+            if target is None:
+                problem = location_problem(path, directory)
+                if problem is not None:
+                    problems.append(ShardProblem("escape", g, path, f"weight shard {path[:200]!r} {problem}"))
+                    complete = False
+                    continue
+                target = os.path.realpath(os.path.join(directory, path.replace("\\", "/")))
             try:
                 info = os.stat(target)
             except OSError:
@@ -272,6 +282,8 @@ def shard_problems(model: Model, directory: str) -> list[ShardProblem]:
                 complete = False
                 continue
             total += info.st_size
+            files.append(target)
+        resolved.append(files)
         declared = group.nbytes
         if complete and declared is not None and total != declared:
             how = (f"{declared - total} bytes short: a reader would run past the end"
@@ -279,7 +291,7 @@ def shard_problems(model: Model, directory: str) -> list[ShardProblem]:
             problems.append(ShardProblem("size", g, ", ".join(group.paths)[:200],
                                          f"group {g + 1}'s shards hold {total} bytes, its weights need "
                                          f"{declared} ({how})"))
-    return problems
+    return problems, resolved
 
 
 def resolve_shards(model: Model, directory: str) -> list[list[str]]:
@@ -288,8 +300,7 @@ def resolve_shards(model: Model, directory: str) -> list[list[str]]:
     Raises:
         ParseError: the first shard problem, as one line.
     """
-    problems = shard_problems(model, directory)
+    problems, resolved = _shards(model, directory)
     if problems:
         raise ParseError(problems[0].message)
-    return [[os.path.realpath(os.path.join(directory, p.replace("\\", "/"))) for p in group.paths]
-            for group in model.groups]
+    return resolved

@@ -23,7 +23,13 @@ from modelkit.checkpoint import METRICS_KEY, ArchSpec, Checkpoint, LazyTensor, Q
 from modelkit.errors import ConfigError
 from modelkit.formats import FORMATS, ReadOptions, WriteOptions, detect_format, format_for_output, load_format
 from modelkit.metadata import QUANT_KEY
-from modelkit.pipeline.quantize_weights import checkpoint_stats, is_block_scheme, quantize_weights
+from modelkit.pipeline.quantize_weights import (
+    checkpoint_stats,
+    is_block_scheme,
+    is_tfjs_scheme,
+    quantize_weights,
+    tfjs_checkpoint,
+)
 from modelkit.pipeline.reports import QuantizeReport
 from modelkit.pipeline.write import write_checkpoint, write_output
 
@@ -379,6 +385,13 @@ def quantize(
     tokenizer = _eval_tokenizer(loaded, src) if evaluate else None       # before anything is written
     if (evaluate or latency) and reference is None:
         reference = measure_float(model, evaluate=evaluate, latency=bool(latency or evaluate), tokenizer=tokenizer)
+    if is_tfjs_scheme(config):
+        if qat:
+            raise ConfigError(f"--qat does not apply to {config.scheme}, TF.js's encoding of the trained weights")
+        report, decoded = _quantize_tfjs(loaded, dst, config, format=format, force=force, verify=verify)
+        if evaluate or latency:
+            _measure(report, decoded, reference, evaluate=evaluate, latency=bool(latency or evaluate))
+        return report
     started = time.perf_counter()
     if qat:
         quantized = train_qat(model, config, epochs=epochs, lr=lr, steps=steps, progress=progress)
@@ -410,6 +423,50 @@ def quantize(
             report.notes.append(f"bits per byte on the first {LM_EVAL_TOKENS:,} tokens of the held-out text "
                                 "(modelkit eval --split val), with the model's own tokenizer")
     return report
+
+
+def _quantize_tfjs(loaded: _Source, dst: PathLike | None, config: Any, *, format: str | None, force: bool,
+                   verify: bool) -> tuple[QuantizeReport, nn.Module]:
+    """TensorFlow.js's uint8/uint16 weights (quantize_weights.tfjs_checkpoint). The model TF.js runs is the
+    float model with the decoded weights: that is the quantized model measured, and the written file read
+    back must rebuild it exactly (its weights decoded bit for bit as TF.js decodes them)."""
+    from modelkit.testing import compare_outputs
+
+    if dst is not None and format != "tfjs":
+        raise ConfigError(f"{config.scheme} is TensorFlow.js's own weight encoding: write a TF.js model "
+                          f"(DIR/model.json or --to tfjs), not {format}")
+    model = loaded.model.cpu().eval()
+    started = time.perf_counter()
+    ckpt = tfjs_checkpoint(Checkpoint.from_module(model, metadata=loaded.metadata), config)
+    quantized = instantiate(ckpt, source=str(loaded.info.get("path", "model")), dequantize=True)
+    seconds = time.perf_counter() - started
+    float_bytes = Checkpoint.from_module(model).nbytes
+    inputs = _check_inputs(model)
+    notes = [f"every float weight as {config.bits}-bit codes with its own min and scale in model.json; TF.js decodes "
+             "them to float32 on load"]
+    checks: dict[str, Any] = {}
+    if inputs is not None:               # the quantization error, as the model's outputs show it
+        error = compare_outputs(model, quantized, inputs, atol=float("inf"), label=str(dst))
+        checks = {"max_abs_err_vs_float": error["max_abs_err"], "max_relative_err_vs_float": error["max_relative_err"]}
+    target, verified = {"path": None, "format": None, "bytes": None}, None
+    if dst is not None:
+        def rebuilt_model(tmp: Path, written: Checkpoint) -> dict[str, Any]:
+            if inputs is None:
+                return checks
+            rebuilt = instantiate(written, source=str(dst))
+            compared = compare_outputs(quantized, rebuilt, inputs, label=f"{dst} (rebuilt)")
+            return {"rebuilt_outputs": "identical", "max_abs_err": compared["max_abs_err"], **checks}
+
+        verified, size = write_checkpoint(ckpt, dst, "tfjs", WriteOptions(final_path=Path(dst)), force=force,
+                                          verify=verify, module=None, also=rebuilt_model)
+        target = {"path": str(dst), "format": "tfjs", "bytes": size}
+    stats = checkpoint_stats(ckpt)
+    ratio = round(stats["tensor_bytes"] / max(float_bytes, 1), 4)
+    if target["bytes"] is not None:      # model.json and the float weights' shards would differ only in the weights
+        ratio = round(target["bytes"] / max(target["bytes"] - ckpt.nbytes + float_bytes, 1), 4)
+    return QuantizeReport(scheme=config.scheme, config=schemes.config_to_dict(config), source=loaded.info,
+                          target=target, stats=stats, seconds_quantize=round(seconds, 3), size_ratio=ratio,
+                          verify=verified if verified is not None else (checks or None), notes=notes), quantized
 
 
 # A Hugging Face language model's --eval: bits per byte on this many tokens of the held-out text (the

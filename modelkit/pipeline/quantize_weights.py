@@ -126,6 +126,42 @@ def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | No
     return Checkpoint(tensors, metadata, ckpt.arch, ckpt.assets)
 
 
+def is_tfjs_scheme(scheme: Any) -> bool:
+    """Whether `scheme` (a name or a config) is TensorFlow.js's uint8/uint16 weight encoding."""
+    name = scheme if isinstance(scheme, str) else getattr(type(scheme), "scheme", None)
+    return name in ("tfjs-uint8", "tfjs-uint16")
+
+
+def tfjs_checkpoint(ckpt: Checkpoint, config: Any) -> Checkpoint:
+    """`ckpt` with every floating-point tensor (unless skipped) as TF.js's codes with their own min and scale
+    (QuantizedTensor, layout "tfjs", decoding to float32), as tensorflowjs_converter --quantize_uint8 stores
+    them. The ranges are found now (one tensor read at a time: the manifest needs them before any shard is
+    written); the codes are made as the writer pulls each tensor."""
+    from modelkit.quantizers.tfjs_uint import LAYOUT, affine_range, encode
+
+    tensors: dict[str, Any] = {}
+    code_dtype = DTYPES["uint8" if config.bits == 8 else "uint16"]
+    for name, entry in ckpt.tensors.items():
+        if isinstance(entry, QuantizedTensor):
+            raise ConfigError(f"{name} is already quantized ({entry.scheme}); quantize the float model instead")
+        module = name.rpartition(".")[0]
+        if not entry.dtype.is_floating_point or any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(name, p)
+                                                    for p in config.skip):
+            tensors[name] = entry
+            continue
+        try:
+            low, scale = affine_range(_float32(entry), config.bits)
+        except ConfigError as e:
+            raise ConfigError(f"{name}: {e}") from e
+        codes = LazyTensor(code_dtype, entry.shape, lambda entry=entry, low=low, scale=scale:
+                           encode(_float32(entry), config.bits, low, scale), entry.source)
+        tensors[name] = QuantizedTensor(scheme=config.scheme, layout=LAYOUT, shape=entry.shape, dtype=DTYPES["float32"],
+                                        parts={"qdata": codes}, params={"dtype": code_dtype.name, "min": low,
+                                                                        "scale": scale}, source=entry.source)
+    metadata = {**{k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}, QUANT_KEY: schemes.config_to_json(config)}
+    return Checkpoint(tensors, metadata, ckpt.arch, ckpt.assets)
+
+
 def _quantized(entry: LazyTensor, name: str, type_name: str, threads: int | None, flip: bool = False,
                importance: np.ndarray | None = None) -> np.ndarray:
     try:

@@ -48,7 +48,11 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     x, y = (np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in (a, b))
     if x.size % 8 == 0 and x.ctypes.data % 8 == 0 and y.ctypes.data % 8 == 0:   # 8x fewer elements to compare
         x, y = x.view(np.int64), y.view(np.int64)
-    return np.array_equal(x, y)
+    # in chunks: array_equal's temporary boolean array stays 1 MiB, not a byte per element of the tensor
+    return all(np.array_equal(x[i:i + _CHUNK], y[i:i + _CHUNK]) for i in range(0, x.size, _CHUNK))
+
+
+_CHUNK = 1 << 20
 
 
 def _max_error(want: np.ndarray, got: np.ndarray, entry: Any) -> float:

@@ -29,7 +29,7 @@ Verify = Callable[[Path], dict[str, Any]]
 
 
 def write_output(target: PathLike, write: Callable[[Path], None], *, verify: Verify | None, force: bool,
-                 folder: bool = False, companions: tuple[str, ...] = ()) -> tuple[dict[str, Any] | None, int]:
+                 folder: bool = False, companions: tuple[str | tuple[str, str], ...] = ()) -> tuple[dict[str, Any] | None, int]:
     """Write through a temporary name, fsync and verify it, rename it to `target`.
 
     Args:
@@ -40,7 +40,7 @@ def write_output(target: PathLike, write: Callable[[Path], None], *, verify: Ver
             leaves no output. None: nothing to check (a plot), the output is still atomic.
         force: Replace an existing `target`.
         folder: The output is a folder (sharded checkpoints), renamed as a whole.
-        companions: Suffixes of sidecar files the writer may add (ONNX external data).
+        companions: Sidecar files the writer may add (ONNX external data, Keras's architecture JSON; atomic_path).
 
     Returns:
         (verification result or None, bytes written).

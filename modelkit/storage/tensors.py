@@ -128,8 +128,23 @@ def _dequantize_affine(q: QuantizedTensor) -> Any:
     return out.reshape(q.shape).to(q.dtype.torch)
 
 
+def decode_tfjs_codes(codes: np.ndarray, low: float, scale: float, *, integer: bool = False) -> np.ndarray:
+    """TensorFlow.js's decoding of uint8/uint16 weights (tfjs-core io_utils.ts decodeWeight): `code * scale +
+    min` in double precision, stored as float32, or for int32 weights rounded as JavaScript's Math.round
+    (halves up). Bit for bit what TF.js loads."""
+    values = codes.astype(np.float64) * scale + low
+    return np.floor(values + 0.5).astype(np.int32) if integer else values.astype(np.float32)
+
+
+def _dequantize_tfjs(q: QuantizedTensor) -> Any:
+    """TF.js's uint8/uint16 weights (params min and scale, one pair per tensor), decoded as TF.js does."""
+    values = decode_tfjs_codes(q.parts["qdata"].array(), float(q.params["min"]), float(q.params["scale"]),
+                               integer=q.dtype.name == "int32")
+    return to_torch(values.reshape(q.shape), q.dtype)
+
+
 # Layout name -> dequantizer, for the layouts this layer computes itself.
-DEQUANTIZERS: dict[str, Callable[[QuantizedTensor], Any]] = {"affine": _dequantize_affine}
+DEQUANTIZERS: dict[str, Callable[[QuantizedTensor], Any]] = {"affine": _dequantize_affine, "tfjs": _dequantize_tfjs}
 
 # Layouts whose dequantizer lives in a higher layer: layout -> "module:function", imported on
 # first use and then kept in DEQUANTIZERS. This table is the only registration of each layout
