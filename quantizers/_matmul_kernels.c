@@ -89,39 +89,51 @@ static inline float row_scale(const weight_t *w, Py_ssize_t r) {
 
 /* ---- activations: float32 rows -> int8 blocks ------------------------------------------------ */
 
+/* One block of n <= 32 activations -> 32 levels (zero past n; in pair order for F_I4), scale, level sum.
+ * `amax` < 0: the block's own max |x|; else the row's (int8-dynamic's one scale per row). */
+static inline void quantize_block(const float *src, Py_ssize_t n, float amax, int pairs, int8_t *dst, float *d,
+                                  float *s) {
+    if (amax < 0.0f) {
+        amax = 0.0f;
+        for (Py_ssize_t k = 0; k < n; k++) amax = fmaxf(amax, fabsf(src[k]));
+    }
+    float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t levels[QK] = {0};
+    int sum = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        float v = nearbyintf(src[k] * inverse);            /* round half to even, as cvtps2dq */
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        levels[k] = (int8_t)v;
+        sum += levels[k];
+    }
+    if (pairs) {
+        for (int j = 0; j < QK / 2; j++) {
+            dst[j] = levels[2 * j];
+            dst[QK / 2 + j] = levels[2 * j + 1];
+        }
+    } else {
+        memcpy(dst, levels, QK);
+    }
+    *d = amax / 127.0f;
+    *s = (float)sum;
+}
+
+typedef void (*quantize_fn)(const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, int, int, int8_t *, float *, float *);
+
+static float row_max(const float *row, Py_ssize_t K) {
+    float m = 0.0f;
+    for (Py_ssize_t k = 0; k < K; k++) m = fmaxf(m, fabsf(row[k]));
+    return m;
+}
+
 static void quantize_activations(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t nb, int pairs, int rowwise,
                                  int8_t *q, float *d, float *s) {
     for (Py_ssize_t m = 0; m < M; m++) {
         const float *row = x + m * K;
-        float row_max = 0.0f;
-        if (rowwise)
-            for (Py_ssize_t k = 0; k < K; k++) row_max = fmaxf(row_max, fabsf(row[k]));
+        float amax = rowwise ? row_max(row, K) : -1.0f;
         for (Py_ssize_t b = 0; b < nb; b++) {
             Py_ssize_t n = K - b * QK < QK ? K - b * QK : QK;
-            const float *src = row + b * QK;
-            float amax = row_max;
-            if (!rowwise)
-                for (Py_ssize_t k = 0; k < n; k++) amax = fmaxf(amax, fabsf(src[k]));
-            float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t levels[QK] = {0};
-            int sum = 0;
-            for (Py_ssize_t k = 0; k < n; k++) {
-                float v = nearbyintf(src[k] * inverse);
-                v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-                levels[k] = (int8_t)v;
-                sum += levels[k];
-            }
-            int8_t *dst = q + (m * nb + b) * QK;
-            if (pairs) {
-                for (int j = 0; j < QK / 2; j++) {
-                    dst[j] = levels[2 * j];
-                    dst[QK / 2 + j] = levels[2 * j + 1];
-                }
-            } else {
-                memcpy(dst, levels, QK);
-            }
-            d[m * nb + b] = scale;
-            s[m * nb + b] = (float)sum;
+            quantize_block(row + b * QK, n, amax, pairs, q + (m * nb + b) * QK, d + m * nb + b, s + m * nb + b);
         }
     }
 }
@@ -228,14 +240,14 @@ typedef void (*rows_fn)(const weight_t *, const act_t *, Py_ssize_t, Py_ssize_t)
 #endif
 #endif
 
-static const struct { const char *name; rows_fn rows; } ALL_ISAS[] = {
+static const struct { const char *name; rows_fn rows; quantize_fn quantize; } ALL_ISAS[] = {
 #ifdef HAVE_VNNI_KERNELS
-    {"avx512vnni", rows_avx512vnni}, {"avxvnni", rows_avxvnni},
+    {"avx512vnni", rows_avx512vnni, quantize_activations_avx2}, {"avxvnni", rows_avxvnni, quantize_activations_avx2},
 #endif
 #ifdef HAVE_X86_KERNELS
-    {"avx2", rows_avx2},
+    {"avx2", rows_avx2, quantize_activations_avx2},
 #endif
-    {"generic", generic_rows},
+    {"generic", generic_rows, quantize_activations},
 };
 #define N_ISAS ((int)(sizeof ALL_ISAS / sizeof ALL_ISAS[0]))
 static int isa_ok[N_ISAS];      /* this CPU runs ALL_ISAS[i]: set once, when the module loads */
@@ -362,8 +374,12 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                           &x_ptr, &M, &y_ptr, &rowwise))
         return NULL;
     rows_fn rows = NULL;
+    quantize_fn quantize = NULL;
     for (int i = 0; i < N_ISAS; i++)
-        if (strcmp(isa, ALL_ISAS[i].name) == 0 && isa_ok[i]) rows = ALL_ISAS[i].rows;
+        if (strcmp(isa, ALL_ISAS[i].name) == 0 && isa_ok[i]) {
+            rows = ALL_ISAS[i].rows;
+            quantize = ALL_ISAS[i].quantize;
+        }
     if (rows == NULL) return PyErr_Format(PyExc_ValueError, "no %s kernels on this CPU", isa);
     if (fmt < F_I8 || fmt > F_I4 || N < 1 || K < 1 || M < 0 || !w_ptr || !x_ptr || !y_ptr)
         return PyErr_Format(PyExc_ValueError, "bad arguments: fmt %d, N %zd, K %zd, M %zd", fmt, N, K, M);
@@ -384,7 +400,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     }
     act_t a = {q, d, d + M * nb, M, (float *)(uintptr_t)y_ptr};
     Py_BEGIN_ALLOW_THREADS
-    quantize_activations((const float *)(uintptr_t)x_ptr, M, K, nb, fmt == F_I4, rowwise, q, d, d + M * nb);
+    quantize((const float *)(uintptr_t)x_ptr, M, K, nb, fmt == F_I4, rowwise, q, d, d + M * nb);
     Py_ssize_t tiles = (N + ROWS - 1) / ROWS;
     /* Tasks of at least ~64 Ki multiply-adds, at most 4 per thread. */
     Py_ssize_t work_per_tile = ROWS * K * M, per_task = (65536 + work_per_tile - 1) / work_per_tile;

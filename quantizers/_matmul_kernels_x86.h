@@ -13,6 +13,56 @@
  * such products, so the AVX2 kernel multiplies |q| by the activations carrying q's sign instead.
  */
 
+#if !KVNNI
+/* Activations -> int8 blocks, as quantize_activations (the same levels: cvtps2dq rounds half to even
+ * like nearbyintf); whole blocks here, a row's partial last block through quantize_block. Compiled
+ * once, with the AVX2 kernels; the VNNI kernels use it too. */
+KTARGET static void quantize_activations_avx2(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t nb, int pairs,
+                                              int rowwise, int8_t *q, float *d, float *s) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (Py_ssize_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        float fixed = rowwise ? row_max(row, K) : -1.0f;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            const float *src = row + b * QK;
+            int8_t *dst = q + (m * nb + b) * QK;
+            if (K - b * QK < QK) {
+                quantize_block(src, K - b * QK, fixed, pairs, dst, d + m * nb + b, s + m * nb + b);
+                continue;
+            }
+            __m256 v[4];
+            for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(src + 8 * k);
+            float amax = fixed;
+            if (amax < 0.0f) {
+                __m256 m4 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                          _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+                __m128 h = _mm_max_ps(_mm256_castps256_ps128(m4), _mm256_extractf128_ps(m4, 1));
+                h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_max_ss(h, _mm_movehdup_ps(h));
+                amax = _mm_cvtss_f32(h);
+            }
+            __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i i[4];
+            for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inverse));
+            __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+            __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+            packed = _mm256_permutevar8x32_epi32(packed, order);              /* back to x0 .. x31 */
+            if (pairs)                                                        /* x0, x2, .., x30, x1, .., x31 */
+                packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(packed, evens_odds), 0xd8);
+            _mm256_storeu_si256((__m256i *)dst, packed);
+            d[m * nb + b] = amax / 127.0f;
+            s[m * nb + b] = (float)_mm_cvtsi128_si32(t);
+        }
+    }
+}
+#endif
+
 KTARGET static inline __m256i KNAME(expand_nibbles)(const uint8_t *p) {
     __m128i q = _mm_loadu_si128((const __m128i *)p);
     __m256i both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);      /* low nibbles: lanes 0-15, high: 16-31 */

@@ -168,6 +168,8 @@ def matmul(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None, *,
 
 
 def usable(x: torch.Tensor) -> bool:
-    """The kernels can take this input: chosen, on CPU, float, and no gradient wanted through it."""
+    """The kernels can take this input: chosen, on CPU, float, no gradient wanted through it, and not
+    being traced or compiled into a graph (which would record an opaque call on raw addresses)."""
     return (ISA is not None and x.device.type == "cpu" and x.is_floating_point()
-            and not (x.requires_grad and torch.is_grad_enabled()))
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling())   # graphs record the reference ops
