@@ -24,7 +24,8 @@
  * "avx512vnni" and "avxvnni" (vpdpbusd on 256-bit registers), "avx2" (vpmaddubsw), and "generic"
  * (portable C, also the reference the tests check the others against). The SIMD ones are in
  * _matmul_kernels_x86.h, compiled per instruction set with target attributes, so the build needs
- * no -march flag and runs on any x86-64 or other CPU. Work is split over output rows between a
+ * no -march flag and runs on any x86-64 or other CPU (-DMODELKIT_GENERIC_ONLY builds the portable
+ * kernel alone, as a CPU other than x86-64 gets it: `gcc -Wall -DMODELKIT_GENERIC_ONLY` checks it). Work is split over output rows between a
  * small pool of POSIX threads (the calling thread takes part); the GIL is released meanwhile.
  */
 #define PY_SSIZE_T_CLEAN
@@ -206,7 +207,7 @@ static void generic_rows(const weight_t *w, const act_t *a, Py_ssize_t r0, Py_ss
 
 typedef void (*rows_fn)(const weight_t *, const act_t *, Py_ssize_t, Py_ssize_t);
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MODELKIT_GENERIC_ONLY)
 #include <immintrin.h>
 #define HAVE_X86_KERNELS 1
 
