@@ -147,3 +147,20 @@ def test_embedding_dequantizes_only_the_rows_it_looks_up():
     quantized = gguf_blocks.apply(nn.Sequential(table), Q8_0Config())[0]
     ids = torch.tensor([[3, 49, 3], [0, 7, 11]])
     assert torch.equal(quantized(ids), quantized.dequantize()[ids])
+
+
+def test_int8_dynamic_small_layers_run_the_kernel_with_its_own_activations(monkeypatch):
+    """Small int8-dynamic layers use the kernel with one activation scale per row: torch._int_mm's numbers."""
+    from modelkit.quantizers import int8_dynamic
+
+    layer = int8_dynamic.apply(nn.Sequential(nn.Linear(96, 40)), int8_dynamic.Int8DynamicConfig())[0]
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = fast_linear.matmul
+    monkeypatch.setattr(fast_linear, "matmul", lambda *a, **k: calls.append(k) or real(*a, **k))
+    with torch.no_grad():
+        fast = layer(x)
+        monkeypatch.setattr(int8_dynamic, "SMALL_WEIGHT", 0)
+        int_mm = layer(x)
+    assert calls == [{"rowwise": True}]
+    assert float((fast - int_mm).abs().max()) <= ISA_RTOL * float(int_mm.abs().max())
