@@ -141,12 +141,13 @@ def _weight_args(packed: Packed) -> tuple[int, ...]:
 
 
 def matmul(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None, *, rowwise: bool = False,
-           isa: str | None = None) -> torch.Tensor:
+           isa: str | None = None, threads: int | None = None) -> torch.Tensor:
     """x (..., K) @ W.T + bias with the kernels (float32 math; returns x's dtype).
 
     Args:
         rowwise: One activation scale per row (int8-dynamic's activations) instead of one per 32 values.
         isa: A name of ISAS; default the chosen one.
+        threads: Threads sharing the output rows; default torch's number (one for small products).
     """
     isa = isa or ISA
     if isa is None:
@@ -159,7 +160,8 @@ def matmul(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None, *,
     y = torch.empty(M, N, dtype=torch.float32)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.detach().to(torch.float32).contiguous()
-    threads = 1 if M * N * K < SMALL else torch.get_num_threads()
+    if threads is None:
+        threads = 1 if M * N * K < SMALL else torch.get_num_threads()
     _kernels.linear(isa, threads, *_weight_args(packed), _address(bias), N, K, flat.data_ptr(), M, y.data_ptr(),
                     int(rowwise))
     if x.dim() != 2:

@@ -164,3 +164,20 @@ def test_int8_dynamic_small_layers_run_the_kernel_with_its_own_activations(monke
         int_mm = layer(x)
     assert calls == [{"rowwise": True}]
     assert float((fast - int_mm).abs().max()) <= ISA_RTOL * float(int_mm.abs().max())
+
+
+def test_threads_share_rows_without_changing_a_bit():
+    """The thread pool splits output rows: every row is computed as alone, so the result is bit for bit the same."""
+    layer = _quantized("q4_0", 203, 256)
+    x = torch.randn(19, 256, generator=torch.Generator().manual_seed(0))
+    packed = layer.packed()
+    alone = fast_linear.matmul(x, packed, layer.bias, threads=1)
+    for threads in (2, 3, 8):
+        for _ in range(3):
+            assert torch.equal(fast_linear.matmul(x, packed, layer.bias, threads=threads), alone), threads
+    # callers on several Python threads at once (a server): one uses the pool, the others run alone
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: fast_linear.matmul(x, packed, layer.bias, threads=2), range(16)))
+    assert all(torch.equal(r, alone) for r in results)
