@@ -363,7 +363,7 @@ def _load(mapped: MappedFile, span: tuple[int, int], ggml_type: GGMLQuantization
     if undo.transpose and len(shape) == 2:
         return np.ascontiguousarray(array.reshape(shape[::-1]).T)
     array = array.reshape(shape)        # sizes were checked against the header when the file was opened
-    return array if undo.n_heads is None else _from_llama_rope(array, undo.n_heads)
+    return array if undo.n_heads is None else _hf.from_llama_rope(array, undo.n_heads)
 
 # --------------------------------------------------------------------------------------- write
 
@@ -408,7 +408,7 @@ class _Slot:
             if self.undo.transpose:
                 array = array.T
         if self.undo.n_heads is not None:
-            array = _to_llama_rope(array, self.undo.n_heads)
+            array = _hf.to_llama_rope(array, self.undo.n_heads)
         return np.ascontiguousarray(array).reshape(self.shape if self.view != _BYTES else array.shape)
 
 
@@ -654,23 +654,6 @@ def _byte_vocab() -> tuple[list[str], list[int]]:
             tokens.append(f"<0x{byte:02X}>")
         types.append(int(TokenType.NORMAL if 0x20 <= byte <= 0x7E else TokenType.BYTE))
     return tokens, types
-
-
-def _to_llama_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Reorder each head's rows from Hugging Face's RoPE layout to llama.cpp's.
-
-    Hugging Face rotates row i of a head with row i + head_dim/2 ("rotate half"); llama.cpp's llama
-    architecture uses ggml's normal RoPE, which rotates rows 2i and 2i+1. Rows (head, half, i) become
-    (head, i, half), as llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute) does.
-    """
-    rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _from_llama_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """The inverse of _to_llama_rope: rows (head, i, half) back to (head, half, i)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # ---------------------------------------------------------------------------- header bounds

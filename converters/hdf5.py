@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
@@ -53,9 +51,9 @@ from modelkit.metadata import KERAS_JSON_ATTR, KERAS_LAYOUT_ATTR, KERAS_NOTE_ATT
 from modelkit.models.keras_plan import KerasPlan, keras_plan
 from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse.detect import hdf5 as detect  # noqa: F401  (the converter's detect)
-from modelkit.storage import dtypes
+from modelkit.storage import hdf5_files
 from modelkit.storage.dtypes import DType, contiguous, dtype_name, widen_to_float32
-from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
+from modelkit.storage.mapped import FileSpan, copy_span
 
 logger = logging.getLogger(__name__)
 
@@ -66,43 +64,13 @@ LAYOUT_ATTR = KERAS_LAYOUT_ATTR
 NOTE_ATTR = KERAS_NOTE_ATTR
 JSON_ATTR = KERAS_JSON_ATTR
 _LIBVER = ("v108", "latest")           # HDF5 1.8 format: attributes over 64 KiB (long metadata) fit
-_SMALL = 1 << 20                       # any dataset may declare this much, whatever the file size
-_MAX_EXPANSION = 1000                  # compressed data may expand this much (as Keras allows)
-# What h5py raises on malformed files; wrapped into FormatError.
-_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError, UnicodeError)
 
 
-@dataclass(frozen=True)
-class _Stored:
-    """How one dtype lives in HDF5: the numpy dtype of the dataset (the same-width unsigned type
-    for dtypes numpy lacks: bfloat16 as uint16 bits)."""
-
-    dtype: DType
-    numpy: np.dtype
-
-    @property
-    def bits(self) -> bool:
-        """The dataset holds raw bits, not values numpy knows (bfloat16, float8)."""
-        return not self.dtype.exact
-
-
-DTYPES: dict[str, _Stored] = {name: _Stored(d, d.numpy) for name, d in dtypes.DTYPES.items()}
+DTYPES = hdf5_files.DTYPES
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
-
-@dataclass(frozen=True)
-class _Entry:
-    link: tuple[str, ...]        # link names from the root to the dataset
-    stored: _Stored
-    shape: tuple[int, ...]
-    offset: int | None = None    # where the raw little-endian bytes lie in the file, when they lie in one piece
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.stored.numpy.itemsize
-
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     """Names, dtypes, shapes and metadata now; each dataset is read when its tensor is loaded."""
@@ -112,28 +80,19 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
             if f.id.links.exists(GROUP.encode()):
                 entries, metadata = _modelkit_header(path, f, size)
             else:
-                entries, metadata = _plain_header(path, f, size), {}
+                entries, metadata = hdf5_files.plain_header(path, f, size), {}
     except ModelkitError:
         raise
-    except _H5_ERRORS as e:
-        raise FormatError(path, f"not a readable HDF5 file ({_one_line(e)})") from e
-    mapped = MappedFile(path)
-
-    def lazy(name: str, e: _Entry) -> LazyTensor:
-        if e.offset is None:
-            return LazyTensor(e.stored.dtype, e.shape, lambda: _load(path, e), f"{path}:{name}")
-        # Contiguous, unfiltered, little-endian: a view of the file's pages, and a span writers copy file to file.
-        return LazyTensor(e.stored.dtype, e.shape, lambda: _view(mapped, name, e), f"{path}:{name}",
-                          span=mapped.span(e.offset, e.nbytes))
-
-    tensors = {name: lazy(name, e) for name, e in entries.items()}
+    except hdf5_files.H5_ERRORS as e:
+        raise FormatError(path, f"not a readable HDF5 file ({hdf5_files.one_line(e)})") from e
+    tensors = hdf5_files.lazy_tensors(path, entries, lambda: h5py.File(path, "r", locking=False))
     arch_json = metadata.pop(ARCH_KEY, None)
     arch = ArchSpec.from_json(arch_json, source=path) if arch_json is not None else None
     return Checkpoint(tensors=tensors, metadata=metadata, arch=arch)
 
 
-def _modelkit_header(path: Path, f: h5py.File, size: int) -> tuple[dict[str, _Entry], dict[str, str]]:
-    group = _child(path, f, GROUP, h5py.Group)
+def _modelkit_header(path: Path, f: h5py.File, size: int) -> tuple[dict[str, hdf5_files.Entry], dict[str, str]]:
+    group = hdf5_files.child(path, f, GROUP, h5py.Group)
     kind = group.attrs.get_id("version").dtype if "version" in group.attrs else None
     version = group.attrs["version"] if kind is not None and kind.kind in "iu" and not kind.shape else None
     if not isinstance(version, (int, np.integer)) or version < 1:
@@ -141,99 +100,23 @@ def _modelkit_header(path: Path, f: h5py.File, size: int) -> tuple[dict[str, _En
     if version > VERSION:
         raise FormatError(path, f"written by a newer modelkit ({GROUP} layout version {version}, this one reads "
                                 f"{VERSION}); upgrade modelkit")
-    meta_group = _child(path, group, "metadata", h5py.Group)
+    meta_group = hdf5_files.child(path, group, "metadata", h5py.Group)
     metadata = {key: _str_attr(path, meta_group, key) for key in meta_group.attrs}
-    tensors = _child(path, group, "tensors", h5py.Group)
-    entries: dict[str, _Entry] = {}
+    tensors = hdf5_files.child(path, group, "tensors", h5py.Group)
+    entries: dict[str, hdf5_files.Entry] = {}
     for key in tensors:
-        dataset = _child(path, tensors, key, h5py.Dataset)
+        dataset = hdf5_files.child(path, tensors, key, h5py.Dataset)
         name = _unescape(key)
         code = _str_attr(path, dataset, "dtype")
         stored = DTYPES.get(code)
         if stored is None:
             raise FormatError(path, f"tensor {name!r} has dtype {code!r}; known: {', '.join(DTYPES)}")
-        _check_dataset(path, name, dataset, size, stored.numpy)
+        hdf5_files.check_dataset(path, name, dataset, size, stored.numpy)
         if name in entries:
             raise FormatError(path, f"tensor {name!r} appears twice in the {GROUP} group")
-        entries[name] = _Entry((GROUP, "tensors", key), stored, tuple(dataset.shape), _raw_offset(dataset, size))
+        entries[name] = hdf5_files.Entry((GROUP, "tensors", key), stored, tuple(dataset.shape),
+                                         hdf5_files.raw_offset(dataset, size))
     return entries, metadata
-
-
-def _plain_header(path: Path, f: h5py.File, size: int) -> dict[str, _Entry]:
-    """Every dataset of a file modelkit did not write (a Keras weights file), named by its path."""
-    links: list[tuple[bytes, int]] = []
-    # The low-level walk: the callback only records (h5py's own wrapper makes calls that a corrupt
-    # file turns into SystemError). It lists every link without following any.
-    f.id.links.visit(lambda name, info: links.append((name, info.type)), info=True)
-    for raw, kind in links:
-        if kind != h5py.h5l.TYPE_HARD:
-            raise _link_error(path, raw.decode("utf-8", "replace"), kind)
-    entries: dict[str, _Entry] = {}
-    for raw, _ in links:
-        name = raw.decode("utf-8")
-        obj = f[name]
-        if isinstance(obj, h5py.Dataset):
-            stored = _plain_dtype(path, name, obj)
-            _check_dataset(path, name, obj, size, stored.numpy)
-            entries[name] = _Entry(tuple(name.split("/")), stored, tuple(obj.shape), _raw_offset(obj, size))
-    if not entries:
-        raise FormatError(path, "holds no datasets, so no tensors")
-    return entries
-
-
-def _plain_dtype(path: Path, name: str, dataset: h5py.Dataset) -> _Stored:
-    dtype = dataset.dtype
-    if dtype.kind == "V" and dtype.itemsize == 2 and not dtype.fields and "dtype" in dataset.attrs:
-        # Keras 3 stores bfloat16 (and only bfloat16) as 2-byte opaque data with a `dtype`
-        # attribute. The attribute's value is not read: it is a variable-length string, see _str_attr.
-        return _Stored(dtypes.DTYPES["bfloat16"], dtype)
-    if dtype.kind in "biufc" and not dtype.fields and not dtype.subdtype:
-        native = dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
-        for stored in DTYPES.values():
-            if not stored.bits and stored.numpy == native:
-                return stored
-    raise FormatError(path, f"dataset {name!r} holds {dtype}, which is not a tensor type modelkit reads")
-
-
-def _check_dataset(path: Path, name: str, dataset: h5py.Dataset, size: int, expected: np.dtype) -> None:
-    """Refuse data stored outside the file, and sizes the file cannot hold, before any allocation."""
-    if dataset.dtype.kind != expected.kind or dataset.dtype.itemsize != expected.itemsize:
-        raise FormatError(path, f"tensor {name!r} is stored as {dataset.dtype}, expected {expected}")
-    if dataset.external:
-        raise FormatError(path, f"tensor {name!r} keeps its data in another file ({dataset.external[0][0]!r}); "
-                                "refusing to read outside the file")
-    if dataset.is_virtual:
-        raise FormatError(path, f"tensor {name!r} is a virtual dataset mapping other files; refusing it")
-    declared = math.prod(dataset.shape) * dataset.dtype.itemsize
-    allowed = size
-    if dataset.id.get_create_plist().get_nfilters():                  # compressed: may expand, within bounds
-        allowed = max(size, dataset.id.get_storage_size() * _MAX_EXPANSION)
-    if declared > max(allowed, _SMALL):
-        raise FormatError(path, f"tensor {name!r} declares {list(dataset.shape)} ({declared} bytes) but the "
-                                f"file is {size} bytes; refusing to allocate it")
-
-
-_LINK_KINDS = {h5py.h5l.TYPE_SOFT: "SoftLink", h5py.h5l.TYPE_EXTERNAL: "ExternalLink"}
-
-
-def _link_error(path: Path, name: str, kind: int) -> FormatError:
-    return FormatError(path, f"{name!r} is a {_LINK_KINDS.get(kind, 'user-defined link')}; modelkit follows hard "
-                             "links only (external links point outside the file)")
-
-
-def _child(path: Path, group: h5py.Group, key: str, kind: type) -> h5py.Group | h5py.Dataset:
-    """group[key] through a hard link only: the link is inspected, never traversed, before h5py
-    (which follows soft and external links) is asked for the object."""
-    name = key.encode("utf-8")
-    if not group.id.links.exists(name):
-        raise FormatError(path, f"{group.name.rstrip('/')}/{key} is missing")
-    link = group.id.links.get_info(name).type
-    if link != h5py.h5l.TYPE_HARD:
-        raise _link_error(path, f"{group.name.rstrip('/')}/{key}", link)
-    obj = group[key]
-    if not isinstance(obj, kind):
-        raise FormatError(path, f"{obj.name} is a {type(obj).__name__}, expected a {kind.__name__}")
-    return obj
 
 
 def _str_attr(path: Path, obj: h5py.HLObject, key: str) -> str:
@@ -256,53 +139,6 @@ def _set_str_attr(obj: h5py.HLObject, key: str, value: str) -> None:
     obj.attrs.create(key, np.bytes_(data), dtype=h5py.string_dtype("utf-8", max(len(data), 1)))
 
 
-def _raw_offset(dataset: h5py.Dataset, size: int) -> int | None:
-    """File offset of a dataset's bytes when they are stored in one contiguous, unfiltered piece in
-    little-endian order inside the file (h5py's default layout for the datasets modelkit writes); else None."""
-    dtype = dataset.dtype
-    if dtype.itemsize > 1 and dtype.byteorder == ">":
-        return None
-    plist = dataset.id.get_create_plist()
-    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters():
-        return None
-    offset = dataset.id.get_offset()                  # None until the data was written
-    nbytes = math.prod(dataset.shape) * dtype.itemsize
-    if offset is None or nbytes == 0 or offset < 0 or offset + nbytes > size:
-        return None
-    return offset
-
-
-def _view(mapped: MappedFile, name: str, entry: _Entry) -> np.ndarray:
-    raw = mapped.view(entry.offset or 0, entry.nbytes, f"tensor {name!r}")
-    return raw.view(entry.stored.dtype.numpy).reshape(entry.shape)
-
-
-def _load(path: Path, entry: _Entry) -> np.ndarray:
-    """Open the file again, check the dataset as `read` did, and read it into a fresh array."""
-    name = "/".join(entry.link)
-    try:
-        size = path.stat().st_size
-        with h5py.File(path, "r", locking=False) as f:
-            obj: h5py.Group | h5py.Dataset = f
-            for i, key in enumerate(entry.link):
-                obj = _child(path, obj, key, h5py.Dataset if i == len(entry.link) - 1 else h5py.Group)
-            _check_dataset(path, name, obj, size, entry.stored.numpy)
-            if tuple(obj.shape) != entry.shape:
-                raise FormatError(path, f"dataset {name!r} changed shape since the file was opened")
-            array = np.empty(entry.shape, dtype=obj.dtype.newbyteorder("<") if obj.dtype.itemsize > 1 else obj.dtype)
-            if array.size:
-                obj.read_direct(array)
-    except ModelkitError:
-        raise
-    except _H5_ERRORS as e:
-        raise FormatError(path, f"cannot read dataset {name!r} ({_one_line(e)})") from e
-    return array.view(entry.stored.dtype.numpy)         # Keras's opaque bfloat16 ("V2") as its uint16 bits
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
 _ESCAPE = re.compile(r"%([0-9A-F]{2})")
 
 
@@ -320,10 +156,7 @@ def _unescape(key: str) -> str:
 # Keras layouts (modelkit.models.keras_plan)
 
 def _write_keras_groups(f: h5py.File, plan: KerasPlan) -> None:
-    f.create_group("vars").attrs["name"] = "sequential"    # the model's own variables: none
-    layers = f.create_group("layers")
-    for path, _ in plan.paths:
-        layers.create_group(path).create_group("vars").attrs["name"] = path
+    hdf5_files.keras_groups(f, [path for path, _ in plan.paths])
     weighted = [(path, layer) for path, layer in plan.paths if layer.weights]
     f.attrs["layer_names"] = np.array([path.encode() for path, _ in weighted])
     f.attrs["keras_version"] = b"2.0.0"             # any but "1": Keras 2 rewrites weights it thinks Keras 1 wrote
@@ -336,14 +169,11 @@ def _write_keras_weight(f: h5py.File, plan: KerasPlan, name: str, array: np.ndar
     path, index, weight = target.path, target.index, target.weight
     value = np.ascontiguousarray(target.to_keras(array))
     legacy_name = f"{path}/{weight}:0"
+    dataset = hdf5_files.keras_variable(f, path, index, value, dtype)
     if dtype.name == "bfloat16":
-        # Keras 3 stores bfloat16 as a 2-byte opaque type with a dtype attribute; the Keras 2
-        # reader knows no bfloat16, so its copy is float32 (exact: bfloat16 is float32's top half).
-        dataset = f[f"layers/{path}/vars"].create_dataset(str(index), data=value.view("V2"))
-        dataset.attrs["dtype"] = "bfloat16"
+        # The Keras 2 reader knows no bfloat16, so its copy is float32 (exact: bfloat16 is float32's top half).
         f[path].create_dataset(legacy_name, data=widen_to_float32(value, dtype))
     else:
-        dataset = f[f"layers/{path}/vars"].create_dataset(str(index), data=value)
         f[path][legacy_name] = dataset              # a hard link: the same bytes under the Keras 2 name
 
 

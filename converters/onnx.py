@@ -67,7 +67,7 @@ from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, Quan
 from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, VERSION_KEY, json_object
-from modelkit.models import MODELS, load_model_module
+from modelkit.models import MODELS
 from modelkit.parse.detect import onnx as detect  # noqa: F401  (the converter's detect)
 from modelkit.parse.onnx import GRAPH, MODEL, TENSOR, TYPED_TENSOR_FIELDS
 from modelkit.parse.paths import resolve_location
@@ -75,6 +75,7 @@ from modelkit.parse.protobuf import LEN, VARINT, fields, int64s, string_pairs, t
 from modelkit.storage import qdq, quantized_layout
 from modelkit.storage.dtypes import tensor_bytes
 from modelkit.testing import causal_lm
+from modelkit.testing import export as export_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -548,7 +549,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), 
         raise UnsupportedConversionError(type(module).__name__, "onnx", "kv_cache applies to Hugging Face causal "
                                          "LMs (a config with vocab_size, forward taking a key/value cache)")
     else:
-        model = _export(module, _example_inputs(module, options.example_inputs), opset=opset,
+        model = _export(module, export_shapes.example_inputs(module, options.example_inputs, target="onnx"), opset=opset,
                         names=options.input_names, axes=options.dynamic_axes)
     names = _map_names(model.graph, state)
     if narrow:
@@ -564,20 +565,6 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions(), 
     _save(model, path, final, external_data_threshold)
 
 
-def _example_inputs(module: Any, given: Any) -> tuple[Any, ...]:
-    if given is not None:
-        return given if isinstance(given, tuple) else (given,)
-    arch = getattr(type(module), "arch", None)
-    if arch not in MODELS:
-        raise UnsupportedConversionError(type(module).__name__, "onnx", "exporting a graph needs example inputs "
-                                         "shaped like real ones: pass --input-shape NAME=DIMS[:DTYPE] "
-                                         "(API: example_inputs=...)")
-    example = load_model_module(arch).example_inputs()
-    example = example if isinstance(example, tuple) else (example,)
-    dtype = next((p.dtype for p in module.parameters() if p.dtype.is_floating_point), torch.float32)
-    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in example)
-
-
 def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET, names: tuple[str, ...] | None = None,
             axes: dict[str, tuple[int, ...]] | None = None) -> Any:
     """torch.onnx.export (torch.export-based, optimized) -> onnx_ir Model, with named dynamic axes.
@@ -586,20 +573,8 @@ def _export(module: Any, inputs: tuple[Any, ...], *, opset: int = OPSET, names: 
     "<input>_<axis>" in the file (an axis the exporter finds equal to an earlier one takes that one's
     name); else axis 0 of every input ("batch") and the axes a reference model declares are.
     """
-    import torch.export
-
     arch = getattr(type(module), "arch", None)
-    if axes is not None:        # the caller's, exactly; torch finds which are equal (a batch shared by two inputs)
-        free = [axes.get(name, ()) for name in names or ("",) * len(inputs)]
-        dynamic = tuple({axis: torch.export.Dim.DYNAMIC for axis in f} or None for f in free)
-    else:
-        # Axes the model declares free beyond the batch axis (axis 0 of every input): tinylm's sequence.
-        declared = load_model_module(arch).onnx_axes(module.config) if arch in MODELS else {}
-        extra = {axis: torch.export.Dim(a.name, max=a.max) if a.max is not None else torch.export.Dim(a.name)
-                 for axis, a in declared.items()}
-        batch = torch.export.Dim("batch")
-        dynamic = tuple({0: batch, **{a: d for a, d in extra.items() if a < x.dim()}}
-                        if isinstance(x, torch.Tensor) and x.dim() else None for x in inputs)
+    dynamic = export_shapes.dynamic_shapes(module, inputs, names=names, axes=axes)
     model = _run_exporter(module, inputs, dynamic, opset=opset,
                           input_names=[n for n, x in zip(names, inputs, strict=True) if isinstance(x, torch.Tensor)]
                           if names else None)
@@ -616,18 +591,13 @@ def _export_causal_lm(module: Any, options: WriteOptions, *, opset: int) -> Any:
     position_ids in, logits out (and past_key_values.N.* in, present.N.* out with `kv_cache`),
     batch and sequence free (docs/formats/onnx.md, "Hugging Face causal LMs"). The signature is
     fixed: the caller's input names and dynamic axes may only repeat it."""
-    import torch.export
-
     kv_cache = options.kv_cache
     graph = causal_lm.graph(module, kv_cache=kv_cache)
     names = causal_lm.input_names(graph.layers, kv_cache=kv_cache)
     axes = causal_lm.dynamic_axes(graph.layers, kv_cache=kv_cache)
     _check_causal_lm_options(options, names, axes)
-    dims = {axis.name: torch.export.Dim(axis.name) for entry in axes for axis in entry.values()}   # one per name
-    dynamic = [{a: dims[axis.name] for a, axis in entry.items()} for entry in axes]
     model = _run_exporter(graph, causal_lm.export_inputs(module, kv_cache=kv_cache),
-                          (*dynamic[:3], tuple(dynamic[3:])) if kv_cache else tuple(dynamic),   # *past: one tuple
-                          opset=opset, input_names=names, output_names=causal_lm.output_names(graph.layers, kv_cache=kv_cache))
+                          export_shapes.causal_lm_shapes(graph.layers, kv_cache=kv_cache), opset=opset, input_names=names, output_names=causal_lm.output_names(graph.layers, kv_cache=kv_cache))
     _check_dynamic(model, axes, strict=True, label=type(module).__name__)
     return model
 

@@ -50,8 +50,7 @@ from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, Quan
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, json_object
-from modelkit.models.keras_plan import TRANSFORM_NAMES, KerasPlan, keras_plan, torch_shape, transforms
-from modelkit.models.plugin import KerasWeight
+from modelkit.models.keras_plan import KerasPlan, in_torch_layout, keras_plan, names_record, torch_names, torch_shape
 from modelkit.parse import keras as keras_json
 from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse.detect import tfjs as detect  # noqa: F401  (the converter's detect)
@@ -122,23 +121,9 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     return _torch_names(file, Checkpoint(tensors=tensors, metadata=metadata, arch=arch), names)
 
 
-_SHOWN = ("units", "filters", "kernel_size", "strides", "padding", "activation", "pool_size", "rate", "axis",
-          "batch_input_shape", "batch_shape", "target_shape", "input_dim", "output_dim")
-
-
 def layers(path: Path) -> list[dict[str, str]]:
     """The topology's layers, for `modelkit inspect`: name, Keras class and the arguments that shape it."""
-    file = model_json(path)
-    config = _model(file).config or {}
-    items = config.get("config", {}).get("layers", []) if isinstance(config.get("config"), dict) else []
-    shown = []
-    for item in items if isinstance(items, list) else []:
-        if not isinstance(item, dict):
-            continue
-        args = item.get("config") if isinstance(item.get("config"), dict) else {}
-        shown.append({"name": str(args.get("name", item.get("name", "")))[:80], "class": str(item.get("class_name"))[:80],
-                      "config": ", ".join(f"{k}={json.dumps(args[k])}" for k in _SHOWN if k in args)[:160]})
-    return shown
+    return keras_json.describe_layers(_model(model_json(path)).config or {})
 
 
 def _metadata(file: Path, given: Any) -> tuple[dict[str, str], ArchSpec | None]:
@@ -211,28 +196,8 @@ def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None) -> Checkpoint:
     if raw is None:
         return ckpt
     names = json_object(file, NAMES_KEY, raw, what="the torch name of each weight")
-    tensors: dict[str, LazyTensor] = {}
-    for name, entry in names.items():
-        weight = entry.get("weight") if isinstance(entry, dict) else None
-        transform = entry.get("transform") if isinstance(entry, dict) else None
-        flatten = entry.get("flatten") if isinstance(entry, dict) else None
-        if weight not in ckpt.tensors or transform not in TRANSFORM_NAMES or not (
-                flatten is None or isinstance(flatten, list) and len(flatten) == 3
-                and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in flatten)):
-            raise FormatError(file, f"{NAMES_KEY} entry {name!r} is not a manifest weight with a known transform")
-        stored = ckpt.tensors.pop(weight)
-        spec = KerasWeight(name, weight, transform, tuple(flatten) if flatten else None)
-        _, back = transforms(spec)
-        shape = torch_shape(spec, stored.shape)
-        if shape is None:
-            raise FormatError(file, f"{NAMES_KEY} entry {name!r}: {weight} {list(stored.shape)} does not take the "
-                              f"{transform} layout")
-        tensors[name] = _in_torch_layout(stored, back, shape)
-    return Checkpoint(tensors={**tensors, **ckpt.tensors}, metadata=ckpt.metadata, arch=ckpt.arch)
-
-
-def _in_torch_layout(stored: LazyTensor, back: Any, shape: tuple[int, ...]) -> LazyTensor:
-    return LazyTensor(stored.dtype, shape, lambda: np.ascontiguousarray(back(stored.array())), stored.source)
+    tensors = torch_names(ckpt.tensors, names, lambda reason: FormatError(file, f"{NAMES_KEY} {reason}"))
+    return Checkpoint(tensors=tensors, metadata=ckpt.metadata, arch=ckpt.arch)
 
 
 def adopt_arch(ckpt: Checkpoint) -> Checkpoint:
@@ -250,7 +215,7 @@ def adopt_arch(ckpt: Checkpoint) -> Checkpoint:
     if len(entries) != len(order) or any(not isinstance(e, LazyTensor) or tuple(e.shape) != plan.targets[n].shape
                                          for e, n in zip(entries, order, strict=True)):
         return ckpt
-    tensors = {name: _in_torch_layout(entry, plan.targets[name].from_keras,
+    tensors = {name: in_torch_layout(entry, plan.targets[name].from_keras,
                                       torch_shape(plan.targets[name].spec, entry.shape))
                for entry, name in zip(entries, order, strict=True)}
     return Checkpoint(tensors=tensors, metadata=ckpt.metadata, arch=ckpt.arch)
@@ -293,9 +258,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
             spec["quantization"] = quantization
         weights.append(spec)
     metadata = dict(ckpt.metadata)
-    metadata[NAMES_KEY] = json.dumps({name: {"weight": f"{t.path}/{t.weight}", "transform": t.spec.transform,
-                                             **({"flatten": list(t.spec.flatten)} if t.spec.flatten else {})}
-                                      for name in order for t in [plan.targets[name]]}, separators=(",", ":"))
+    metadata[NAMES_KEY] = names_record(plan, order, lambda t: f"{t.path}/{t.weight}")
     if ckpt.arch is not None:
         metadata[ARCH_KEY] = ckpt.arch.to_json()
     document = {"format": FORMAT, "generatedBy": _version(), "convertedBy": _version(),

@@ -146,7 +146,7 @@ def _read(archive: _Archive) -> Checkpoint:
     metadata = dict(info.get("metadata", {}))
     if "export" in info:
         metadata[EXPORT_KEY] = info["export"]
-    ties = _ties({n: records[n] for n in names})
+    ties = torch_format.tied_names({n: records[n] for n in names})
     if ties and ALIASES_KEY not in metadata:
         metadata[ALIASES_KEY] = json.dumps(ties, sort_keys=True)
     arch = ArchSpec.from_json(info["arch"], source=path) if info.get("arch") is not None else None
@@ -228,18 +228,6 @@ def _lazy(path: Path, parsed: torch_format.TorchFile, name: str, record: TensorR
     span = parsed.span(record)
     return LazyTensor(DTYPES[record.dtype], record.size, partial(parsed.array, record), f"{path}:{name}",
                       FileSpan(path, *span) if span is not None else None)
-
-
-def _ties(records: dict[str, TensorRecord]) -> dict[str, str]:
-    """Names that are the very same view of one storage as an earlier name (tied weights)."""
-    first: dict[tuple[Any, ...], str] = {}
-    ties = {}
-    for name, record in records.items():
-        if record.numel:
-            target = first.setdefault(record.identity, name)
-            if target != name:
-                ties[name] = target
-    return ties
 
 
 def _modelkit_info(archive: _Archive) -> dict[str, Any]:

@@ -28,6 +28,7 @@ _LAZY = {
     "complete": "modelkit.api:complete",
     "evaluate": "modelkit.api:evaluate",
     "generate": "modelkit.api:generate",
+    "serve": "modelkit.pipeline.serve:serve",
     "convert": "modelkit.pipeline.convert:convert",
     "export": "modelkit.pipeline.convert:export",
     "ConversionReport": "modelkit.pipeline.convert:ConversionReport",

@@ -61,6 +61,7 @@ class Inspection:
     metrics: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] | None = None        # a Hugging Face family's summary (modelkit.models._hf.describe)
     layers: list[dict[str, str]] | None = None   # formats that hold a layer graph (tfjs): {"name", "class", "config"}
+    program: dict[str, Any] | None = None        # formats that hold an exported program (pt2): inputs, outputs, dims
 
     @property
     def num_parameters(self) -> int:
@@ -82,6 +83,7 @@ class Inspection:
             "metrics": self.metrics,
             "model": self.model,
             "layers": self.layers,
+            "program": self.program,
         }
 
 
@@ -103,8 +105,10 @@ def inspect(path: PathLike, *, format: str | None = None, trust: bool = False, k
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
     metadata = {k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}
     describe_layers = getattr(load_format(fmt), "layers", None)       # a converter of a format with a layer graph
+    describe_program = getattr(load_format(fmt), "program", None)     # ... or with an exported program
     return Inspection(path, fmt, tensors, metadata, ckpt.arch, size, ckpt.metrics, _model_summary(path, ckpt, tensors),
-                      describe_layers(path) if describe_layers is not None else None)
+                      describe_layers(path) if describe_layers is not None else None,
+                      describe_program(path) if describe_program is not None else None)
 
 
 def _model_summary(path: Path, ckpt: Any, tensors: list[TensorInfo]) -> dict[str, Any] | None:

@@ -98,6 +98,15 @@ class ConfigError(ModelkitError, ValueError):
     """An invalid option or configuration value."""
 
 
+class RequestError(ModelkitError, ValueError):
+    """A request `modelkit serve` refuses: its HTTP status (400 bad input, 404 unknown model, 413 too large,
+    503 queue full) and a one-line reason, sent as {"error": reason}."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        self.status = status
+        super().__init__(message)
+
+
 class OutputExistsError(ModelkitError, FileExistsError):
     """The output path exists and overwriting was not asked for."""
 

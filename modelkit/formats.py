@@ -4,7 +4,7 @@ Each entry names a converter module (imported on first use) with the same names:
 
     detect(path: Path) -> bool                      modelkit.parse.detect.<name>: a few KB, never unpickles
     read(path: Path, options: ReadOptions) -> Checkpoint
-    write(ckpt: Checkpoint, path: Path, options: WriteOptions) -> None
+    write(ckpt: Checkpoint, path: Path, options: WriteOptions) -> None     (read_only formats: raises why not)
     runnable(path: Path, options: ReadOptions) -> Callable[..., Tensor]   graph formats only
 
 `write` writes to `path` as given (the caller made it a temporary name and renames it after
@@ -31,31 +31,47 @@ class FormatInfo:
     extra: str | None = None       # pip extra that brings its dependencies
     has_graph: bool = False        # the file holds the computation, not only weights
     runs_pickle: bool = False      # loading unpickles: scan first, then weights_only=True
-    companions: tuple[str, ...] = ()   # sidecar files a write may add: "<name><suffix>" (atomic_path)
+    companions: tuple[str, ...] = ()   # sidecar files a write may add: "<name><suffix>", "{stem}.bin" (atomic_path)
     folder: bool = False           # the output is a folder (a Hugging Face model folder): no suffix, --to names it;
                                    # with suffixes (tfjs), DIR/model.json names the folder DIR
     folder_file: str | None = None     # a folder format whose output may be named by its main file: DIR/model.json
     maps_module: bool = False      # the writer maps a user's module to a layout of its own (HDF5: Keras layers)
+    keras_model: bool = False      # the file is a Keras model: only checkpoints with a Keras layout (mlp, cnn, a
+                                   # user's Sequential) can be written; others raise UnsupportedConversionError
+    read_only: bool = False        # read (inspect, scan, convert from) but never written: TensorFlow's, legacy ggml
 
 
 FORMATS: dict[str, FormatInfo] = {f.name: f for f in (
+    FormatInfo("ggml",        (".ggml", ".bin"),                 "modelkit.converters.ggml", read_only=True),
     FormatInfo("gguf",        (".gguf",),                        "modelkit.converters.gguf"),
     FormatInfo("hdf5",        (".h5", ".hdf5"),                  "modelkit.converters.hdf5", maps_module=True),
     FormatInfo("hf",          (),                                "modelkit.converters.hf", folder=True),
+    FormatInfo("keras",       (".keras",),                       "modelkit.converters.keras", maps_module=True,
+               keras_model=True),
     FormatInfo("npz",         (".npz",),                         "modelkit.converters.npz"),
     FormatInfo("onnx",        (".onnx",),                        "modelkit.converters.onnx", extra="onnx", has_graph=True,
                companions=(".data",)),
+    FormatInfo("openvino",    (".xml",),                         "modelkit.converters.openvino", extra="openvino",
+               has_graph=True, companions=("{stem}.bin",)),
+    FormatInfo("pt2",         (".pt2",),                         "modelkit.converters.pt2", extra="torch", has_graph=True),
     FormatInfo("pth",         (".pt", ".pth", ".bin", ".ckpt"),  "modelkit.converters.pth", extra="torch", runs_pickle=True),
     FormatInfo("safetensors", (".safetensors",),                 "modelkit.converters.safetensors"),
+    FormatInfo("savedmodel",  (".pb",),                          "modelkit.converters.savedmodel", folder=True,
+               folder_file="saved_model.pb", read_only=True),
+    FormatInfo("tfcheckpoint", (".index",),                      "modelkit.converters.tfcheckpoint", read_only=True),
     FormatInfo("tfjs",        (".json",),                        "modelkit.converters.tfjs", folder=True,
                folder_file="model.json", maps_module=True),
     FormatInfo("torchscript", (".ts", ".pt"),                    "modelkit.converters.torchscript", extra="torch", has_graph=True,
                runs_pickle=True),
 )}
 
+# The formats modelkit writes (the others are read_only).
+WRITABLE: tuple[str, ...] = tuple(name for name, info in FORMATS.items() if not info.read_only)
+
 # How a model file can be run for evaluation: torch rebuilds the module from the weights; onnxruntime
-# runs an ONNX file's own graph in a session.
+# runs an ONNX file's own graph in a session (eval and serve); openvino an OpenVINO IR in OpenVINO's runtime (eval).
 RUNTIMES = ("torch", "onnxruntime")
+EVAL_RUNTIMES = (*RUNTIMES, "openvino")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +136,8 @@ def load_format(name: str) -> ModuleType:
 def check_readable(path: Path) -> None:
     """One-line errors for the usual ways an input path is wrong."""
     if not path.exists():
+        if Path(f"{path}.index").is_file():      # TensorFlow names checkpoints by their prefix
+            raise FormatError(path, f"no such file or folder; for the TensorFlow checkpoint, name {path.name}.index")
         raise FormatError(path, "no such file or folder")
     if path.is_dir():
         return

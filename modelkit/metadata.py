@@ -31,12 +31,17 @@ KERAS_LAYOUT_ATTR = "modelkit.keras_layout"   # HDF5 root attribute: "keras" | "
 KERAS_NOTE_ATTR = "modelkit.keras_note"       # HDF5 root attribute: the Keras model it fits, or why none
 KERAS_JSON_ATTR = "modelkit.keras_json"       # HDF5 root attribute: that model as Keras's to_json() writes it
 TORCHSCRIPT_EXTRA = "modelkit.json"           # TorchScript: the extra file holding metadata and ArchSpec
+PT2_EXTRA = "modelkit.json"                   # PT2: the extra file (extra/modelkit.json) holding metadata and ArchSpec
 TORCHSCRIPT_EXPORT_KEY = "modelkit.torchscript.export"   # TorchScript, on reading: "script" or "trace"
 PTH_SOURCE_KEY = "modelkit.pth.source"        # pt/pth, on reading: which entry or object the state_dict came from
 PTH_METADATA_ENTRY = "__modelkit__"           # pt/pth: the state_dict._metadata entry holding our metadata
 PTH_LAYOUT = "modelkit.pth/1"                 # pt/pth: that entry's layout version
 NPZ_MEMBER = "modelkit.json"                  # npz: the member holding metadata, ArchSpec and true dtypes
 NPZ_LAYOUT = "modelkit.npz/1"                 # npz: that member's layout version
+TF_KEYS_KEY = "modelkit.tensorflow.keys"      # SavedModel / TF checkpoint, on reading: tensor name -> {"key": the
+                                              # checkpoint key, "full_name": TF's variable name, "also": other keys}
+TF_SOURCE_KEY = "modelkit.tensorflow.source"  # SavedModel, on reading: its tags and TensorFlow version (JSON)
+GGML_SOURCE_KEY = "modelkit.ggml.source"     # legacy ggml, on reading: the file's kind, version and ftype
 
 
 def json_object(path: Path | str, key: str, raw: str, *, what: str, limit: int | None = None) -> dict[str, Any]:

@@ -24,6 +24,8 @@ SCHEMES: dict[str, str] = {
     "int4": "modelkit.quantizers.int4:Int4Config",
     "int8": "modelkit.quantizers.int8:Int8Config",
     "int8-dynamic": "modelkit.quantizers.int8_dynamic:Int8DynamicConfig",
+    "iq4_nl": "modelkit.quantizers.gguf_arrays:IQ4_NLConfig",
+    "iq4_xs": "modelkit.quantizers.gguf_arrays:IQ4_XSConfig",
     "q2_k": "modelkit.quantizers.gguf_arrays:Q2_KConfig",
     "q3_k": "modelkit.quantizers.gguf_arrays:Q3_KConfig",
     "q4_0": "modelkit.quantizers.gguf_arrays:Q4_0Config",
@@ -84,7 +86,10 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     scheme = getattr(type(config), "scheme", None)
     if scheme not in SCHEMES or not dataclasses.is_dataclass(config) or load_scheme(scheme) is not type(config):
         raise ConfigError(f"{type(config).__name__} is not the config of a registered scheme ({', '.join(SCHEMES)})")
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    # an optional field left unset (None by default, e.g. a GGUF scheme's imatrix) is left out: the JSON
+    # (and the files that record it) stay as they were before the field existed
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if not (f.default is None and getattr(config, f.name) is None)}
     return {SCHEME_KEY: scheme, **{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}}
 
 

@@ -75,6 +75,36 @@ static inline void put_half(uint8_t *dst, float f) {
 #include "_gguf_kernels_avx2.h"
 #endif
 #include "_gguf_kernels_kquants.h"
+#include "_gguf_kernels_imatrix.h"
+
+typedef void (*kquantize_t)(const float *, uint8_t *);
+typedef void (*kweighted_t)(const float *, uint8_t *, const float *);
+typedef void (*kdequantize_t)(const uint8_t *, float *);
+
+/* The types quantized a block at a time (K-quant super-blocks of 256, IQ4 blocks): name, weights
+ * per block, bytes per block, quantizer, quantizer under importance weights (one per value of the
+ * block), dequantizer. */
+static const struct {
+    const char *name; int block, type_size; kquantize_t quantize; kweighted_t weighted; kdequantize_t dequantize;
+} KTYPES[] = {
+    {"q2_k", SUPER, 84, quantize_q2_k, quantize_q2_k_weighted, dequantize_q2_k},
+    {"q3_k", SUPER, 110, quantize_q3_k, quantize_q3_k_weighted, dequantize_q3_k},
+    {"q4_k", SUPER, 144, quantize_q4_k, quantize_q4_k_weighted, dequantize_q4_k},
+    {"q5_k", SUPER, 176, quantize_q5_k, quantize_q5_k_weighted, dequantize_q5_k},
+    {"q6_k", SUPER, 210, quantize_q6_k, quantize_q6_k_weighted, dequantize_q6_k},
+    {"iq4_nl", 32, 18, quantize_iq4_nl, quantize_iq4_nl_weighted, dequantize_iq4_nl},
+    {"iq4_xs", SUPER, 136, quantize_iq4_xs, quantize_iq4_xs_weighted, dequantize_iq4_xs},
+};
+
+/* Whether any of the n values is NaN or infinite. */
+static inline int non_finite(const float *x, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t bits;
+        memcpy(&bits, x + i, 4);                /* no type punning through pointers */
+        if ((bits & 0x7fffffff) >= EXPONENT) return 1;
+    }
+    return 0;
+}
 
 typedef Py_ssize_t (*kernel_t)(const float *, uint8_t *, Py_ssize_t);
 
@@ -160,43 +190,95 @@ static PyObject *half(PyObject *self, PyObject *args) {
 static int find_ktype(const char *name) {
     for (int i = 0; i < (int)(sizeof KTYPES / sizeof KTYPES[0]); i++)
         if (strcmp(name, KTYPES[i].name) == 0) return i;
-    PyErr_Format(PyExc_ValueError, "unknown K-quant type %s", name);
+    PyErr_Format(PyExc_ValueError, "unknown K-quant or IQ4 type %s", name);
     return -1;
 }
 
 PyDoc_STRVAR(kquantize_doc,
-"kquantize(type_name, src, dst) -> int\n\n"
-"Quantize the float32 values in `src` (a multiple of 256) to K-quant super-blocks in `dst`\n"
-"(exactly the bytes they need): q2_k .. q6_k. Returns -1, or the index of the first\n"
-"super-block holding NaN or infinity (dst is then incomplete). Releases the GIL.");
+"kquantize(type_name, src, dst, weights=None) -> int\n\n"
+"Quantize the float32 values in `src` (whole blocks: 256 values, 32 for iq4_nl) to blocks in `dst`\n"
+"(exactly the bytes they need): q2_k .. q6_k, iq4_nl, iq4_xs. `weights`: None, or a float32 buffer\n"
+"of one importance per column of a row (its length is the row's); `src` then holds whole rows.\n"
+"Returns -1, or the index of the first block holding NaN or infinity (dst is then incomplete).\n"
+"Releases the GIL.");
 
 static PyObject *kquantize(PyObject *self, PyObject *args) {
     const char *name;
-    Py_buffer src, dst;
-    if (!PyArg_ParseTuple(args, "sy*w*", &name, &src, &dst)) return NULL;
+    Py_buffer src, dst, weights = {0};
+    PyObject *weights_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "sy*w*|O", &name, &src, &dst, &weights_obj)) return NULL;
+    if (weights_obj != Py_None && PyObject_GetBuffer(weights_obj, &weights, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
     PyObject *result = NULL;
     int t = find_ktype(name);
-    Py_ssize_t n = src.len / (SUPER * (Py_ssize_t)sizeof(float));
+    Py_ssize_t block = t < 0 ? 1 : KTYPES[t].block, n = src.len / (block * (Py_ssize_t)sizeof(float));
+    Py_ssize_t row = weights.buf ? weights.len / (Py_ssize_t)sizeof(float) : block;
     if (t < 0) {
-    } else if (src.len % (SUPER * sizeof(float)) || dst.len != n * KTYPES[t].type_size) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd source bytes are not whole super-blocks for %zd output bytes",
+    } else if (src.len % (block * sizeof(float)) || dst.len != n * KTYPES[t].type_size) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd source bytes are not whole blocks for %zd output bytes",
                      name, src.len, dst.len);
+    } else if (weights.buf && (weights.len % sizeof(float) || row == 0 || row % block
+                               || (src.len / (Py_ssize_t)sizeof(float)) % row)) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes of weights are not one float32 per column of whole rows",
+                     name, weights.len);
     } else {
         Py_ssize_t bad = -1;
-        const float *x = (const float *)src.buf;
+        const float *x = (const float *)src.buf, *qw = (const float *)weights.buf;
         uint8_t *y = (uint8_t *)dst.buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t b = 0; b < n && bad < 0; b++) {
-            for (int i = 0; i < SUPER; i++) {
-                int32_t bits;
-                memcpy(&bits, x + b * SUPER + i, 4);     /* no type punning through pointers */
-                if ((bits & 0x7fffffff) >= EXPONENT) { bad = b; break; }
-            }
-            if (bad < 0) KTYPES[t].quantize(x + b * SUPER, y + b * KTYPES[t].type_size);
+        for (Py_ssize_t b = 0; b < n; b++) {
+            const float *xb = x + b * block;
+            if (non_finite(xb, block)) { bad = b; break; }
+            if (qw) KTYPES[t].weighted(xb, y + b * KTYPES[t].type_size, qw + (b * block) % row);
+            else KTYPES[t].quantize(xb, y + b * KTYPES[t].type_size);
         }
         Py_END_ALLOW_THREADS
         result = PyLong_FromSsize_t(bad);
     }
+    if (weights.buf) PyBuffer_Release(&weights);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
+PyDoc_STRVAR(wquantize_doc,
+"wquantize(type_name, src, dst, weights) -> int\n\n"
+"Quantize whole rows of float32 `src` to q4_0, q4_1, q5_0 or q5_1 blocks in `dst` under importance\n"
+"`weights` (float32, one per column; its length is the row's), as llama.cpp does with an importance\n"
+"matrix. Returns -1, or the index of the first row holding NaN or infinity. Releases the GIL.");
+
+static PyObject *wquantize(PyObject *self, PyObject *args) {
+    const char *name;
+    Py_buffer src, dst, weights;
+    if (!PyArg_ParseTuple(args, "sy*w*y*", &name, &src, &dst, &weights)) return NULL;
+    PyObject *result = NULL;
+    int t = -1;
+    for (int i = 0; i < (int)(sizeof WTYPES / sizeof WTYPES[0]); i++)
+        if (strcmp(name, WTYPES[i].name) == 0) t = i;
+    Py_ssize_t row = weights.len / (Py_ssize_t)sizeof(float);
+    Py_ssize_t rows = row ? src.len / (Py_ssize_t)sizeof(float) / row : 0;
+    if (t < 0) {
+        PyErr_Format(PyExc_ValueError, "no weighted kernel for %s", name);
+    } else if (row == 0 || row % BLOCK || weights.len % sizeof(float) || src.len != rows * row * (Py_ssize_t)sizeof(float)
+               || dst.len != rows * (row / BLOCK) * WTYPES[t].type_size) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd source bytes are not whole rows of %zd for %zd output bytes",
+                     name, src.len, row, dst.len);
+    } else {
+        Py_ssize_t bad = -1, row_bytes = row / BLOCK * WTYPES[t].type_size;
+        const float *x = (const float *)src.buf, *qw = (const float *)weights.buf;
+        uint8_t *y = (uint8_t *)dst.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            if (non_finite(x + r * row, row)) { bad = r; break; }
+            WTYPES[t].quantize(x + r * row, y + r * row_bytes, row, qw);
+        }
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(bad);
+    }
+    PyBuffer_Release(&weights);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return result;
@@ -204,7 +286,7 @@ static PyObject *kquantize(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(kdequantize_doc,
 "kdequantize(type_name, src, dst)\n\n"
-"K-quant super-blocks in `src` (q2_k .. q6_k) to float32 values in `dst` (256 per block), as\n"
+"Blocks in `src` (q2_k .. q6_k, iq4_nl, iq4_xs) to float32 values in `dst`, as\n"
 "llama.cpp's to_float computes them. Releases the GIL.");
 
 static PyObject *kdequantize(PyObject *self, PyObject *args) {
@@ -214,15 +296,15 @@ static PyObject *kdequantize(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     int t = find_ktype(name);
     if (t < 0) {
-    } else if (src.len % KTYPES[t].type_size || dst.len != src.len / KTYPES[t].type_size * SUPER * (Py_ssize_t)sizeof(float)) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd bytes are not whole super-blocks for %zd output bytes",
+    } else if (src.len % KTYPES[t].type_size || dst.len != src.len / KTYPES[t].type_size * KTYPES[t].block * (Py_ssize_t)sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes are not whole blocks for %zd output bytes",
                      name, src.len, dst.len);
     } else {
         Py_ssize_t n = src.len / KTYPES[t].type_size;
         const uint8_t *b = (const uint8_t *)src.buf;
         float *y = (float *)dst.buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) KTYPES[t].dequantize(b + i * KTYPES[t].type_size, y + i * SUPER);
+        for (Py_ssize_t i = 0; i < n; i++) KTYPES[t].dequantize(b + i * KTYPES[t].type_size, y + i * KTYPES[t].block);
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
         result = Py_None;
@@ -236,6 +318,7 @@ static PyMethodDef METHODS[] = {
     {"quantize", quantize, METH_VARARGS, quantize_doc},
     {"half_bits", half, METH_VARARGS, half_doc},
     {"kquantize", kquantize, METH_VARARGS, kquantize_doc},
+    {"wquantize", wquantize, METH_VARARGS, wquantize_doc},
     {"kdequantize", kdequantize, METH_VARARGS, kdequantize_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -50,14 +50,14 @@ static inline float largest(int n, const float *x) {
 }
 
 /* Levels of x at `iscale` clipped to -nmax..nmax-1, stored plus `offset` in L unless L is NULL, and
- * the weighted sums sum(w x l) and sum(w l l) for weights w = x * x. */
-static inline void signed_levels(int n, int nmax, const float *x, float iscale, int8_t *L, int offset,
-                                 float *sumlx, float *suml2) {
+ * the weighted sums sum(w x l) and sum(w l l) for weights w = qw, or x * x where qw is NULL. */
+static inline void signed_levels(int n, int nmax, const float *x, const float *qw, float iscale, int8_t *L,
+                                 int offset, float *sumlx, float *suml2) {
     float slx = 0, sl2 = 0;
     for (int i = 0; i < n; i++) {
         int l = clamp_int(round_int(iscale * x[i]), -nmax, nmax - 1);
         if (L) L[i] = (int8_t)(l + offset);
-        float w = x[i] * x[i];
+        float w = qw ? qw[i] : x[i] * x[i];
         slx += w * x[i] * l;
         sl2 += w * l * l;
     }
@@ -65,23 +65,23 @@ static inline void signed_levels(int n, int nmax, const float *x, float iscale, 
     *suml2 = sl2;
 }
 
-/* The scale that fits x (n values) to signed levels -nmax..nmax-1 under weights x*x: the
- * largest-magnitude value's level -nmax first, then 18 nearby scales, keeping the best
+/* The scale that fits x (n values) to signed levels -nmax..nmax-1 under weights qw (x*x where qw is
+ * NULL): the largest-magnitude value's level -nmax first, then 18 nearby scales, keeping the best
  * weighted least-squares fit. L gets the levels offset by nmax. (make_qx_quants, rmse 1.) */
-static float fit_signed(int n, int nmax, const float *x, int8_t *L) {
+static float fit_signed(int n, int nmax, const float *x, const float *qw, int8_t *L) {
     float max = largest(n, x), sumlx, suml2, unused;
     if (fabsf(max) < TINY) {
         memset(L, 0, (size_t)n);
         return 0.f;
     }
-    signed_levels(n, nmax, x, -nmax / max, L, nmax, &sumlx, &suml2);
+    signed_levels(n, nmax, x, qw, -nmax / max, L, nmax, &sumlx, &suml2);
     float scale = suml2 ? sumlx / suml2 : 0.0f, best = scale * sumlx;
     for (int step = -9; step <= 9; step++) {
         if (step == 0) continue;
         float iscale = -(nmax + 0.1f * step) / max;
-        signed_levels(n, nmax, x, iscale, NULL, 0, &sumlx, &suml2);
+        signed_levels(n, nmax, x, qw, iscale, NULL, 0, &sumlx, &suml2);
         if (suml2 > 0 && sumlx * sumlx > best * suml2) {
-            signed_levels(n, nmax, x, iscale, L, nmax, &unused, &unused);
+            signed_levels(n, nmax, x, qw, iscale, L, nmax, &unused, &unused);
             scale = sumlx / suml2;
             best = scale * sumlx;
         }
@@ -172,10 +172,11 @@ static inline void scale_min_put(int j, uint8_t *q, uint8_t ls, uint8_t lm) {
     }
 }
 
+static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five);
+
 /* Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 nibble bytes) and Q5_K (176 bytes: the same
  * plus 32 bytes of fifth bits before the nibbles): eight sub-blocks of 32, each scale * L - min. */
 static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
-    const int nmax = five ? 31 : 15;
     uint8_t L[SUPER], *scales = y + 4;
     float mins[8], fits[8], w[32], max_scale = 0, max_min = 0;
     for (int j = 0; j < 8; j++) {
@@ -198,6 +199,13 @@ static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
     }
     put_half(y, max_scale / 63.f);
     put_half(y + 2, max_min / 63.f);
+    qk_affine_finish(x, y, L, five);
+}
+
+/* Q4_K/Q5_K with d, dmin and the scale bytes written: levels requantized at the stored scales, packed. */
+static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five) {
+    const int nmax = five ? 31 : 15;
+    const uint8_t *scales = y + 4;
     float d_all = half_value(y), m_all = half_value(y + 2);
     for (int j = 0; j < 8; j++) {
         uint8_t sc, m;
@@ -221,10 +229,10 @@ static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
 
 /* Q6_K (210 bytes: 128 low-nibble bytes, 64 high-bit-pair bytes, 16 int8 scales, d): sixteen
  * sub-blocks of 16, symmetric, levels -32..31. */
-static void quantize_q6_k(const float *x, uint8_t *y) {
+static void quantize_q6_k_weighted(const float *x, uint8_t *y, const float *qw) {
     int8_t L[SUPER];
     float fits[16];
-    for (int b = 0; b < 16; b++) fits[b] = fit_signed(16, 32, x + 16 * b, L + 16 * b);
+    for (int b = 0; b < 16; b++) fits[b] = fit_signed(16, 32, x + 16 * b, qw ? qw + 16 * b : NULL, L + 16 * b);
     const float max_scale = largest(16, fits);
     memset(y, 0, 210);
     if (fabsf(max_scale) < TINY) return;        /* all zeros, d = +0 */
@@ -261,7 +269,7 @@ static float fit_signed_greedy(int n, int nmax, const float *x, int8_t *L) {
         memset(L, 0, (size_t)n);
         return 0.f;
     }
-    signed_levels(n, nmax, x, -nmax / max, L, 0, &sumlx, &suml2);
+    signed_levels(n, nmax, x, NULL, -nmax / max, L, 0, &sumlx, &suml2);
     for (int pass = 0; pass < 5; pass++) {
         int changed = 0;
         for (int i = 0; i < n; i++) {
@@ -324,11 +332,13 @@ static void quantize_q2_k(const float *x, uint8_t *y) {
     put_crumbs(y + 16, L);
 }
 
+static void q3_k_finish(const float *x, uint8_t *y, int8_t *L);
+
 /* Q3_K (110 bytes: 32 bytes of third bits, 64 bytes of 2-bit levels, 12 bytes of sixteen 6-bit
  * scales, d): sixteen sub-blocks of 16, symmetric, levels -4..3. */
 static void quantize_q3_k(const float *x, uint8_t *y) {
     int8_t L[SUPER];
-    uint8_t *hmask = y, *scales = y + 96;
+    uint8_t *scales = y + 96;
     float fits[16];
     for (int j = 0; j < 16; j++) fits[j] = fit_signed_greedy(16, 4, x + 16 * j, L + 16 * j);
     const float max_scale = largest(16, fits);
@@ -345,6 +355,12 @@ static void quantize_q3_k(const float *x, uint8_t *y) {
     } else {
         put_half(y + 108, 0.f);
     }
+    q3_k_finish(x, y, L);
+}
+
+/* Q3_K with d and the scale bytes written: levels requantized at the stored scales, packed. */
+static void q3_k_finish(const float *x, uint8_t *y, int8_t *L) {
+    uint8_t *hmask = y, *scales = y + 96;
     float d_all = half_value(y + 108);
     for (int j = 0; j < 16; j++) {
         int low = j < 8 ? scales[j] & 0xF : scales[j - 8] >> 4;
@@ -425,17 +441,8 @@ static void dequantize_q6_k(const uint8_t *b, float *y) {
             }
 }
 
+static void quantize_q6_k(const float *x, uint8_t *y) { quantize_q6_k_weighted(x, y, NULL); }
 static void quantize_q4_k(const float *x, uint8_t *y) { quantize_qk_affine(x, y, 0); }
 static void quantize_q5_k(const float *x, uint8_t *y) { quantize_qk_affine(x, y, 1); }
 static void dequantize_q4_k(const uint8_t *b, float *y) { dequantize_qk_affine(b, y, 0); }
 static void dequantize_q5_k(const uint8_t *b, float *y) { dequantize_qk_affine(b, y, 1); }
-
-typedef void (*kquantize_t)(const float *, uint8_t *);
-typedef void (*kdequantize_t)(const uint8_t *, float *);
-
-/* Name, bytes per 256 weights, quantizer, dequantizer. */
-static const struct { const char *name; int type_size; kquantize_t quantize; kdequantize_t dequantize; } KTYPES[] = {
-    {"q2_k", 84, quantize_q2_k, dequantize_q2_k}, {"q3_k", 110, quantize_q3_k, dequantize_q3_k},
-    {"q4_k", 144, quantize_q4_k, dequantize_q4_k}, {"q5_k", 176, quantize_q5_k, dequantize_q5_k},
-    {"q6_k", 210, quantize_q6_k, dequantize_q6_k},
-};

@@ -7,9 +7,14 @@ fallback where the extension was not built (same bytes, slower). `gguf_blocks.py
 torch side: quantized layers, the eager-torch reference and dequantization.
 
 K-quants (super-blocks of 256 weights, _gguf_kernels_kquants.h): q2_k..q6_k quantize byte-identical
-to llama.cpp's `ggml_quantize_chunk` without an importance matrix (`quantize_kquants`) and
-dequantize bit-identical to its `to_float` (`dequantize_kquants`). They need the extension: gguf-py
-has no K-quant quantizer to fall back on.
+to llama.cpp's `ggml_quantize_chunk` (`quantize_kquants`) and dequantize bit-identical to its
+`to_float` (`dequantize_kquants`); so do IQ4_NL and IQ4_XS (a fixed table of 16 non-linear levels,
+_gguf_kernels_imatrix.h). They need the extension: gguf-py has no quantizer for them to fall back on.
+
+Importance matrices (`importance=`, one float per column of the rows: llama.cpp's imatrix entry for
+the weight, see modelkit.quantizers.imatrix): every type but q8_0 then quantizes as
+`ggml_quantize_chunk(..., imatrix)` does, byte for byte (the weighted kernels need the extension;
+q8_0 ignores the importance, as llama.cpp does).
 """
 from __future__ import annotations
 
@@ -37,16 +42,21 @@ K_BLOCK = 256               # weights per K-quant super-block (QK_K)
 # K type -> bytes per super-block.
 K_TYPE_SIZES: dict[str, int] = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 K_QUANTIZED: tuple[str, ...] = tuple(K_TYPE_SIZES)
+# IQ4 type -> (weights per block, bytes per block): 16 non-linear levels (kvalues_iq4nl) per 4-bit index.
+IQ_TYPES: dict[str, tuple[int, int]] = {"iq4_nl": (32, 18), "iq4_xs": (256, 136)}
+# Every type the block kernels (kquantize) take: K-quants and IQ4 -> (weights per block, bytes per block).
+KERNEL_TYPES: dict[str, tuple[int, int]] = {**{k: (K_BLOCK, v) for k, v in K_TYPE_SIZES.items()}, **IQ_TYPES}
 # llama.cpp's type for a tensor whose rows are not whole super-blocks (llama-quant.cpp's tensor_type_fallback).
-K_FALLBACK: dict[str, str] = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+K_FALLBACK: dict[str, str] = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
+                              "iq4_xs": "iq4_nl"}
 KERNEL_ISAS: tuple[str, ...] = tuple(_gguf_kernels.ISAS) if _gguf_kernels else ()
 # The configs live here (torch-free); `apply` to a module is torch's, in gguf_blocks (schemes.scheme_module).
 APPLY_MODULE = "modelkit.quantizers.gguf_blocks"
 
 
 def block_weights(type_name: str) -> int:
-    """Weights per block of `type_name` (32, or 256 for the K-quants)."""
-    return K_BLOCK if type_name in K_TYPE_SIZES else BLOCK
+    """Weights per block of `type_name` (32, or 256 for the K-quants and IQ4_XS)."""
+    return KERNEL_TYPES[type_name][0] if type_name in KERNEL_TYPES else BLOCK
 
 
 def row_type(type_name: str, row: int) -> str | None:
@@ -60,7 +70,8 @@ def row_type(type_name: str, row: int) -> str | None:
 
 def row_bytes(type_name: str, row: int) -> int:
     """Bytes of one row of `row` weights as `type_name` blocks."""
-    return row // block_weights(type_name) * {**TYPE_SIZES, **K_TYPE_SIZES}[type_name]
+    size = KERNEL_TYPES[type_name][1] if type_name in KERNEL_TYPES else TYPE_SIZES[type_name]
+    return row // block_weights(type_name) * size
 
 
 def check_skip(config: Any) -> None:
@@ -85,6 +96,9 @@ class BlockConfig:
         skip: fnmatch patterns of module names left in float, e.g. ("lm_head",). Norms,
             biases and every 1-D tensor always stay float32, as llama.cpp keeps them; so does
             any weight whose rows are not a multiple of 32 (logged).
+        imatrix: path of a llama.cpp importance-matrix file (GGUF or legacy .dat form): each weight it
+            has an entry for (by its GGUF name) is quantized under it, as llama-quantize --imatrix does;
+            weights it lacks are quantized without one (logged). q8_0 ignores it, as llama.cpp does.
 
     Example:
         >>> from modelkit.models import build
@@ -97,9 +111,12 @@ class BlockConfig:
 
     scheme: ClassVar[str] = ""
     skip: tuple[str, ...] = ()
+    imatrix: str | None = None
 
     def __post_init__(self) -> None:
         check_skip(self)
+        if self.imatrix is not None and (not isinstance(self.imatrix, str) or not self.imatrix):
+            raise ConfigError(f"imatrix must be the path of an importance-matrix file, got {self.imatrix!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,10 +156,33 @@ class Q2_KConfig(BlockConfig):
     As BlockConfig, except that a weight whose rows are not whole 256-weight super-blocks is stored
     as llama.cpp's quantizer stores it then (K_FALLBACK: Q4_0 under q2_k and q3_k, Q5_0 under q4_k,
     Q5_1 under q5_k, Q8_0 under q6_k) when its rows are whole 32-weight blocks, otherwise kept in
-    float (logged). No importance matrix.
+    float (logged). `imatrix` as for BlockConfig.
     """
 
     scheme: ClassVar[str] = "q2_k"
+
+
+@dataclass(frozen=True, kw_only=True)
+class IQ4_NLConfig(BlockConfig):
+    """Quantize every Linear and Embedding weight to llama.cpp's IQ4_NL: blocks of 32 weights, one fp16 scale
+    and a 4-bit index per weight into a fixed table of 16 non-linear levels (4.5 bits per weight).
+
+    Rows that are not whole 32-weight blocks stay in float (logged). `imatrix` as for BlockConfig.
+    """
+
+    scheme: ClassVar[str] = "iq4_nl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class IQ4_XSConfig(BlockConfig):
+    """Quantize every Linear and Embedding weight to llama.cpp's IQ4_XS: super-blocks of 256 weights, one fp16
+    scale, a 6-bit scale per block of 32 and IQ4_NL's 16 non-linear levels (4.25 bits per weight).
+
+    Rows that are not whole super-blocks are stored as IQ4_NL when they are whole 32-weight blocks (llama.cpp's
+    fallback), otherwise kept in float (logged). `imatrix` as for BlockConfig.
+    """
+
+    scheme: ClassVar[str] = "iq4_xs"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,23 +247,31 @@ def run_kernels(type_name: str, source: np.ndarray, target: np.ndarray, workers:
     return in_threads(work, shares(source.size // BLOCK, workers, MIN_SHARE))
 
 
-def quantize_array(values: np.ndarray, type_name: str, *, threads: int | None = None) -> np.ndarray:
+def quantize_array(values: np.ndarray, type_name: str, *, threads: int | None = None,
+                   importance: np.ndarray | None = None) -> np.ndarray:
     """Quantize a float array to GGUF blocks along its last dimension: the bytes gguf-py's
-    `gguf.quants.quantize` gives, as uint8 (rows, bytes per row) with rows = all leading dimensions.
+    `gguf.quants.quantize` gives (llama.cpp's `ggml_quantize_chunk` for the K-quants and IQ4, and
+    for every type under `importance`), as uint8 (rows, bytes per row) with rows = all leading dimensions.
+
+    Args:
+        importance: None, or one float per column (the last dimension): llama.cpp's importance
+            matrix entry for this weight. q8_0 ignores it, as llama.cpp does.
 
     Raises:
-        ConfigError: the last dimension is not a multiple of 32, the type is unknown, or the
-            array holds NaN or infinity.
+        ConfigError: the last dimension is not a multiple of the block, the type is unknown, the
+            importance does not fit the rows, or the array holds NaN or infinity.
     """
     type_name = type_name.lower()
-    if type_name in K_QUANTIZED:
-        return quantize_kquants(values, type_name, threads=threads)
+    if type_name in KERNEL_TYPES:
+        return quantize_kquants(values, type_name, threads=threads, importance=importance)
     if type_name not in TYPE_SIZES:
-        raise ConfigError(f"unknown GGUF block type {type_name!r}; known: {', '.join((*TYPE_SIZES, *K_QUANTIZED))}")
+        raise ConfigError(f"unknown GGUF block type {type_name!r}; known: {', '.join((*TYPE_SIZES, *KERNEL_TYPES))}")
     shape = values.shape
     if not shape or shape[-1] % BLOCK:
         raise ConfigError(f"cannot quantize a tensor of shape {list(shape)} to {type_name}: its rows must be "
                           f"whole {BLOCK}-weight blocks")
+    if importance is not None and type_name != "q8_0":
+        return _quantize_weighted(values, type_name, importance, threads)
     rows = math.prod(shape[:-1])
     flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
     row_bytes = shape[-1] // BLOCK * TYPE_SIZES[type_name]
@@ -237,9 +285,42 @@ def quantize_array(values: np.ndarray, type_name: str, *, threads: int | None = 
 
         return np.asarray(reference_quantize(flat.reshape(rows, shape[-1]), GGMLQuantizationType[type_name.upper()]),
                           dtype=np.uint8).reshape(rows, row_bytes)
+    raise _non_finite(type_name, shape, flat)
+
+
+def _non_finite(type_name: str, shape: tuple[int, ...], flat: np.ndarray) -> ConfigError:
     bad = int(np.flatnonzero(~np.isfinite(flat))[0]) // shape[-1]
-    raise ConfigError(f"cannot quantize to {type_name.upper()}: the tensor of shape {list(shape)} holds NaN or "
-                      f"infinity (row {bad}); fix the weights, or keep this tensor in float (skip it)")
+    return ConfigError(f"cannot quantize to {type_name.upper()}: the tensor of shape {list(shape)} holds NaN or "
+                       f"infinity (row {bad}); fix the weights, or keep this tensor in float (skip it)")
+
+
+def _importance(importance: np.ndarray, shape: tuple[int, ...], type_name: str) -> np.ndarray:
+    weights = np.ascontiguousarray(importance, dtype=np.float32).reshape(-1)
+    if weights.size != shape[-1]:
+        raise ConfigError(f"the importance matrix entry has {weights.size} values but the rows of {list(shape)} have "
+                          f"{shape[-1]}: it was computed for another model")
+    if not np.isfinite(weights).all():
+        raise ConfigError(f"cannot quantize to {type_name.upper()}: the importance matrix entry holds NaN or infinity")
+    return weights
+
+
+def _quantize_weighted(values: np.ndarray, type_name: str, importance: np.ndarray, threads: int | None) -> np.ndarray:
+    """q4_0, q4_1, q5_0, q5_1 under an importance matrix: whole rows per thread (the row's mean square
+    weighs every block)."""
+    kernels = _k_kernels(f"quantizing to {type_name.upper()} with an importance matrix")
+    shape = values.shape
+    weights = _importance(importance, shape, type_name)
+    rows, row = math.prod(shape[:-1]), shape[-1]
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    size = row // BLOCK * TYPE_SIZES[type_name]
+    out = np.empty(rows * size, dtype=np.uint8)
+
+    def work(start: int, stop: int) -> bool:
+        return kernels.wquantize(type_name, flat[start * row:stop * row], out[start * size:stop * size], weights) < 0
+
+    if not in_threads(work, shares(rows, threads or default_threads(), max(1, MIN_SHARE * BLOCK // row))):
+        raise _non_finite(type_name, shape, flat)
+    return out.reshape(rows, size)
 
 
 def _k_kernels(what: str) -> Any:
@@ -249,59 +330,65 @@ def _k_kernels(what: str) -> Any:
     return _gguf_kernels
 
 
-def quantize_kquants(values: np.ndarray, type_name: str, *, threads: int | None = None) -> np.ndarray:
-    """Quantize a float array to K-quant super-blocks (q2_k .. q6_k) along its last dimension: the
-    bytes llama.cpp's `ggml_quantize_chunk` writes without an importance matrix, as uint8 (rows, bytes per row).
+def quantize_kquants(values: np.ndarray, type_name: str, *, threads: int | None = None,
+                     importance: np.ndarray | None = None) -> np.ndarray:
+    """Quantize a float array to K-quant super-blocks (q2_k .. q6_k) or IQ4 blocks (iq4_nl, iq4_xs) along its
+    last dimension: the bytes llama.cpp's `ggml_quantize_chunk` writes (under `importance`, one float per
+    column, when given), as uint8 (rows, bytes per row).
 
     Raises:
-        ConfigError: the last dimension is not a multiple of 256, or the array holds NaN or infinity.
+        ConfigError: the last dimension is not whole blocks, the importance does not fit, or the array holds
+            NaN or infinity.
         MissingDependencyError: the C extension was not built.
     """
     kernels = _k_kernels(f"quantizing to {type_name.upper()}")
     shape = values.shape
-    if not shape or shape[-1] % K_BLOCK:
+    block, size = KERNEL_TYPES[type_name]
+    if not shape or shape[-1] % block:
+        fallback = K_FALLBACK.get(type_name)
+        stored = f" (llama.cpp stores such a tensor as {fallback.upper()})" if fallback else ""
         raise ConfigError(f"cannot quantize a tensor of shape {list(shape)} to {type_name.upper()}: its rows must be "
-                          f"whole {K_BLOCK}-weight super-blocks (llama.cpp stores such a tensor as "
-                          f"{K_FALLBACK[type_name].upper()})")
+                          f"whole {block}-weight {'super-blocks' if block == K_BLOCK else 'blocks'}{stored}")
+    weights = None if importance is None else _importance(importance, shape, type_name)
     rows = math.prod(shape[:-1])
     flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
-    size = K_TYPE_SIZES[type_name]
-    out = np.empty(flat.size // K_BLOCK * size, dtype=np.uint8)
+    out = np.empty(flat.size // block * size, dtype=np.uint8)
 
     def work(start: int, stop: int) -> bool:
-        return kernels.kquantize(type_name, flat[start * K_BLOCK:stop * K_BLOCK], out[start * size:stop * size]) < 0
+        return kernels.kquantize(type_name, flat[start * block:stop * block], out[start * size:stop * size],
+                                 weights) < 0
 
-    # a super-block costs ~40x a 32-weight block: shares of 2**12 super-blocks are worth a thread
-    if not in_threads(work, shares(flat.size // K_BLOCK, threads or default_threads(), 2**12)):
-        bad = int(np.flatnonzero(~np.isfinite(flat))[0]) // shape[-1]
-        raise ConfigError(f"cannot quantize to {type_name.upper()}: the tensor of shape {list(shape)} holds NaN or "
-                          f"infinity (row {bad}); fix the weights, or keep this tensor in float (skip it)")
-    return out.reshape(rows, shape[-1] // K_BLOCK * size)
+    # a super-block costs ~40x a 32-weight block: shares of 2**12 super-blocks are worth a thread; under an
+    # importance matrix the shares start on rows (the weights are per column)
+    step = 1 if weights is None else shape[-1] // block
+    if not in_threads(work, shares(flat.size // block, threads or default_threads(), 2**12 * K_BLOCK // block, step)):
+        raise _non_finite(type_name, shape, flat)
+    return out.reshape(rows, shape[-1] // block * size)
 
 
 def dequantize_kquants(data: np.ndarray, type_name: str, *, threads: int | None = None) -> np.ndarray:
-    """K-quant super-block bytes (q2_k .. q6_k; uint8 rows of whole super-blocks) back to float32 (rows,
-    weights per row), bit for bit as llama.cpp's `to_float` computes them.
+    """K-quant super-block bytes (q2_k .. q6_k) or IQ4 blocks (iq4_nl, iq4_xs; uint8 rows of whole blocks) back
+    to float32 (rows, weights per row), bit for bit as llama.cpp's `to_float` computes them.
 
     Raises:
-        ConfigError: unknown type, or rows that are not whole super-blocks.
+        ConfigError: unknown type, or rows that are not whole blocks.
         MissingDependencyError: the C extension was not built.
     """
     type_name = type_name.lower()
-    if type_name not in K_TYPE_SIZES:
-        raise ConfigError(f"unknown K-quant type {type_name!r}; known: {', '.join(K_TYPE_SIZES)}")
+    if type_name not in KERNEL_TYPES:
+        raise ConfigError(f"unknown K-quant or IQ4 type {type_name!r}; known: {', '.join(KERNEL_TYPES)}")
     kernels = _k_kernels(f"dequantizing {type_name.upper()}")
     data = np.ascontiguousarray(data, dtype=np.uint8)
-    size = K_TYPE_SIZES[type_name]
+    block, size = KERNEL_TYPES[type_name]
     if data.ndim == 0 or data.shape[-1] % size:
         raise ConfigError(f"{type_name.upper()} data rows of {list(data.shape)} bytes are not whole {size}-byte "
-                          f"super-blocks")
+                          f"{'super-blocks' if block == K_BLOCK else 'blocks'}")
     flat = data.reshape(-1)
-    out = np.empty(flat.size // size * K_BLOCK, dtype=np.float32)
+    out = np.empty(flat.size // size * block, dtype=np.float32)
 
     def work(start: int, stop: int) -> bool:
-        kernels.kdequantize(type_name, flat[start * size:stop * size], out[start * K_BLOCK:stop * K_BLOCK])
+        kernels.kdequantize(type_name, flat[start * size:stop * size], out[start * block:stop * block])
         return True
 
-    in_threads(work, shares(flat.size // size, threads or default_threads(), MIN_SHARE // 8))
-    return out.reshape(*data.shape[:-1], data.shape[-1] // size * K_BLOCK)
+    in_threads(work, shares(flat.size // size, threads or default_threads(), MIN_SHARE // 8 * K_BLOCK // block))
+    return out.reshape(*data.shape[:-1], data.shape[-1] // size * block)

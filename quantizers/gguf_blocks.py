@@ -36,6 +36,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,9 +45,8 @@ from modelkit.errors import ConfigError, FormatError, MissingDependencyError, Un
 from modelkit.quantizers import _modules
 from modelkit.quantizers.gguf_arrays import (  # noqa: F401  (the configs are this module's too)
     BLOCK,
-    K_QUANTIZED,
-    K_TYPE_SIZES,
     KERNEL_ISAS,
+    KERNEL_TYPES,
     BlockConfig,
     Q4_0Config,
     Q4_1Config,
@@ -55,11 +55,13 @@ from modelkit.quantizers.gguf_arrays import (  # noqa: F401  (the configs are th
     Q8_0Config,
     dequantize_kquants,
     in_threads,
+    quantize_array,
     quantize_kquants,
     row_type,
     run_kernels,
     shares,
 )
+from modelkit.quantizers.imatrix import read_importance
 from modelkit.storage.memory import empty_bytes
 
 # The implementations quantize can use here, fastest first ("torch" is always there; the C kernels
@@ -395,7 +397,7 @@ def dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
     ggml_type = str(q.params.get("ggml_type", ""))
     if ggml_type.lower() in BLOCK_TYPES:
         return dequantize(q.parts["qdata"].load(), ggml_type, q.shape).to(q.dtype.torch)
-    if ggml_type.lower() in K_TYPE_SIZES and KERNEL_ISAS:     # llama.cpp's to_float, bit for bit
+    if ggml_type.lower() in KERNEL_TYPES and KERNEL_ISAS:     # llama.cpp's to_float, bit for bit
         try:
             values = dequantize_kquants(q.parts["qdata"].load().numpy(), ggml_type)
             return torch.from_numpy(values).reshape(q.shape).to(q.dtype.torch)
@@ -417,11 +419,14 @@ def dequantize_layout(q: QuantizedTensor) -> torch.Tensor:
     except (ValueError, RuntimeError) as e:        # block bytes that do not fit the type or the shape
         raise FormatError(q.source or "<tensor>", f"cannot dequantize {ggml_type} ({type(e).__name__}: {e})") from e
 
-def quantized_tensor(weight: torch.Tensor, type_name: str, *, scheme: str | None = None) -> QuantizedTensor:
-    """`weight` as a QuantizedTensor of GGUF blocks (the form the GGUF writer stores natively)."""
-    if type_name.lower() in K_QUANTIZED:
+def quantized_tensor(weight: torch.Tensor, type_name: str, *, scheme: str | None = None,
+                     importance: np.ndarray | None = None) -> QuantizedTensor:
+    """`weight` as a QuantizedTensor of GGUF blocks (the form the GGUF writer stores natively), quantized under
+    `importance` (one float per column, llama.cpp's imatrix entry) when given."""
+    if type_name.lower() in KERNEL_TYPES or importance is not None:
         name = type_name.upper()
-        qdata = torch.from_numpy(quantize_kquants(weight.detach().to("cpu", torch.float32).numpy(), type_name.lower()))
+        qdata = torch.from_numpy(quantize_array(weight.detach().to("cpu", torch.float32).numpy(), type_name.lower(),
+                                                importance=importance))
     else:
         name = block_type(type_name).name
         qdata = quantize(weight, name)
@@ -432,9 +437,12 @@ def quantized_tensor(weight: torch.Tensor, type_name: str, *, scheme: str | None
 
 def apply(model: nn.Module, config: BlockConfig) -> nn.Module:
     """Return a copy of `model` whose Linear and Embedding weights are GGUF blocks of `config.scheme` (a K type's
-    weights whose rows are not whole super-blocks: llama.cpp's fallback type, gguf_arrays.row_type)."""
-    if config.scheme not in K_QUANTIZED:
+    weights whose rows are not whole super-blocks: llama.cpp's fallback type, gguf_arrays.row_type), under
+    `config.imatrix`'s entries (by the weights' GGUF names) when it names an importance matrix."""
+    if config.scheme not in KERNEL_TYPES:
         block_type(config.scheme)
+    gguf_names = _gguf_names(model) if config.imatrix else {}
+    importance = read_importance(config.imatrix) if config.imatrix else None
 
     def convert(name: str, module: nn.Module) -> nn.Module | None:
         weight = module.weight.detach()
@@ -442,13 +450,29 @@ def apply(model: nn.Module, config: BlockConfig) -> nn.Module:
         if type_name is None:
             _modules.log_kept(name, f"rows of {weight.shape[-1]} weights are not whole {BLOCK}-weight blocks")
             return None
+        vector = None
+        if importance is not None:
+            weight_name = f"{name}.weight"
+            vector = importance.for_weight(gguf_names.get(weight_name, weight_name), weight.shape[-1])
         try:
-            quantized = quantized_tensor(weight, type_name)     # a fallback type names itself, as GGUF reads it
+            quantized = quantized_tensor(weight, type_name, importance=vector)   # a fallback type names itself
         except ConfigError as e:               # NaN / inf weights: say which module
             raise ConfigError(f"{name}.weight: {e}") from e
         return _modules.quantized_module(module, quantized)
 
     return _modules.replace(model, config, convert, kinds=(nn.Linear, nn.Embedding))
+
+
+def _gguf_names(model: nn.Module) -> dict[str, str]:
+    """The model's parameter names -> the names its GGUF file gives them (llama.cpp's, for a model whose family
+    has a llama.cpp layout; the names themselves otherwise), to find their importance matrix entries."""
+    from modelkit.models import arch_spec, gguf_conventions
+
+    try:
+        rules = gguf_conventions(arch_spec(model))
+    except ConfigError:                 # not a registered model: its names are the GGUF names
+        return {}
+    return dict(rules.names) if rules is not None else {}
 
 
 def from_affine(q: QuantizedTensor) -> QuantizedTensor | None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from modelkit.formats import FORMATS
+from modelkit.formats import FORMATS, WRITABLE
 from modelkit.models import build, zoo_models
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -96,7 +96,7 @@ def fixtures_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "fixtures"
 
 
-@pytest.fixture(params=sorted(f for f in FORMATS if not FORMATS[f].folder))   # hf folders: tests/test_hf.py
+@pytest.fixture(params=sorted(f for f in WRITABLE if not FORMATS[f].folder))  # hf folders: tests/test_hf.py
 def fmt(request) -> str:
     return request.param
 
@@ -118,6 +118,23 @@ SMALL_CONFIGS = {
 @pytest.fixture
 def small_model(model_name: str) -> torch.nn.Module:
     return build(model_name, SMALL_CONFIGS[model_name], seed=0).eval()
+
+
+@pytest.fixture(scope="session")
+def zoo_pt2(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, Path]]:
+    """Each zoo model (SMALL_CONFIGS) saved once as .pt2 by modelkit (torch.export.save inside; the write path
+    verifies it by running the program): name -> (model, path). For tests/test_pt2.py and the scanner's."""
+    import modelkit
+    from modelkit.checkpoint import Checkpoint
+
+    folder = tmp_path_factory.mktemp("pt2")
+    out = {}
+    for name, config in SMALL_CONFIGS.items():
+        if name == "tinylm":          # torch.export's tracing time grows with the layers: one is the same program
+            config = {**config, "num_hidden_layers": 1}
+        model = build(name, config, seed=0).eval()
+        out[name] = model, modelkit.save(Checkpoint.from_module(model, metadata={"note": name}), folder / f"{name}.pt2")
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ TORCH_FREE = (
     "modelkit.pipeline.convert", "modelkit.pipeline.inputs", "modelkit.pipeline.load", "modelkit.pipeline.quantize", "modelkit.pipeline.quantize_weights",
     "modelkit.pipeline.reports", "modelkit.pipeline.verify", "modelkit.pipeline.write",
     "modelkit.converters.gguf", "modelkit.converters.hdf5", "modelkit.converters.hf", "modelkit.converters.npz",
-    "modelkit.converters.pth",
+    "modelkit.converters.pt2", "modelkit.converters.pth",
     "modelkit.converters.safetensors", "modelkit.converters.tfjs", "modelkit.converters.torchscript", "modelkit.quantizers.gguf_arrays",
 )
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from modelkit.cli import COMMANDS, EXIT_ERROR, main
 from modelkit.formats import FORMATS
 
-READS_A_MODEL = {"convert", "quantize", "prune", "distill", "eval", "generate", "inspect"}
+READS_A_MODEL = {"convert", "quantize", "prune", "distill", "eval", "generate", "inspect", "serve"}
 WRITES = {"convert", "quantize", "prune", "distill", "train"}
 EXPORTS_A_USER_MODULE = {"convert"}       # --input-shape (also --example-input), --dynamic
 EXPORTS_A_CAUSAL_LM = {"convert"}         # --kv-cache

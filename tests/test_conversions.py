@@ -14,13 +14,24 @@ import modelkit
 from modelkit.checkpoint import ALIASES_KEY, Checkpoint
 from modelkit.cli import EXIT_ERROR, EXIT_OK, main
 from modelkit.errors import ConfigError, OutputExistsError, UnsupportedConversionError, VerificationError
-from modelkit.formats import FORMATS
+from modelkit.formats import FORMATS, WRITABLE
 from modelkit.models import build, load_model_module
 from modelkit.pipeline.convert import parse_size
 
 # A Hugging Face folder holds Hugging Face families only (tests/test_hf.py): the zoo's mlp cannot be one.
-PAIRS = [(a, b) for a in sorted(FORMATS) for b in sorted(FORMATS) if a != b and not FORMATS[a].folder]
-UNSUPPORTED: dict[tuple[str, str], str] = {(a, b): "not a Hugging Face family" for a, b in PAIRS if b == "hf"}
+# Read-only formats (TensorFlow's, legacy ggml) are sources only (tests/test_tensorflow.py, test_ggml.py); as targets
+# they are refused before the source is read, whatever it is: one source suffices.
+# OpenVINO IR is written by OpenVINO's converter (about 0.5 s a write, against milliseconds for the weight formats;
+# an ONNX export on either side adds seconds): its pairs are the ones to and from safetensors and keras, its reader
+# and writer being the same for every other format.
+SLOW_WRITERS = {"openvino": ("safetensors", "keras")}
+PAIRS = [(a, b) for a in sorted(WRITABLE) for b in sorted(FORMATS)
+         if a != b and not FORMATS[a].folder and (not FORMATS[b].read_only or a == "safetensors")
+         and all(f not in SLOW_WRITERS or other in SLOW_WRITERS[f] for f, other in ((a, b), (b, a)))]
+UNSUPPORTED: dict[tuple[str, str], str] = {
+    **{(a, b): "not a Hugging Face family" for a, b in PAIRS if b == "hf"},
+    **{(a, b): "modelkit does not write it" for a, b in PAIRS if FORMATS[b].read_only},
+}
 
 
 def _source(tmp_path, fmt, model):

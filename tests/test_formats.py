@@ -23,7 +23,31 @@ def _write(tmp_path, fmt, ckpt, name="m"):
     return modelkit.save(ckpt, tmp_path / f"{name}{FORMATS[fmt].suffixes[0]}", format=fmt)
 
 
+def _refused_without_keras_layout(fmt, small_model, tmp_path) -> bool:
+    """A Keras-model format (.keras) given a model Keras cannot express (tinylm): refused before writing, naming
+    the first layer without a Keras counterpart."""
+    if not FORMATS[fmt].keras_model or type(small_model).arch != "tinylm":
+        return False
+    with pytest.raises(UnsupportedConversionError, match=r"layer model\.layers\.0\.input_layernorm \(RMSNorm\)"):
+        _write(tmp_path, fmt, Checkpoint.from_module(small_model))
+    assert list(tmp_path.iterdir()) == []
+    return True
+
+
+# (format, model) pairs left to a run by hand: converting tinylm to OpenVINO IR takes about 3 s (OpenVINO traces
+# the model; measured 2026-11-25: weights bit-exact, outputs 8.9e-8 from torch's), a quarter of a helper's budget.
+SLOW = {("openvino", "tinylm")}
+
+
+def _skip_slow(fmt, small_model) -> None:
+    if (fmt, type(small_model).arch) in SLOW:
+        pytest.skip(f"{type(small_model).arch} as {fmt} is slow to write (test_formats.SLOW); mlp and cnn cover the format")
+
+
 def test_round_trip_is_bit_exact(fmt, small_model, tmp_path):
+    if _refused_without_keras_layout(fmt, small_model, tmp_path):
+        return
+    _skip_slow(fmt, small_model)
     ckpt = Checkpoint.from_module(small_model, metadata={"note": "hello"})
     path = _write(tmp_path, fmt, ckpt)
     assert detect_format(path) == fmt
@@ -41,7 +65,7 @@ def test_round_trip_is_bit_exact(fmt, small_model, tmp_path):
 def test_round_trip_keeps_dtypes(fmt, dtype, tmp_path):
     tensor = (torch.arange(24).reshape(2, 3, 4) % 7).to(dtype)
     ckpt = Checkpoint.from_state_dict({"t": tensor, "scalar": torch.tensor(3.5).to(dtype)})
-    if FORMATS[fmt].has_graph:  # a graph needs a model: plain tensors with no ArchSpec cannot be one
+    if FORMATS[fmt].has_graph or FORMATS[fmt].keras_model:  # plain tensors with no ArchSpec are no graph, no Keras model
         with pytest.raises(UnsupportedConversionError, match="--arch"):
             _write(tmp_path, fmt, ckpt)
         assert list(tmp_path.iterdir()) == []
@@ -53,6 +77,9 @@ def test_round_trip_keeps_dtypes(fmt, dtype, tmp_path):
 
 
 def test_load_module_rebuilds_the_model(fmt, small_model, tmp_path):
+    if _refused_without_keras_layout(fmt, small_model, tmp_path):
+        return
+    _skip_slow(fmt, small_model)
     path = _write(tmp_path, fmt, Checkpoint.from_module(small_model))
     rebuilt = modelkit.load_module(path)
     from modelkit.models import load_model_module
@@ -116,11 +143,11 @@ def test_failed_write_leaves_no_file(fmt, tmp_path):
 def test_failed_overwrite_keeps_the_old_file(fmt, tmp_path):
     ckpt = Checkpoint.from_module(build("mlp", seed=0))
     path = _write(tmp_path, fmt, ckpt)
-    before = path.read_bytes()
+    before, files = path.read_bytes(), sorted(p.name for p in tmp_path.iterdir())     # the output and its sidecars
     with pytest.raises(RuntimeError):
         modelkit.save(_failing(ckpt, "interrupted"), path, force=True)
     assert path.read_bytes() == before
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
 
 
 def test_output_format_from_suffix_or_to():

@@ -18,7 +18,7 @@ import modelkit
 from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import load_format
-from modelkit.models import build
+from modelkit.models import _hf, build
 from modelkit.models.tinylm import example_inputs
 from modelkit.quantizers.fast_linear import use_isa
 
@@ -230,7 +230,7 @@ def _llama_cpp_forward(reader: GGUFReader, tokens: list[int], *, unpermute: bool
     def proj(name, n):
         weight = w[name]
         if unpermute:   # the negative control: Hugging Face's row order under llama.cpp's RoPE
-            weight = converter._from_llama_rope(weight, n)
+            weight = _hf.from_llama_rope(weight, n)
         return weight
 
     x = w["token_embd.weight"][torch.tensor(tokens)]                                          # (T, C)

@@ -15,7 +15,7 @@ import pytest
 import modelkit.models as models
 from modelkit import metadata
 from modelkit.errors import ConfigError, FormatError
-from modelkit.formats import FORMATS
+from modelkit.formats import FORMATS, WRITABLE
 from modelkit.models import MODELS, ArchSpec, build, load_model_module, register_model, unregister_model
 
 PLUGIN = textwrap.dedent('''
@@ -123,7 +123,7 @@ def test_a_new_model_trains_converts_quantizes_prunes_and_distills(blobs, tmp_pa
     assert evaluate(src, device="cpu")["accuracy"] == pytest.approx(result.metrics["test"]["accuracy"])
 
     (tmp_path / "out").mkdir()
-    for fmt in sorted(f for f in FORMATS if not FORMATS[f].folder):     # hf folders hold Hugging Face families
+    for fmt in sorted(f for f in WRITABLE if not FORMATS[f].folder):    # hf folders hold Hugging Face families
         dst = tmp_path / "out" / f"blobs{FORMATS[fmt].suffixes[0]}"
         report = convert(src, dst, to=fmt)                # verified before it takes its name
         assert dst.exists() and report.to_dict()["target"]["format"] == fmt
@@ -251,6 +251,9 @@ def test_metadata_keys_keep_their_values():
         "KERAS_LAYOUT_ATTR": "modelkit.keras_layout", "KERAS_NOTE_ATTR": "modelkit.keras_note",
         "KERAS_JSON_ATTR": "modelkit.keras_json",
         "TORCHSCRIPT_EXTRA": "modelkit.json", "TORCHSCRIPT_EXPORT_KEY": "modelkit.torchscript.export",
+        "PT2_EXTRA": "modelkit.json",
         "PTH_SOURCE_KEY": "modelkit.pth.source", "PTH_METADATA_ENTRY": "__modelkit__", "PTH_LAYOUT": "modelkit.pth/1",
         "NPZ_MEMBER": "modelkit.json", "NPZ_LAYOUT": "modelkit.npz/1",
+        "TF_KEYS_KEY": "modelkit.tensorflow.keys", "TF_SOURCE_KEY": "modelkit.tensorflow.source",
+        "GGML_SOURCE_KEY": "modelkit.ggml.source",
     }

@@ -11,9 +11,12 @@ or parsed, never loaded by anything that would run them.
 from __future__ import annotations
 
 import io
+import json
 import pickle
+import shutil
 import struct
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -25,13 +28,33 @@ from hypothesis import strategies as st
 import modelkit
 from modelkit.checkpoint import Checkpoint
 from modelkit.errors import FormatError, ModelkitError, ParseError
-from modelkit.formats import FORMATS, load_format
+from modelkit.formats import FORMATS, WRITABLE, load_format
 from modelkit.models import build
-from modelkit.parse import gguf, hdf5, keras, npy, npz, onnx, paths, safetensors, sniff, tfjs, torch_format, zipdir
+from modelkit.parse import (
+    ggml,
+    gguf,
+    hdf5,
+    keras,
+    npy,
+    npz,
+    onnx,
+    paths,
+    pt2,
+    safetensors,
+    savedmodel,
+    sniff,
+    tf_bundle,
+    tfjs,
+    torch_format,
+    zipdir,
+)
+from modelkit.parse import imatrix as imatrix_parse
+from modelkit.parse import openvino as openvino_ir
 from modelkit.parse import pickle as pickle_parse
 from modelkit.parse.protobuf import fields, int64s, text
 from modelkit.scan import Limits, Severity, scan
 from modelkit.testing import payloads
+from modelkit.testing.legacy_ggml import tiny_llama_bytes
 
 _SETTINGS = settings(max_examples=60, deadline=None,
                      suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -73,6 +96,21 @@ def _gguf_seed() -> bytes:
     return head + bytes(-len(head) % 32) + bytes(32 + 18)
 
 
+def _imatrix_seeds() -> list[bytes]:
+    """llama-imatrix's two forms: GGUF (metadata, W.in_sum2 and W.counts) and the legacy .dat."""
+    kv = (payloads.gguf_string("general.type") + struct.pack("<I", 8) + payloads.gguf_string("imatrix")
+          + payloads.gguf_string("imatrix.datasets") + struct.pack("<IIQ", 9, 8, 1) + payloads.gguf_string("c.txt")
+          + payloads.gguf_string("imatrix.chunk_count") + struct.pack("<II", 4, 2)
+          + payloads.gguf_string("imatrix.chunk_size") + struct.pack("<II", 4, 512))
+    tensors = payloads.gguf_tensor_info("w.in_sum2", [4, 1], 0, 0) + payloads.gguf_tensor_info("w.counts", [1, 1], 0, 32)
+    head = payloads.gguf_bytes(n_kv=4, n_tensors=2, kv=kv, tensors=tensors)
+    values = struct.pack("<4f", 1.0, 2.0, 0.0, 8.0)
+    gguf_form = head + bytes(-len(head) % 32) + values + bytes(16) + struct.pack("<f", 2.0)
+    legacy = (struct.pack("<ii", 1, 1) + b"w" + struct.pack("<ii", 2, 4) + values
+              + struct.pack("<ii", 2, 5) + b"c.txt")
+    return [gguf_form, legacy]
+
+
 _PICKLES = [pickle.dumps({"w": [1.0, 2.0], "n": None, "s": "x" * 5000}, protocol=p) for p in (0, 1, 2, 5)]
 _ZIP = payloads.torch_zip(pickle.dumps({"a": 1}, protocol=2), extra={"archive/data/0": b"\0" * 16})
 _SAFETENSORS = payloads.safetensors_bytes({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
@@ -93,8 +131,17 @@ def _npz_seed(compressed: bool) -> bytes:
 
 _NPZ = [_npz_seed(False), _npz_seed(True)]
 _HDF5 = hdf5.SIGNATURE + bytes([0, 0, 0, 0, 0, 8, 8, 0]) + bytes(80)     # superblock v0, 8-byte offsets
+# TensorFlow 2.21's own files (fixtures/tensorflow/generate.py): a checkpoint index, its object graph, SavedModels.
+_TF = Path(__file__).resolve().parents[1] / "fixtures" / "tensorflow"
+_TF_INDEX = (_TF / "benign" / "module_ckpt" / "ckpt-1.index").read_bytes()
+_TF_GRAPH_ENTRY = tf_bundle.read_index(_TF_INDEX).entries[tf_bundle.OBJECT_GRAPH_KEY]
+_TF_GRAPH_STRING = (_TF / "benign" / "module_ckpt" / "ckpt-1.data-00000-of-00001").read_bytes()[
+    _TF_GRAPH_ENTRY.offset:_TF_GRAPH_ENTRY.offset + _TF_GRAPH_ENTRY.size]
+_GGML = {kind: tiny_llama_bytes(type_name, kind=kind, version=version, n_layer=1, n_ff=32)
+         for kind, version, type_name in (("ggjt", 3, "Q4_0"), ("ggml", None, "F16"))}
+_TF_SAVED = [(_TF / "hostile" / name / "saved_model.pb").read_bytes() for name in ("read_file", "tf1_read_file")]
 SEEDS = [*_PICKLES, _ZIP, _SAFETENSORS, _ONNX, _gguf_seed(), _NPY, _HDF5,
-         payloads.torchscript_zip("def f(x):\n  return x\n"), *_NPZ]
+         payloads.torchscript_zip("def f(x):\n  return x\n"), *_NPZ, _TF_INDEX, _TF_SAVED[0]]
 
 
 def _torch_save_seed(legacy: bool) -> bytes:
@@ -144,6 +191,38 @@ def _torch_script(data: bytes) -> None:
     _read_small_tensors(torch_format.parse_script(data, source="fuzz.pt", limits=pickle_parse.Bounds(seconds=5)))
 
 
+def _pt2_seed() -> bytes:
+    """A small torch.export.save archive: a parameter, a buffer, a lifted constant, a dynamic batch."""
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+            self.register_buffer("scale", torch.arange(2.0))
+            self.bias = torch.tensor([0.5, 1.5])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * self.scale + self.bias
+
+    program = torch.export.export(Net(), (torch.ones(2, 3),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    return buffer.getvalue()
+
+
+_PT2 = [_pt2_seed(), payloads.pt2_zip(constants={"c": "tensor_0"})]
+
+
+def _pt2_archive(data: bytes) -> None:
+    """A PT2 archive parsed, its program summarised and every tensor read the way the converter reads them."""
+    parsed = pt2.parse(data, source="fuzz.pt2")
+    parsed.program.summary()
+    parsed.read_extra("modelkit.json", 1 << 16)
+    for record in (*parsed.weights.values(), *parsed.constants.values()):
+        if record.nbytes <= 1 << 26:
+            parsed.file.array(record)
+            parsed.file.span(record)
+
+
 def _walk_fields(data: bytes) -> None:
     for _, wire, value in fields(data, 0, len(data)):
         if wire == 2:
@@ -185,6 +264,22 @@ _TFJS = [payloads.tfjs_model_json(payloads.keras_sequential([{"class_name": "Den
          payloads.tfjs_lambda(wrapped=True), payloads.tfjs_graph("PyFunc")]
 
 
+_IR = (b'<?xml version="1.0"?>\n<net name="m" version="11"><layers>'
+       b'<layer id="0" name="x" type="Parameter" version="opset1"><data shape="?,2" element_type="f32"/></layer>'
+       b'<layer id="1" name="w" type="Const" version="opset1"><data element_type="f32" shape="3, 2" offset="0" size="24"/>'
+       b'<output><port id="0" names="w"/></output></layer>'
+       b'<layer id="2" name="loop" type="Loop" version="opset5"><body><layers><layer id="0" name="c" type="Const" '
+       b'version="custom"><data element_type="u4" shape="4" offset="24" size="2"/></layer></layers></body></layer>'
+       b'</layers><rt_info><modelkit><names value="{}"/></modelkit></rt_info></net>')
+
+
+def _openvino_ir(data: bytes) -> None:
+    ir = openvino_ir.read_ir(data)
+    openvino_ir.custom_layers(ir)
+    for const in ir.consts:
+        openvino_ir.const_problem(const, 24)
+
+
 def _pickle_stream(data: bytes) -> None:
     pos = 0
     while pos < len(data):
@@ -200,19 +295,34 @@ PARSERS = {
     "zipdir": (_zip_members, [_ZIP, payloads.torchscript_zip("x = 1\n"), payloads.keras_zip(b"{}")]),
     "keras.load_json": (keras.load_json, [payloads.keras_lambda_config(), b'{"chat_template": "x"}']),
     "keras.configs_in": (lambda b: list(keras.configs_in(b)), [b"\x00" + payloads.keras_lambda_config() + b"\x00"]),
+    "keras.read_archive": (keras.read_archive, [payloads.keras_zip(json.dumps(payloads.keras_sequential(
+        [{"class_name": "Dense", "config": {"name": "d"}}])).encode())]),
     "tfjs.read_model": (_tfjs_model, _TFJS),
+    "openvino.read_ir": (_openvino_ir, [_IR]),
     "npy.read_header": (npy.read_header, [_NPY, _CORPUS["npy-header.npy"]]),
     "npz.read_members": (npz.read_members, _NPZ),
     "zipdir.read_into": (_zip_member_bytes, _NPZ),
     "pickle.walk": (_pickle_stream, _PICKLES + [payloads.system_pickle(protocol=p) for p in (0, 2, 4)]),
     "torch_format.parse": (_torch_file, _TORCH_SAVES),
     "torch_format.parse_script": (_torch_script, _TORCH_SCRIPTS),
+    "tf_bundle.read_index": (tf_bundle.read_index, [_TF_INDEX, (_TF / "benign" / "dense_savedmodel" / "variables" /
+                                                                "variables.index").read_bytes()]),
+    "tf_bundle.strings": (lambda b: tf_bundle.strings(b, 2), [_TF_GRAPH_STRING]),
+    "tf_bundle.object_graph": (lambda b: tf_bundle.object_graph(tf_bundle.strings(b, 1)[0]), [_TF_GRAPH_STRING]),
+    "savedmodel.read": (savedmodel.read, _TF_SAVED),
+    "savedmodel.keras_metadata": (savedmodel.keras_metadata,
+                                  [(_TF / "hostile" / "keras2_lambda" / "keras_metadata.pb").read_bytes()]),
+    "ggml.read": (ggml.read, list(_GGML.values())),
+    "imatrix.read_imatrix": (lambda b: [e.importance for e in imatrix_parse.read_imatrix(b).entries.values()],
+                             _imatrix_seeds()),
+    "pt2.parse": (_pt2_archive, _PT2),
 }
 # predicates: answer True or False for anything
 PREDICATES = {
     "sniff.sniff": lambda b: sniff.sniff(b, 0, len(b)) in (None, *{"zip", "pickle", "npy", "gguf", "hdf5",
                                                                    "safetensors", "tar", "onnx", "gzip", "bzip2",
-                                                                   "xz", "lzma", "zlib"}),
+                                                                   "xz", "lzma", "zlib", "savedmodel",
+                                                                   "tf-checkpoint", "ggml"}),
     "sniff.describe": lambda b: isinstance(sniff.describe(b), str),
     "onnx.looks_like_model": lambda b: onnx.looks_like_model(b, 0, len(b)) in (True, False),
     "onnx.is_model": lambda b: onnx.is_model(b) in (True, False),
@@ -222,6 +332,12 @@ PREDICATES = {
     "zipdir.has_directory": lambda b: zipdir.has_directory(b) in (True, False),
     "pickle.looks_like_pickle": lambda b: pickle_parse.looks_like_pickle(b) in (True, False),
     "tfjs.looks_like_model": lambda b: tfjs.looks_like_model(b) in (True, False),
+    "ggml.magic": lambda b: ggml.magic(b) in (None, "ggml", "ggmf", "ggjt"),
+    "savedmodel.looks_like": lambda b: savedmodel.looks_like(b, 0, len(b)) in (True, False),
+    "savedmodel.fingerprint": lambda b: savedmodel.fingerprint(b, 0, len(b)) in (True, False),
+    "sniff.unsupported_archive": lambda b: sniff.unsupported_archive(b) in (None, "7z", "rar", "zstd", "lz4", "cab",
+                                                                          "xar", "ar", "cpio", "squashfs", "snappy",
+                                                                          "lzop"),
 }
 
 
@@ -316,7 +432,7 @@ def samples(tmp_path_factory) -> dict[str, bytes]:
     tiny = build("tinylm", {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                             "num_key_value_heads": 1, "max_position_embeddings": 16, "vocab_size": 32}, seed=0)
     out = {}
-    for fmt in sorted(f for f in FORMATS if not FORMATS[f].folder):      # hf: a folder, its files are these
+    for fmt in sorted(f for f in WRITABLE if not FORMATS[f].folder):     # hf: a folder, its files are these
         out[fmt] = modelkit.save(mlp, folder / f"m{FORMATS[fmt].suffixes[0]}", format=fmt).read_bytes()
     out["gguf-llama"] = modelkit.save(Checkpoint.from_module(tiny), folder / "l.gguf").read_bytes()
     out["onnx-tinylm"] = modelkit.save(Checkpoint.from_module(tiny), folder / "l.onnx").read_bytes()
@@ -325,12 +441,16 @@ def samples(tmp_path_factory) -> dict[str, bytes]:
     out["pth-legacy"] = legacy.read_bytes()
     out["hdf5-plain"] = _plain_h5(folder / "plain.h5").read_bytes()
     out["npz-numpy"] = _NPZ[1]
+    out["ggml"], out["ggml-unversioned"] = _GGML["ggjt"], _GGML["ggml"]
     return out
 
 
-_VARIANTS = sorted([*(f for f in FORMATS if not FORMATS[f].folder), "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain", "npz-numpy"])
+_VARIANTS = sorted([*(f for f in WRITABLE if not FORMATS[f].folder), "gguf-llama", "onnx-tinylm", "pth-legacy", "hdf5-plain", "npz-numpy",
+                    "ggml", "ggml-unversioned"])
 _PREFIXES = {"safetensors": struct.pack("<Q", 40), "gguf": b"GGUF\x03\x00\x00\x00", "onnx": b"\x08\x0a\x3a",
-             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE, "npz": b"PK\x03\x04"}
+             "pth": b"PK\x03\x04", "torchscript": b"PK\x03\x04", "pt2": b"PK\x03\x04", "hdf5": hdf5.SIGNATURE,
+             "npz": b"PK\x03\x04", "ggml": b"tjgg\x03\x00\x00\x00", "keras": b"PK\x03\x04",
+             "openvino": b'<?xml version="1.0"?>\n<net name="m" version="11">'}
 
 
 @pytest.mark.parametrize("variant", _VARIANTS)
@@ -352,3 +472,19 @@ def test_readers_raise_only_modelkit_errors(tmp_path, samples, variant, data):
         if isinstance(e, FormatError):
             assert str(path) in str(e)                                 # every message names the file
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("name, member", [("benign/module_savedmodel", "saved_model.pb"),
+                                          ("benign/module_savedmodel", "variables/variables.index")])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_tensorflow_readers_raise_only_modelkit_errors(tmp_path, name, member, data):
+    folder = tmp_path / "tf"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(_TF / name, folder)
+    target = folder / member
+    target.write_bytes(data.draw(mutated([target.read_bytes()])))
+    try:
+        modelkit.load(folder, format="savedmodel" if "savedmodel" in name else "tfcheckpoint").materialize()
+    except ModelkitError as e:
+        assert str(e) and "\n" not in str(e)

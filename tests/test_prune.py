@@ -11,7 +11,7 @@ import modelkit
 from modelkit.checkpoint import Checkpoint
 from modelkit.cli import EXIT_OK, main
 from modelkit.errors import ConfigError
-from modelkit.formats import FORMATS
+from modelkit.formats import FORMATS, WRITABLE
 from modelkit.metadata import PRUNE_KEY
 from modelkit.models import arch_spec, build, build_from_spec, load_model_module
 from modelkit.pipeline.compress import finetune, prune_file
@@ -96,7 +96,7 @@ def test_structured_pruning_removes_whole_units_of_each_layer_kind(name, config,
     rebuilt.load_state_dict(pruned.state_dict())
 
 
-@pytest.mark.parametrize("fmt", sorted(f for f in FORMATS if not FORMATS[f].folder))
+@pytest.mark.parametrize("fmt", sorted(f for f in WRITABLE if not FORMATS[f].folder))
 def test_structurally_pruned_model_round_trips_through_every_format(fmt, tmp_path):
     pruned = apply(build("cnn", {"channels": [8, 16], "hidden": 32}, seed=0), PruneConfig(method="structured", sparsity=0.5))
     source = modelkit.save(Checkpoint.from_module(pruned.eval()), tmp_path / "p.safetensors")

@@ -41,6 +41,8 @@ EXPECTED: dict[tuple[str, str], tuple[float, float] | str] = {
     ("mlp", "q4_k"): "no row is a whole number of 32-weight blocks",
     ("mlp", "q5_k"): "no row is a whole number of 32-weight blocks",
     ("mlp", "q6_k"): "no row is a whole number of 32-weight blocks",
+    ("mlp", "iq4_nl"): "no row is a whole number of 32-weight blocks",
+    ("mlp", "iq4_xs"): "no row is a whole number of 32-weight blocks",
     ("cnn", "bf16"): (0.002, 0.51),           # 0.00104, 0.5074
     ("cnn", "fp16"): (0.0005, 0.51),          # 0.00012, 0.5074
     ("cnn", "int8"): (0.003, 0.28),           # 0.00170, 0.2759
@@ -59,6 +61,8 @@ EXPECTED: dict[tuple[str, str], tuple[float, float] | str] = {
     ("cnn", "q4_k"): (0.015, 0.35),           # 0.01000, 0.3401 (Q5_0)
     ("cnn", "q5_k"): (0.022, 0.36),           # 0.01439, 0.3525 (Q5_1)
     ("cnn", "q6_k"): (0.003, 0.42),           # 0.00209, 0.4148 (Q8_0)
+    ("cnn", "iq4_nl"): (0.036, 0.32),         # 0.02371, 0.3152 (measured 2026-11-25)
+    ("cnn", "iq4_xs"): (0.036, 0.32),         # 0.02371, 0.3152 (IQ4_NL: llama.cpp's fallback)
     ("tinylm", "bf16"): (0.005, 0.51),        # 0.00289, 0.5023
     ("tinylm", "fp16"): (0.0005, 0.51),       # 0.00032, 0.5023
     ("tinylm", "int8"): (0.015, 0.29),        # 0.01006, 0.2827 (packed kernels: int8 activations)
@@ -75,6 +79,8 @@ EXPECTED: dict[tuple[str, str], tuple[float, float] | str] = {
     ("tinylm", "q4_k"): (0.1, 0.176),         # 0.06497, 0.1757 (Q5_0)
     ("tinylm", "q5_k"): (0.095, 0.192),       # 0.06242, 0.1912 (Q5_1)
     ("tinylm", "q6_k"): (0.015, 0.27),        # 0.01011, 0.2690 (Q8_0)
+    ("tinylm", "iq4_nl"): (0.17, 0.15),       # 0.11120, 0.1446 (measured 2026-11-25)
+    ("tinylm", "iq4_xs"): (0.17, 0.15),       # 0.11120, 0.1446 (IQ4_NL: llama.cpp's fallback)
 }
 SCHEME_NAMES = sorted(schemes.SCHEMES)
 OPTIONS = {"gptq": {"calibration_samples": 16, "batch_size": 8}}   # small calibration keeps the test fast
@@ -204,8 +210,8 @@ def test_int8_dynamic_matches_its_float_emulation(small_model):
 # --------------------------------------------------------------------------- storage round trips
 
 FORMATS_FOR = {"safetensors": ".safetensors", "gguf": ".gguf", "pth": ".pt", "onnx": ".onnx"}
-GGUF_SCHEMES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "fp16",
-                "bf16")
+GGUF_SCHEMES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
+                "fp16", "bf16")
 # ONNX refuses q4_1 / q5_1 (d * q + m has no exact DequantizeLinear: tested below); fp16 / bf16
 # weights are stored 16-bit, each feeding a Cast to float32.
 NOT_ONNX = ("q4_1", "q5_1")
@@ -215,8 +221,9 @@ ROUND_TRIPS = [(fmt, scheme) for fmt in sorted(FORMATS_FOR) for scheme in SCHEME
                if (fmt != "gguf" or scheme in GGUF_SCHEMES)      # GGUF refuses affine int8/int4 (tested below)
                and (fmt != "onnx" or scheme not in NOT_ONNX)
                # K-quants: the small models' rows take the fallback types, stored elsewhere as those
-               # schemes are; GGUF checks the fallback tensors read back under their own type names
-               and (fmt == "gguf" or scheme not in gguf_arrays.K_QUANTIZED)]
+               # schemes are; GGUF checks the fallback tensors read back under their own type names.
+               # IQ4 is GGUF's alone (a table of levels: no affine layout elsewhere holds it).
+               and (fmt == "gguf" or scheme not in gguf_arrays.KERNEL_TYPES)]
 
 
 def _same_quantized(a: QuantizedTensor, b: QuantizedTensor) -> bool:

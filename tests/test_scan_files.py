@@ -5,10 +5,15 @@ GGUFWriter, h5py and Keras. Malicious containers are built from bytes here and o
 """
 from __future__ import annotations
 
+import argparse
+import enum
+import http
 import io
 import json
 import os
+import pathlib
 import pickle
+import re
 import struct
 import tarfile
 import time
@@ -21,7 +26,14 @@ import torch
 
 from modelkit.models import build, load_model_module
 from modelkit.scan import Severity, scan
+from modelkit.testing import payloads
 from modelkit.testing.payloads import Reduce, onnx_external_model, safetensors_bytes, zip_bytes
+
+# The benign files are written with torch's own deprecated writers on purpose (TorchScript, the legacy ONNX
+# exporter): what users hand around. Their deprecation notices are expected here, not news.
+pytestmark = [pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:You are using the legacy TorchScript-based ONNX export:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:The feature will be removed:DeprecationWarning")]
 
 SMALL = {"mlp": {}, "cnn": {"channels": [4, 8], "hidden": 16},
          "tinylm": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -337,3 +349,168 @@ def test_a_folder_with_onnx_external_data_scans_clean(tmp_path):
     report = scan(tmp_path)
     assert report.errors == [], report.errors
     assert {f.format for f in report.files} == {"onnx", "tensor data"}
+
+
+# ---------------------------------------------------------------------------------------------
+# PT2 archives, TorchScript of common layers, and the scanner gaps of issue 17.
+
+def test_pt2_exports_of_the_zoo_scan_clean(zoo_pt2, monkeypatch):
+    from modelkit.scan import containers
+    read = []
+    original = containers._read_member
+    monkeypatch.setattr(containers, "_read_member", lambda buf, d, info, limit: read.append(info.filename)
+                        or original(buf, d, info, limit))
+    for name, (_, path) in zoo_pt2.items():
+        report = scan(path)
+        _no_danger(report)
+        assert report.files[0].format == "pt2" and not report.findings, (name, report.findings)
+        assert any("PT2 archive" in line and "tensor storages skipped unread" in line for line in report.files[0].examined)
+    assert read and not any("/data/weights/weight_" in n or "/data/constants/tensor_" in n for n in read), read
+
+
+_HOSTILE = payloads.hostile_corpus()
+_DANGEROUS = {  # hostile files of issue 17 -> the rule that must flag each one DANGEROUS
+    "aoti.pt2": "pt2.aotinductor", "shared-library.pt2": "archive.native_code",
+    "pickled-constant.pt2": "pickle.global.denied", "opaque-object.pt2": "pickle.global.denied",
+    "sample-inputs.pt2": "pickle.global.denied", "escape.pt2": "zip.path_traversal",
+    "config-escape.pt2": "pt2.config.path", "target.pt2": "pt2.target.dangerous",
+    "load-target.pt2": "pt2.target.dangerous", "file-op.pt2": "pt2.target.dangerous",
+    "torch-and-pt2.pt": "pt2.target.dangerous", "nested-target.pt2": "pt2.target.dangerous",
+    "raise-class.ts": "torchscript.code.dangerous", "model.7z.pt": "archive.unsupported",
+    "rar-member.pt": "archive.unsupported",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DANGEROUS))
+def test_hostile_pt2_and_archives_are_dangerous(tmp_path, name):
+    report = _scan_bytes(tmp_path, _HOSTILE[name], name)
+    assert _DANGEROUS[name] in _rules(report), (name, report.findings)
+
+
+def test_pt2_pickled_members_are_walked_and_raw_ones_skipped(tmp_path):
+    benign = payloads.pt2_zip(constants={"c": "tensor_0"}, pickled=frozenset({"c"}),
+                              extra={"data/constants/tensor_0": pickle.dumps({"a": 1}, protocol=2)})
+    report = _scan_bytes(tmp_path, benign, "pickled.pt2")
+    assert not _rules(report, Severity.SUSPICIOUS) and any("pickle stream" in e for e in report.files[0].examined)
+    # a raw member whose bytes happen to be a pickle is read raw by torch: never unpickled, so no finding
+    raw = payloads.pt2_zip(extra={"data/weights/weight_0": payloads.system_pickle()})
+    assert not _rules(_scan_bytes(tmp_path, raw, "raw.pt2"), Severity.SUSPICIOUS)
+    # ... unless another entry names the same member as a pickle
+    both = payloads.pt2_zip(weights={"w": "weight_0", "v": "weight_0"}, pickled=frozenset({"v"}),
+                            extra={"data/weights/weight_0": payloads.system_pickle()})
+    assert "pickle.global.denied" in _rules(_scan_bytes(tmp_path, both, "both.pt2"))
+
+
+def test_pt2_custom_operators_and_objects_need_trust(tmp_path):
+    report = _scan_bytes(tmp_path, payloads.pt2_zip(nodes=["torch.ops.mylib.fused.default"],
+                                                    constants={"obj": "opaque_obj_0"},
+                                                    extra={"data/constants/opaque_obj_0": pickle.dumps(1)}), "c.pt2")
+    assert {"pt2.custom_op", "pt2.opaque_object"} <= _rules(report, Severity.SUSPICIOUS) and not _rules(report)
+    from modelkit.scan import needs_trust
+    assert all(needs_trust(f) for f in report.findings if f.severity == Severity.SUSPICIOUS)
+
+
+def _layers() -> dict[str, tuple[torch.nn.Module, tuple]]:
+    torch.manual_seed(0)
+    return {
+        "batchnorm": (torch.nn.BatchNorm2d(3), (torch.randn(2, 3, 4, 4),)),
+        "layernorm": (torch.nn.LayerNorm(8), (torch.randn(2, 8),)),
+        "dropout": (torch.nn.Dropout(0.1), (torch.randn(2, 8),)),
+        "attention": (torch.nn.MultiheadAttention(8, 2, batch_first=True), (torch.randn(1, 3, 8),) * 3),
+        "lstm": (torch.nn.LSTM(4, 8, batch_first=True), (torch.randn(2, 3, 4),)),
+        "transformer": (torch.nn.Transformer(8, 2, 1, 1, 16, batch_first=True), (torch.randn(1, 3, 8),) * 2),
+    }
+
+
+@pytest.fixture(scope="module")
+def layer_archives(tmp_path_factory) -> list[Path]:
+    """Scripted and traced TorchScript archives of common layers, as torch writes them."""
+    import warnings
+
+    out = tmp_path_factory.mktemp("layers")
+    paths = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # torch.jit's deprecation and the tracer's notes
+        for name, (module, inputs) in _layers().items():
+            module.eval()
+            for how in ("script", "trace"):
+                compiled = (torch.jit.script(module) if how == "script"
+                            else torch.jit.trace(module, inputs, check_trace=False))
+                paths.append(out / f"{name}-{how}.pt")
+                torch.jit.save(compiled, paths[-1])
+    return paths
+
+
+def test_torchscript_of_common_layers_scans_clean(layer_archives):
+    """The BatchNorm false alarm (prim::RaiseException(..., "builtins.ValueError")) and its kin."""
+    assert len(layer_archives) == 12
+    for path in layer_archives:
+        report = scan(path)
+        assert report.files[0].format == "torchscript"
+        assert {f.rule for f in report.findings} == {"torchscript.code"}, (path.name, report.findings)
+
+
+@pytest.mark.parametrize("code", [
+    'def f(x):\n  return os.system("true")\n',
+    'def f(x):\n  s = "ok"\n  return torch.ops.aten.save(x, "/tmp/x")\n',
+    'def f(x):\n  ops.prim.RaiseException("x", "subprocess.Popen")\n',
+    'def f(x):\n  return "builtins." + builtins.eval("1")\n',
+    "import os\ndef f(x):\n  return x\n",
+])
+def test_malicious_torchscript_code_stays_dangerous(tmp_path, code):
+    report = _scan_bytes(tmp_path, payloads.torchscript_zip(code), "evil.pt")
+    assert "torchscript.code.dangerous" in _rules(report), report.findings
+
+
+def test_string_literals_are_data_in_torchscript_code(tmp_path):
+    code = ('def f(x):\n  msg = "os.system(\'x\') and builtins.eval and import os"  # not os.system(msg)\n'
+            '  ops.prim.RaiseException(msg, "builtins.RuntimeError")\n  return x\n')
+    report = _scan_bytes(tmp_path, payloads.torchscript_zip(code), "ok.pt")
+    assert not _rules(report), report.findings
+
+
+class _Color(enum.Enum):
+    RED = 1
+
+
+_BENIGN_VALUES = {
+    "path": pathlib.PurePosixPath("runs/exp1/ckpt"), "local_path": pathlib.Path("data"),
+    "namespace": argparse.Namespace(lr=0.1, name="x"), "f64": np.float64(1.5), "i32": np.int32(3),
+    "dtype": np.dtype("float32"), "scalar_type": np.float32, "bool": np.bool_(True), "regex_flag": re.IGNORECASE,
+    "status": http.HTTPStatus.OK,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_BENIGN_VALUES))
+def test_benign_checkpoint_values_are_not_alarms(tmp_path, name):
+    for protocol in (2, 4):
+        data = pickle.dumps({"epoch": 3, name: _BENIGN_VALUES[name]}, protocol=protocol)
+        report = _scan_bytes(tmp_path, data, f"{name}.pkl")
+        assert not report.findings, (name, protocol, report.findings)
+
+
+def test_enum_of_the_training_script_needs_trust_only(tmp_path):
+    report = _scan_bytes(tmp_path, pickle.dumps({"mode": _Color.RED}, protocol=2), "enum.pkl")
+    assert not _rules(report) and _rules(report, Severity.SUSPICIOUS)
+
+
+@pytest.mark.parametrize("target", [
+    ("logging", "FileHandler"), ("logging.handlers", "SocketHandler"), ("socketserver", "TCPServer"),
+    ("gzip", "open"), ("bz2", "BZ2File"), ("lzma", "open"), ("wave", "open"), ("mailbox", "mbox"),
+    ("py_compile", "compile"), ("imaplib", "IMAP4"), ("smtpd", "SMTPServer"), ("wsgiref.simple_server", "make_server"),
+    ("linecache", "getline"), ("pipes", "Template"), ("xml.dom.minidom", "parse"), ("uuid", "getnode"),
+])
+def test_stdlib_constructors_that_touch_files_sockets_or_processes_are_dangerous(tmp_path, target):
+    module, name = target
+    data = b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"X\x04\x00\x00\x00/tmpq\x00\x85R."
+    assert "pickle.global.denied" in _rules(_scan_bytes(tmp_path, data, "x.pkl")), target
+
+
+def test_onnx_external_data_scanned_alone_is_data(tmp_path):
+    (tmp_path / "m.onnx").write_bytes(onnx_external_model("m.onnx.data", length=4))
+    (tmp_path / "m.onnx.data").write_bytes(bytes(range(16)) * 4)
+    report = scan(tmp_path / "m.onnx.data")
+    assert report.errors == [] and [f.format for f in report.files] == ["tensor data"], report
+    assert "m.onnx" in report.files[0].examined[0]
+    (tmp_path / "other.bin").write_bytes(bytes(range(16)) * 4)           # named by no model: still an error
+    assert scan(tmp_path / "other.bin").errors

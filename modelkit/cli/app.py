@@ -21,7 +21,8 @@ from modelkit.errors import ModelkitError
 
 # Packages of the optional extras (pyproject.toml) -> the extra that installs them; the slim install's own.
 CORE = ("numpy", "safetensors", "gguf", "h5py", "click")
-EXTRAS = {"torch": "torch", "onnx": "onnx", "onnxruntime": "onnx", "onnxscript": "onnx", "matplotlib": "plot"}
+EXTRAS = {"torch": "torch", "onnx": "onnx", "onnxruntime": "onnx", "onnxscript": "onnx", "matplotlib": "plot",
+          "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve"}
 
 EXIT_OK = 0
 EXIT_UNSAFE = 1
@@ -34,11 +35,13 @@ COMMANDS = {
     "distill": "modelkit.cli.distill:distill",
     "eval": "modelkit.cli.evaluate:eval_command",
     "generate": "modelkit.cli.generate:generate",
+    "imatrix": "modelkit.cli.imatrix:imatrix",
     "inspect": "modelkit.cli.inspect:inspect",
     "models": "modelkit.cli.models:models",
     "prune": "modelkit.cli.prune:prune",
     "quantize": "modelkit.cli.quantize:quantize",
     "scan": "modelkit.cli.scan:scan",
+    "serve": "modelkit.cli.serve:serve",
     "train": "modelkit.cli.train:train",
 }
 

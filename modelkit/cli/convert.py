@@ -37,7 +37,7 @@ def convert(src: str, dst: str, to: str | None, source_format: str | None, dtype
     """Convert SRC to DST. The input format is detected from content; the output's from --to or DST's suffix.
 
     Weight formats (safetensors, pth, hdf5, gguf) convert tensor by tensor and are checked bit for
-    bit; graph formats (onnx, torchscript) are rebuilt from the file's ArchSpec (or --arch) and
+    bit; graph formats (onnx, pt2, torchscript) are rebuilt from the file's ArchSpec (or --arch) and
     checked by running both models. A failed check exits 2 and leaves no output. A module of your own
     (--arch module:function, found in the current directory) is exported with the example inputs
     --input-shape gives; HDF5 files named *.weights.h5 get its Keras layers.

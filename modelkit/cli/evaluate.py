@@ -5,7 +5,7 @@ import click
 
 from modelkit.cli.options import device_option, output_options, read_options
 from modelkit.cli.output import Progress, emit_json, format_metrics
-from modelkit.formats import RUNTIMES
+from modelkit.formats import EVAL_RUNTIMES
 
 
 @click.command("eval")
@@ -19,8 +19,9 @@ from modelkit.formats import RUNTIMES
 @click.option("--max-tokens", "max_tokens", type=click.IntRange(1),
               help="Hugging Face language models: score at most this many tokens of the text.")
 @device_option
-@click.option("--runtime", type=click.Choice(RUNTIMES), default="torch", show_default=True,
-              help="onnxruntime: run an ONNX file in an onnxruntime session instead of torch.")
+@click.option("--runtime", type=click.Choice(EVAL_RUNTIMES), default="torch", show_default=True,
+              help="onnxruntime: run an ONNX file in an onnxruntime session instead of torch; openvino: an "
+                   "OpenVINO IR in OpenVINO's runtime.")
 @read_options()
 @output_options
 def eval_command(checkpoint: str, split: str | None, data: str | None, context: int | None, max_tokens: int | None,
@@ -38,6 +39,7 @@ def eval_command(checkpoint: str, split: str | None, data: str | None, context: 
       modelkit eval runs/cnn/model.safetensors
       modelkit eval runs/tinylm/model.safetensors --split test --json
       modelkit eval cnn.onnx --runtime onnxruntime
+      modelkit eval cnn.xml --runtime openvino
       modelkit eval ./Qwen2.5-0.5B --max-tokens 20000
       modelkit eval model-q4_0.gguf --data notes.txt --context 256 --json
     """

@@ -42,6 +42,8 @@ def inspect(file: str, limit: int | None, source_format: str | None, trust: bool
     if info.layers is not None:
         click.echo(table(["layer", "class", "config"], [(lay["name"], lay["class"], lay["config"]) for lay in info.layers],
                          align="lll"))
+    if info.program is not None:
+        _echo_program(info.program)
     if info.model:
         _echo_model(info.model)
     elif info.arch:
@@ -54,6 +56,24 @@ def inspect(file: str, limit: int | None, source_format: str | None, trust: bool
     for split in ("val", "test"):
         if isinstance(info.metrics.get(split), dict):
             click.echo(f"metrics {split}: {format_metrics(info.metrics[split])}")
+
+
+def _echo_program(program: dict) -> None:
+    """An exported program's signature: each input and output with its dtype and shape (dynamic dimensions
+    by name), the dynamic dimensions' ranges, and what the program holds."""
+    def shape(entry: dict) -> str:
+        return "[" + ", ".join(str(d) for d in entry["shape"] or []) + "]"
+
+    rows = [(kind, e["name"], e["dtype"] or "?", shape(e)) for kind, group in (("input", program["inputs"]),
+                                                                               ("output", program["outputs"]))
+            for e in group]
+    click.echo(table(["program", "name", "dtype", "shape"], rows, align="llll"))
+    for name, bounds in program["dynamic"].items():
+        low, high = bounds["min"], bounds["max"]
+        click.echo(f"dynamic {name}: {low if low is not None else 0} .. {high if high is not None else 'unbounded'}")
+    click.echo(f"program: {program['parameters']} parameters, {program['buffers']} buffers, {program['constants']} "
+               f"constants, {program['nodes']} distinct operators; schema {program['schema_version']}, "
+               f"torch {program['torch_version'] or '?'}")
 
 
 def _echo_model(model: dict) -> None:

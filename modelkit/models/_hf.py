@@ -395,3 +395,22 @@ def zoo_config(rules: Conventions) -> dict[str, Any]:
                    "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False})
     config.update({k: v for k, v in (("bos_token_id", rules.bos_id), ("eos_token_id", rules.eos_id)) if v is not None})
     return config
+
+
+# The Q/K row order of llama.cpp's llama architecture: the GGUF converter (both ways) and the legacy ggml reader.
+
+def to_llama_rope(w: Any, n_heads: int) -> Any:
+    """Reorder each head's rows from Hugging Face's RoPE layout to llama.cpp's.
+
+    Hugging Face rotates row i of a head with row i + head_dim/2 ("rotate half"); llama.cpp's llama
+    architecture uses ggml's normal RoPE, which rotates rows 2i and 2i+1. Rows (head, half, i) become
+    (head, i, half), as llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute) does.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def from_llama_rope(w: Any, n_heads: int) -> Any:
+    """The inverse of to_llama_rope: rows (head, i, half) back to (head, half, i)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

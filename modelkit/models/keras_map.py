@@ -44,6 +44,21 @@ _ACTIVATIONS = {"ReLU": "relu", "GELU": "gelu", "Sigmoid": "sigmoid", "Tanh": "t
 _CHANNEL_LAYERS = ("Conv1d", "Conv2d", "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "BatchNorm1d", "BatchNorm2d")
 
 
+# The torch layers the table maps (by class name), for naming the first one a model holds that it does not.
+MAPPED_LAYERS = frozenset({"Linear", "Conv1d", "Conv2d", "BatchNorm1d", "BatchNorm2d", "LayerNorm", "Embedding", "Dropout",
+                           "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "Flatten", "Softmax", "Identity",
+                           *_ACTIVATIONS})
+
+
+def first_unmapped(module: nn.Module) -> str | None:
+    """Why `module` is no stack of Keras layers, naming the first layer the table lacks
+    ("layer model.layers.0.input_layernorm (RMSNorm) has no Keras counterpart"), or None when every layer has one."""
+    for name, layer in module.named_modules():
+        if not any(True for _ in layer.children()) and type(layer).__name__ not in MAPPED_LAYERS:
+            return f"layer {name or type(module).__name__} ({type(layer).__name__}) has no Keras counterpart"
+    return None
+
+
 class NoKerasCounterpart(ConfigError):
     """A layer (or the module's shape) has no Keras equivalent in modelkit's table."""
 

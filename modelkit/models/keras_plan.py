@@ -22,6 +22,7 @@ import numpy as np
 from modelkit.errors import ConfigError, UnknownModelError
 from modelkit.models.plugin import KerasLayer, KerasLayout, KerasWeight
 from modelkit.storage.dtypes import dtype_name
+from modelkit.storage.tensors import LazyTensor
 
 Transform = Callable[[np.ndarray], np.ndarray]
 KERAS_DTYPES = ("float16", "float32", "float64", "bfloat16")
@@ -160,11 +161,15 @@ def keras_plan(tensors: dict[str, Any] | None, arch: Any, module: Any = None, ex
                 "or --arch module:function, a Sequential of your own)")
     try:
         layout = load_model_module(arch.name).keras_layers(config_from_dict(arch.name, arch.config))
-        if layout is None:
-            return f"{arch.name} has no standard Keras equivalent (its model declares no keras_layers); {owner} keeps it losslessly"
         import torch  # the model's shapes come from building it
         with torch.device("meta"):                  # shapes only: nothing is allocated
             model = build_from_spec(arch)
+        if layout is None:
+            from modelkit.models.keras_map import first_unmapped
+
+            why = first_unmapped(model) or f"{type(model).__name__}'s forward is code of its own"
+            return (f"{arch.name} has no standard Keras equivalent (its model declares no keras_layers: {why}); "
+                    f"{owner} keeps it losslessly")
     except (ConfigError, UnknownModelError) as e:
         return f"its ArchSpec does not build ({e})"
     except ImportError:
@@ -202,3 +207,44 @@ def plan(tensors: dict[str, Any] | None, layout: KerasLayout, expected: dict[str
     if missing:
         return f"tensor {missing[0]!r} of the {label} layout is missing"
     return KerasPlan(paths, targets, layout.description, layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch names of a Keras-layout file (metadata.NAMES_KEY), for every Keras-layout reader and writer
+
+def names_record(plan: KerasPlan, order: list[str], stored: Callable[[KerasTarget], str]) -> str:
+    """JSON {state_dict name: {"weight": the name the file stores it under (`stored(target)`), "transform",
+    "flatten"?}}: what a reader needs to give the torch names and layouts back without building a model."""
+    return json.dumps({name: {"weight": stored(t), "transform": t.spec.transform,
+                              **({"flatten": list(t.spec.flatten)} if t.spec.flatten else {})}
+                       for name in order for t in [plan.targets[name]]}, separators=(",", ":"))
+
+
+def torch_names(tensors: dict[str, LazyTensor], names: dict[str, Any],
+                fail: Callable[[str], Exception]) -> dict[str, LazyTensor]:
+    """`tensors` (stored names, Keras layouts) under the torch names a names record gives, in torch layouts
+    (transforms from a closed set of transposes and reshapes), then the tensors it does not name; `fail(reason)`
+    is the error raised for an entry that is not a stored weight with a known transform that fits."""
+    tensors = dict(tensors)
+    out: dict[str, LazyTensor] = {}
+    for name, entry in names.items():
+        weight = entry.get("weight") if isinstance(entry, dict) else None
+        transform = entry.get("transform") if isinstance(entry, dict) else None
+        flatten = entry.get("flatten") if isinstance(entry, dict) else None
+        if weight not in tensors or transform not in TRANSFORM_NAMES or not (
+                flatten is None or isinstance(flatten, list) and len(flatten) == 3
+                and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in flatten)):
+            raise fail(f"entry {name!r} is not a stored weight with a known transform")
+        stored = tensors.pop(weight)
+        spec = KerasWeight(name, weight, transform, tuple(flatten) if flatten else None)
+        _, back = transforms(spec)
+        shape = torch_shape(spec, stored.shape)
+        if shape is None:
+            raise fail(f"entry {name!r}: {weight} {list(stored.shape)} does not take the {transform} layout")
+        out[name] = in_torch_layout(stored, back, shape)
+    return {**out, **tensors}
+
+
+def in_torch_layout(stored: LazyTensor, back: Transform, shape: tuple[int, ...]) -> LazyTensor:
+    """A stored Keras weight as the torch tensor it was (`back`: a transform's Keras -> torch half)."""
+    return LazyTensor(stored.dtype, shape, lambda: np.ascontiguousarray(back(stored.array())), stored.source)

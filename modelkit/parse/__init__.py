@@ -1,5 +1,5 @@
 """Untrusted container structure, read in one place: sniffing, zip directories, protobuf wire format,
-GGUF headers, pickle opcodes, HDF5/JSON headers and the rules for member and external-data paths.
+GGUF headers, pickle opcodes, torch.save/TorchScript/PT2 archives, HDF5/JSON headers and the rules for member and external-data paths.
 
 Every function here bounds-checks lengths, counts and offsets against the bytes it was given
 before allocating anything, and raises only modelkit's errors. The scanner and every converter

@@ -13,7 +13,10 @@ from modelkit.errors import ParseError
 from modelkit.parse import gguf as gguf_header
 from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse import hf as hf_folder
+from modelkit.parse import keras as keras_config
 from modelkit.parse import npz as npz_members
+from modelkit.parse import openvino as openvino_ir
+from modelkit.parse import pt2 as pt2_archive
 from modelkit.parse import safetensors as safetensors_header
 from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse import zipdir
@@ -140,6 +143,16 @@ def torchscript(path: Path) -> bool:
         return False
 
 
+def pt2(path: Path) -> bool:
+    """A zip whose folder holds archive_format and models/<name>.json (what torch.export.save writes): the
+    central directory only."""
+    try:
+        return (path.is_file() and _head(path, 4) == ZIP_MAGIC
+                and pt2_archive.root_of(zipdir.member_names(path)) is not None)
+    except (OSError, ParseError):
+        return False
+
+
 def npz(path: Path) -> bool:
     """A zip (numpy.savez / savez_compressed) whose members are all `<name>.npy`, plus optionally modelkit's
     `modelkit.json`: the central directory only. torch, TorchScript and Keras zips hold other members."""
@@ -147,4 +160,83 @@ def npz(path: Path) -> bool:
         return (path.is_file() and _head(path, 4) == ZIP_MAGIC
                 and npz_members.is_npz(zipdir.member_names(path)))
     except (OSError, ParseError):
+        return False
+
+
+def keras(path: Path) -> bool:
+    """A Keras 3 `.keras` archive: a zip holding config.json beside metadata.json or model.weights.h5 (the
+    central directory only)."""
+    try:
+        return (path.is_file() and _head(path, 4) == ZIP_MAGIC
+                and keras_config.is_archive(zipdir.member_names(path)))
+    except (OSError, ParseError):
+        return False
+
+
+def openvino(path: Path) -> bool:
+    """An OpenVINO IR .xml: an XML document whose root element is <net> (the first 4 KB)."""
+    try:
+        return path.is_file() and openvino_ir.looks_like_ir(_head(path, openvino_ir.HEAD))
+    except OSError:
+        return False
+
+
+def _saved_model_file(path: Path) -> Path | None:
+    from modelkit.parse.savedmodel import SAVED_MODEL_FILE
+
+    file = path / SAVED_MODEL_FILE if path.is_dir() else path
+    return file if file.name == SAVED_MODEL_FILE and file.is_file() else None
+
+
+def savedmodel(path: Path) -> bool:
+    """A TensorFlow SavedModel: a folder holding saved_model.pb (or that file), which starts as a SavedModel
+    does (schema version 1, then a meta graph)."""
+    from modelkit.parse.savedmodel import looks_like
+
+    try:
+        file = _saved_model_file(path)
+        if file is None:
+            return False
+        head = _head(file, 64)
+        return looks_like(head, 0, len(head))
+    except OSError:
+        return False
+
+
+def tf_index(path: Path) -> Path | None:
+    """The checkpoint index `path` names: PREFIX.index itself, or the only *.index of a folder that is not a
+    SavedModel; None otherwise."""
+    try:
+        if path.is_dir():
+            if (path / "saved_model.pb").exists():
+                return None
+            found = [p for p in path.glob("*.index") if p.is_file()]
+            return found[0] if len(found) == 1 else None
+        return path if path.suffix == ".index" and path.is_file() else None
+    except OSError:
+        return None
+
+
+def tfcheckpoint(path: Path) -> bool:
+    """A TensorFlow checkpoint: PREFIX.index (or a folder with one), a sorted table ending in its magic number."""
+    from modelkit.parse.tf_bundle import FOOTER_BYTES, TABLE_MAGIC
+
+    index = tf_index(path)
+    try:
+        if index is None or index.stat().st_size < FOOTER_BYTES:
+            return False
+        with index.open("rb") as f:
+            f.seek(-8, 2)
+            return int.from_bytes(f.read(8), "little") == TABLE_MAGIC
+    except OSError:
+        return False
+
+
+def ggml(path: Path) -> bool:
+    """A legacy llama.cpp file: the 'ggml', 'ggmf' or 'ggjt' magic (and a known version) in its first 8 bytes."""
+    from modelkit.parse.ggml import magic
+
+    try:
+        return path.is_file() and magic(_head(path, 8)) is not None
+    except OSError:
         return False

@@ -88,8 +88,9 @@ class _Reader:
         except UnicodeDecodeError as e:
             raise self.fail(f"{what} is not UTF-8 ({e.reason})") from None
 
-    def value(self, vtype: int, depth: int = 0):
-        """A scalar or string; an array is checked and skipped (None): token lists hold 100k+ strings."""
+    def value(self, vtype: int, depth: int = 0, keep: bool = False):
+        """A scalar or string; an array is checked and skipped (None): token lists hold 100k+ strings.
+        With `keep`, an array of scalars or strings comes back as a list."""
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype], "a value")
         if vtype == STRING:
@@ -102,6 +103,8 @@ class _Reader:
             self.items += count
             if self.items > MAX_ARRAY_ITEMS:      # readers keep each item as an object
                 raise self.fail(f"metadata arrays hold over {MAX_ARRAY_ITEMS} items; refusing to read them")
+            if keep and (item_type in _SCALARS or item_type == STRING):
+                return [self.value(item_type, depth + 1) for _ in range(count)]
             if item_type in _SCALARS:
                 self.take(count * smallest, f"an array of {count} items")
             else:
@@ -116,13 +119,15 @@ def plausible(head: bytes, *, versions: tuple[int, ...] = (2, 3)) -> bool:
     return len(head) >= HEADER_BYTES and head[:4] == MAGIC and struct.unpack_from("<I", head, 4)[0] in versions
 
 
-def read_header(buf, start: int = 0, end: int | None = None, *, versions: tuple[int, ...] = (2, 3)) -> Header:
+def read_header(buf, start: int = 0, end: int | None = None, *, versions: tuple[int, ...] = (2, 3),
+                arrays: frozenset[str] = frozenset()) -> Header:
     """Read and check the GGUF header of buf[start:end] (bytes or an mmap).
 
     Args:
         buf: The file's bytes.
         start, end: The file's extent in `buf` (a member of an archive, or all of it).
         versions: The GGUF versions accepted (the scanner reads version 1 too).
+        arrays: Keys whose arrays (of scalars or strings) `values` keeps, as lists.
 
     Returns:
         The Header: every tensor's bytes lie inside the file, aligned, after the header and not
@@ -151,7 +156,7 @@ def read_header(buf, start: int = 0, end: int | None = None, *, versions: tuple[
     for _ in range(n_kv):
         key = r.string("a metadata key")
         vtype = r.unpack("<I", "a metadata type")
-        value = r.value(vtype)
+        value = r.value(vtype, keep=key in arrays)
         if key == ALIGNMENT_KEY and vtype == UINT32:
             if value == 0 or value & (value - 1):
                 raise r.fail(f"{ALIGNMENT_KEY} {value} is not a power of two")

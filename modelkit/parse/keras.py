@@ -91,3 +91,92 @@ def marshalled_code(text: str) -> bool:
     except binascii.Error:
         return False
     return len(raw) >= 5 and raw[0] in _CODE_TYPES and int.from_bytes(raw[1:5], "little") < 256
+
+
+# ---------------------------------------------------------------------------------------------
+# .keras archives (Keras 3's model.save): a zip of config.json, metadata.json and model.weights.h5
+# (keras/src/saving/saving_lib.py)
+
+ARCHIVE_CONFIG = "config.json"
+ARCHIVE_METADATA = "metadata.json"
+ARCHIVE_WEIGHTS = "model.weights.h5"
+ARCHIVE_WEIGHTS_NPZ = "model.weights.npz"      # what Keras writes for backends whose weights h5py cannot hold
+
+
+def is_archive(names) -> bool:
+    """Member names of a .keras archive: config.json beside metadata.json or the weights Keras loads."""
+    names = set(names)
+    return ARCHIVE_CONFIG in names and bool(names & {ARCHIVE_METADATA, ARCHIVE_WEIGHTS, ARCHIVE_WEIGHTS_NPZ})
+
+
+class Archive:
+    """What a .keras archive holds, read from its central directory and its two JSON members: the Keras model
+    config (`config`), the metadata document (`metadata`, {} when absent) and the weights member
+    (`weights`, a zipdir entry, with `weights_start`: where its stored bytes start in the archive)."""
+
+    __slots__ = ("config", "metadata", "weights", "weights_start")
+
+    def __init__(self, config: dict, metadata: dict, weights, weights_start: int) -> None:
+        self.config, self.metadata, self.weights, self.weights_start = config, metadata, weights, weights_start
+
+
+def read_archive(buf) -> Archive:
+    """The parts of a .keras archive in `buf` (bytes or an mmap).
+
+    Raises:
+        ParseError: not a zip, a member name that escapes or appears twice, no config.json or model.weights.h5,
+            a JSON member over MAX_JSON, or one that is not a Keras model config / a JSON object.
+    """
+    from modelkit.parse import zipdir
+    from modelkit.parse.paths import member_problem
+
+    entries: dict = {}
+    for entry in zipdir.read_directory(buf):
+        problem = member_problem(entry.filename)
+        if problem:
+            raise ParseError(f"member {entry.filename[:80]!r} {problem}")
+        if entry.filename in entries:
+            raise ParseError(f"member {entry.filename[:80]!r} appears twice (readers pick different copies)")
+        entries[entry.filename] = entry
+    if ARCHIVE_CONFIG not in entries:
+        raise ParseError(f"a zip without {ARCHIVE_CONFIG}: not a .keras archive")
+    if ARCHIVE_WEIGHTS not in entries:
+        also = f" (its weights are in {ARCHIVE_WEIGHTS_NPZ}, which modelkit does not read)" \
+            if ARCHIVE_WEIGHTS_NPZ in entries else ""
+        raise ParseError(f"the archive has no {ARCHIVE_WEIGHTS}{also}")
+
+    def document(name: str) -> object:
+        entry = entries[name]
+        if entry.file_size > MAX_JSON:
+            raise ParseError(f"{name} is {entry.file_size} bytes; JSON larger than {MAX_JSON} bytes is not read")
+        data = bytearray(entry.file_size)
+        zipdir.read_into(buf, entry, data)
+        return load_json(data)
+
+    config = model_config(document(ARCHIVE_CONFIG))
+    if config is None:
+        raise ParseError(f"{ARCHIVE_CONFIG} is not a Keras model config (no class_name)")
+    metadata = document(ARCHIVE_METADATA) if ARCHIVE_METADATA in entries else {}
+    if not isinstance(metadata, dict):
+        raise ParseError(f"{ARCHIVE_METADATA} is not a JSON object")
+    weights = entries[ARCHIVE_WEIGHTS]
+    zipdir.read_start(buf, weights, 0)          # stored or deflated, not encrypted, its local header agrees
+    return Archive(config, metadata, weights, zipdir.member_data(buf, weights))
+
+
+_SHOWN = ("units", "filters", "kernel_size", "strides", "padding", "activation", "pool_size", "rate", "axis",
+          "batch_input_shape", "batch_shape", "target_shape", "input_dim", "output_dim")
+
+
+def describe_layers(config) -> list[dict[str, str]]:
+    """A Keras model config's layers, for `modelkit inspect`: name, class and the arguments that shape it."""
+    items = config.get("config", {}).get("layers", []) if isinstance(config, dict) and isinstance(
+        config.get("config"), dict) else []
+    shown = []
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict):
+            continue
+        args = item.get("config") if isinstance(item.get("config"), dict) else {}
+        shown.append({"name": str(args.get("name", item.get("name", "")))[:80], "class": str(item.get("class_name"))[:80],
+                      "config": ", ".join(f"{k}={json.dumps(args[k])}" for k in _SHOWN if k in args)[:160]})
+    return shown

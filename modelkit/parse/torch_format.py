@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["DTYPE_BITS", "STORAGE_DTYPES", "Device", "Opaque", "ScriptObject", "StorageRef", "TensorRecord",
-           "TorchFile", "legacy_records", "parse", "parse_script", "read", "read_script", "storage_claim"]
+           "TorchFile", "check_views", "legacy_records", "map_file", "parse", "parse_script", "read", "read_script",
+           "storage_claim", "storage_record", "tied_names"]
 
 # torch dtype name -> numpy type of the stored bits (little-endian). bfloat16 and the 8-bit floats have
 # no numpy type: their bits are kept as unsigned integers, never widened. modelkit.storage.dtypes maps
@@ -622,15 +623,17 @@ class TorchFile:
         byteorder: "little" or "big" (storages of big-endian files are byte-swapped when read).
     """
 
-    def __init__(self, buf, source: str, layout: str, value: Any, machine: _Rebuilder, records: dict[str, _Record],
+    def __init__(self, buf, source: str, layout: str, value: Any, machine: _Rebuilder | None, records: dict[str, _Record],
                  byteorder: str) -> None:
         self._buf = buf
         self.source, self.layout, self.value = source, layout, value
-        self.tensors = machine.tensors
-        self.storages = machine.storages
-        self.globals = [f"{m}.{n}" for m, n in machine.result.globals] + (
+        # machine None: storages described by something other than a pickle (a PT2 archive's JSON configs);
+        # the caller fills `tensors` and `storages` and checks them with `check_views`.
+        self.tensors: list[TensorRecord] = machine.tensors if machine is not None else []
+        self.storages: dict[str, StorageRef] = machine.storages if machine is not None else {}
+        self.globals = [] if machine is None else [f"{m}.{n}" for m, n in machine.result.globals] + (
             ["<computed>.<computed>"] if machine.computed else [])
-        self.build_keys = set(machine.result.build_keys)
+        self.build_keys = set(machine.result.build_keys) if machine is not None else set()
         self.byteorder = byteorder
         self._records = records
         self._inflated: tuple[str, Any] | None = None
@@ -706,7 +709,7 @@ def read(path: str | os.PathLike[str], *, limits: Any = None) -> TorchFile:
         ParseError: the file is not a torch.save checkpoint, or its structure does not hold
             (naming the file; OSError when it cannot be opened).
     """
-    return parse(_map(path, "a torch.save checkpoint"), source=os.fspath(path), limits=limits)
+    return parse(map_file(path, "a torch.save checkpoint"), source=os.fspath(path), limits=limits)
 
 
 def read_script(path: str | os.PathLike[str], *, limits: Any = None) -> TorchFile:
@@ -720,10 +723,11 @@ def read_script(path: str | os.PathLike[str], *, limits: Any = None) -> TorchFil
         ParseError: not a zip archive with data.pkl, constants.pkl and code/ in one folder, or a
             structure that does not hold (every storage and view is checked as `read` checks them).
     """
-    return parse_script(_map(path, "a TorchScript archive"), source=os.fspath(path), limits=limits)
+    return parse_script(map_file(path, "a TorchScript archive"), source=os.fspath(path), limits=limits)
 
 
-def _map(path: str | os.PathLike[str], what: str) -> Any:
+def map_file(path: str | os.PathLike[str], what: str) -> Any:
+    """The file mapped copy-on-write (arrays of its records are writable views that never change it)."""
     with open(path, "rb") as f:
         if not os.fstat(f.fileno()).st_size:
             raise ParseError(f"an empty file, not {what}", source=os.fspath(path))
@@ -778,17 +782,25 @@ def _plain_value(machine: _Rebuilder) -> Any:
 
 
 def _check_views(machine: _Rebuilder, records: dict[str, _Record]) -> None:
-    """Every claimed storage inside its record, every view inside its storage; before any allocation."""
-    for key, ref in machine.storages.items():
+    check_views(machine.storages, machine.tensors, records)
+
+
+def check_views(storages: dict[str, StorageRef], tensors: list[TensorRecord], records: dict[str, _Record]) -> None:
+    """Every claimed storage inside its record, every view inside its storage; before any allocation.
+
+    Raises:
+        ParseError: a storage larger than its record, or a view reaching past its storage.
+    """
+    for key, ref in storages.items():
         record = records[key]
         if ref.nbytes > record.nbytes:
             raise ParseError(f"storage {key!r} claims {ref.numel} {ref.dtype} elements ({ref.nbytes} bytes) but its "
                              f"record holds {record.nbytes} bytes; the file is truncated or corrupt")
-    for t in machine.tensors:
+    for t in tensors:
         if not t.numel:
             continue
         itemsize = t.itemsize
-        first = machine.storages[t.storage.key]
+        first = storages[t.storage.key]
         limit = first.nbytes // itemsize
         if t.offset + t.extent > limit:
             raise ParseError(f"a {t.dtype} tensor of size {list(t.size)}, stride {list(t.stride)} at offset {t.offset} "
@@ -820,6 +832,36 @@ def _small_member(buf, entry: zipdir.ZipEntry, limit: int) -> bytes:
         return zlib.decompressobj(-15).decompress(raw, limit)
     except zlib.error as e:
         raise ParseError(f"{entry.filename} has corrupt deflate data ({e})") from None
+
+
+def tied_names(records: dict[str, TensorRecord]) -> dict[str, str]:
+    """Names whose tensor is the very same view of one storage as an earlier name's (tied weights) -> that name."""
+    first: dict[tuple[Any, ...], str] = {}
+    ties = {}
+    for name, record in records.items():
+        if record.numel:
+            target = first.setdefault(record.identity, name)
+            if target != name:
+                ties[name] = target
+    return ties
+
+
+def storage_record(buf, entry: zipdir.ZipEntry, what: str) -> _Record:
+    """Where a zip member holding raw storage bytes lies in `buf` (stored: mapped as it is; deflated:
+    inflated when first read).
+
+    Raises:
+        ParseError: a local header that disagrees, stored sizes that differ, another compression method.
+    """
+    start = _member(buf, entry, f"storage record {what}")
+    if entry.compress_type == zipdir.STORED:
+        if entry.compress_size != entry.file_size:
+            raise ParseError(f"storage record {what} is stored but its sizes differ in the zip directory")
+        return _Record(start, entry.file_size)
+    if entry.compress_type == zipdir.DEFLATED:
+        return _Record(start, entry.file_size, entry)
+    raise ParseError(f"storage record {what} uses zip compression method {entry.compress_type}, which "
+                     "torch does not write")
 
 
 def _parse_zip(buf, source: str, limits: Any, script: bool = False) -> TorchFile:
@@ -855,16 +897,7 @@ def _parse_zip(buf, source: str, limits: Any, script: bool = False) -> TorchFile
         entry = by_name.get(f"{prefix}/data/{key}")
         if entry is None:
             raise ParseError(f"storage {key!r} has no record {prefix}/data/{key} in the archive")
-        start = _member(buf, entry, f"storage record data/{key}")
-        if entry.compress_type == zipdir.STORED:
-            if entry.compress_size != entry.file_size:
-                raise ParseError(f"storage record data/{key} is stored but its sizes differ in the zip directory")
-            records[key] = _Record(start, entry.file_size)
-        elif entry.compress_type == zipdir.DEFLATED:
-            records[key] = _Record(start, entry.file_size, entry)
-        else:
-            raise ParseError(f"storage record data/{key} uses zip compression method {entry.compress_type}, which "
-                             "torch does not write")
+        records[key] = storage_record(buf, entry, f"data/{key}")
     _check_views(machine, records)
     return TorchFile(buf, source, "torchscript" if script else "zip", _plain_value(machine), machine, records,
                      byteorder)

@@ -140,7 +140,7 @@ def convert(
             {name: tensor}) or specs "[NAME=]DIMS[:DTYPE][:LOW..HIGH]" ("ids=1x16:int64"), made
             into seeded random tensors (modelkit.pipeline.inputs has the rules). Graph exports
             run on them, verification compares on them, HDF5's Keras layout takes their shapes.
-        dynamic: Free axes of the ONNX graph: ["input:0", "ids:1"] or {"ids": [0, 1]}; default:
+        dynamic: Free axes of the graph (ONNX, pt2): ["input:0", "ids:1"] or {"ids": [0, 1]}; default:
             axis 0 of every input.
         kv_cache: ONNX of a Hugging Face causal LM: also past_key_values.N.key/value in and
             present.N.key/value out, checked on a prefill and a decode step (docs/formats/onnx.md).
@@ -192,7 +192,7 @@ def convert(
             module = module.to(cast.torch)
         options = replace(_module_options(module, example_inputs, dynamic, cast, final_path=dst), kv_cache=kv_cache)
     elif example_inputs is not None or dynamic:
-        raise ConfigError(f"example inputs and dynamic axes apply to graph outputs (onnx, torchscript) and HDF5's "
+        raise ConfigError(f"example inputs and dynamic axes apply to graph outputs (onnx, pt2, torchscript) and HDF5's "
                           f"Keras layout of a user's module, not to {out_fmt}")
     if not FORMATS[out_fmt].has_graph:
         module = None                            # a mapped module (Keras layout) is not run: weights are checked
@@ -247,7 +247,7 @@ def export(
         example_inputs: Sample inputs for graph export and the output check (reference models
             have their own): a tensor, a tuple of tensors in `forward`'s order, {name: tensor} (the
             names name the ONNX inputs), or specs as `convert` takes them ("ids=1x16:int64").
-        dynamic: Free axes of the ONNX graph by input name: {"ids": [0, 1]} or ["ids:0", "ids:1"];
+        dynamic: Free axes of the graph (ONNX, pt2) by input name: {"ids": [0, 1]} or ["ids:0", "ids:1"];
             default: axis 0 of every input.
         format: Output format name.
         arch: The ArchSpec to record (filled in for reference models).

@@ -67,8 +67,13 @@ def prompt_ids(tokenizer: Any, prompt: str, *, chat: bool = False, source: str =
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"{source} has no chat template (tokenizer_config.json chat_template or "
                           "chat_template.jinja); drop --chat to continue the prompt as plain text")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
+    return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Messages ({"role", "content"}) rendered by the tokenizer's chat template with the assistant's turn
+    opened, as token ids (the template writes any BOS itself)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -85,7 +90,7 @@ class _FirstStep:
         return scores
 
 
-def _eos_ids(tokenizer: Any, model: nn.Module, assets: dict[str, bytes] | None) -> list[int]:
+def eos_ids(tokenizer: Any, model: nn.Module, assets: dict[str, bytes] | None) -> list[int]:
     """The ids that end generation: generation_config.json's, else the tokenizer's and config's EOS."""
     values: list[Any] = []
     if assets and "generation_config.json" in assets:
@@ -122,7 +127,7 @@ def generate_tokens(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_to
     if not ids:
         raise ConfigError("the prompt is empty and the tokenizer adds no BOS token; give --prompt TEXT")
     device = next(model.parameters()).device
-    eos = _eos_ids(tokenizer, model, assets)
+    eos = eos_ids(tokenizer, model, assets)
     sample = temperature > 0
     config = transformers.GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos or None,

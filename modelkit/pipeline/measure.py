@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from modelkit.errors import ConfigError, UnsupportedConversionError
-from modelkit.formats import RUNTIMES, detect_format
+from modelkit.formats import EVAL_RUNTIMES, detect_format
 from modelkit.models import ArchSpec
 
 PathLike = str | os.PathLike[str]
@@ -44,7 +44,8 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
     Returns the metrics plus "model" and "split": accuracy for classifiers; bits per byte,
     perplexity and the unigram baseline for tinylm. The default split is the model's own
     (test for classifiers, validation for tinylm). `runtime="onnxruntime"` runs an ONNX file
-    in an onnxruntime session (CPU) instead of rebuilding the torch module from its weights.
+    in an onnxruntime session (CPU), `runtime="openvino"` an OpenVINO IR in OpenVINO's runtime (CPU, f32),
+    instead of rebuilding the torch module from its weights.
     `format`, `trust`, `key` and `arch` are `load_module`'s, for files.
 
     A causal language model of a Hugging Face family (a folder, a GGUF of one, a quantized output)
@@ -60,13 +61,15 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
     from modelkit.pipeline import train as training
     from modelkit.pipeline.load import load_language_model
 
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
-    if runtime == "onnxruntime":
-        if isinstance(path_or_model, nn.Module) or detect_format(Path(path_or_model)) != "onnx":
-            raise ConfigError(f"{path_or_model}: runtime onnxruntime needs an ONNX file; convert it with "
-                              "modelkit convert SRC model.onnx first")
-        model, device = session_module(path_or_model), "cpu"
+    if runtime not in EVAL_RUNTIMES:
+        raise ConfigError(f"unknown runtime {runtime!r}; known: {', '.join(EVAL_RUNTIMES)}")
+    graph = _RUNTIME_FORMATS.get(runtime)
+    if graph is not None:
+        fmt, suffix = graph
+        if isinstance(path_or_model, nn.Module) or detect_format(Path(path_or_model)) != fmt:
+            raise ConfigError(f"{path_or_model}: runtime {runtime} needs a {fmt} file; convert it with "
+                              f"modelkit convert SRC model{suffix} first")
+        model, device = session_module(path_or_model, fmt=fmt), "cpu"
     elif isinstance(path_or_model, nn.Module):
         model = path_or_model
     else:
@@ -235,21 +238,26 @@ def metric_change(name: str, higher_is_better: bool, before: Mapping[str, Any], 
             "relative": (a - b) / b if b else math.nan}
 
 
-def session_module(path: PathLike, arch: ArchSpec | None = None) -> nn.Module:
-    """An onnxruntime session dressed as the reference model, so the zoo's evaluation runs it.
+# Runtimes that run a graph file's own graph: runtime -> (its format, the suffix to convert to).
+_RUNTIME_FORMATS = {"onnxruntime": ("onnx", ".onnx"), "openvino": ("openvino", ".xml")}
 
-    `arch` defaults to the ArchSpec stored in the file's metadata_props.
+
+def session_module(path: PathLike, arch: ArchSpec | None = None, fmt: str = "onnx") -> nn.Module:
+    """A graph file's own runtime (an onnxruntime session; OpenVINO's compiled model for fmt "openvino") dressed
+    as the reference model, so the zoo's evaluation runs it.
+
+    `arch` defaults to the ArchSpec stored in the file (ONNX metadata_props, the IR's rt_info).
     """
     from modelkit.formats import ReadOptions, load_format
     from modelkit.models import config_from_dict
 
     path = Path(path)
     if arch is None:
-        arch = load_format("onnx").read(path, ReadOptions()).arch
+        arch = load_format(fmt).read(path, ReadOptions()).arch
         if arch is None:
-            raise UnsupportedConversionError(path.name, "onnxruntime", "running the file as a reference model needs "
-                                             "the ArchSpec modelkit records when it writes ONNX")
-    run = load_format("onnx").runnable(path)
+            raise UnsupportedConversionError(path.name, "onnxruntime" if fmt == "onnx" else fmt, "running the file as "
+                                             f"a reference model needs the ArchSpec modelkit records when it writes {fmt}")
+    run = load_format(fmt).runnable(path)
 
     class Session(nn.Module):
         def __init__(self) -> None:

@@ -214,9 +214,9 @@ def quantize_onnx(src: PathLike, dst: PathLike | None, *, scheme: str, group_siz
         onnx.save(quantized, str(tmp))
         onnx.checker.check_model(str(tmp))
 
-    check, size = write_output(dst, write, verify=(lambda tmp: _check(src, tmp, arch, scheme)) if verify else None,
+    check, size = write_output(dst, write, verify=(lambda tmp: check_sessions(src, tmp, arch, scheme)) if verify else None,
                                force=force, companions=FORMATS["onnx"].companions)
-    measured = _measure(src, dst, arch, evaluate=evaluate, latency=bool(latency or evaluate), reference=reference)
+    measured = measure_sessions(src, dst, arch, evaluate=evaluate, latency=bool(latency or evaluate), reference=reference)
     report = QuantizeReport(scheme=scheme, config=config, source={"path": str(src), "format": "onnx",
                             "bytes": src.stat().st_size}, target={"path": str(dst), "format": "onnx", "bytes": size},
                             stats={"parameters": params, "bits_per_weight": round(8 * size / max(params, 1), 3)},
@@ -226,26 +226,27 @@ def quantize_onnx(src: PathLike, dst: PathLike | None, *, scheme: str, group_siz
     return report
 
 
-def _check(src: Path, quantized: Path, arch: ArchSpec, scheme: str) -> dict[str, Any]:
+def check_sessions(src: Path, quantized: Path, arch: ArchSpec, scheme: str, *, fmt: str = "onnx",
+           bound: float | None = None) -> dict[str, Any]:
     """Run the float and the quantized session on seeded inputs; their outputs must stay close
-    (within RELATIVE_TOLERANCE[scheme] of the largest float output)."""
+    (within RELATIVE_TOLERANCE[scheme], or `bound`, of the largest float output)."""
     from modelkit.pipeline.measure import session_module
     from modelkit.pipeline.verify import sample_inputs
 
-    reference, candidate = session_module(src, arch), session_module(quantized, arch)
-    bound = RELATIVE_TOLERANCE[scheme]
+    reference, candidate = session_module(src, arch, fmt), session_module(quantized, arch, fmt)
+    bound = RELATIVE_TOLERANCE[scheme] if bound is None else bound
     result = compare_outputs(reference, candidate, sample_inputs(reference, batches=(1, 4)), rtol=bound,
                              label=f"{quantized} (quantized session against the float one)")
     return {**result, "method": "both sessions", "bound": bound}
 
 
-def _measure(src: Path, quantized: Path, arch: ArchSpec, *, evaluate: bool, latency: bool,
-             reference: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def measure_sessions(src: Path, quantized: Path, arch: ArchSpec, *, evaluate: bool, latency: bool,
+             reference: dict[str, Any] | None, fmt: str = "onnx") -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     from modelkit.models import load_model_module
     from modelkit.pipeline import measure
 
     metric = lat = None
-    float_session, quant_session = measure.session_module(src, arch), measure.session_module(quantized, arch)
+    float_session, quant_session = measure.session_module(src, arch, fmt), measure.session_module(quantized, arch, fmt)
     if evaluate:
         task = load_model_module(arch.name).TASK
         before = (reference or {}).get("metric") or measure.evaluate(float_session, device="cpu")

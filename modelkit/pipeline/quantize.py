@@ -8,6 +8,7 @@ before and after, CPU latency, and the time quantization took.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import tempfile
@@ -297,12 +298,20 @@ def _as_gguf_blocks(ckpt: Checkpoint) -> Checkpoint:
     return Checkpoint(tensors, ckpt.metadata, ckpt.arch)
 
 
+# Graph files quantized by their runtime's own tool: suffix -> (format, its name, the tool, "module:function").
+_GRAPH_TOOLS = {
+    ".onnx": ("onnx", "ONNX", "onnxruntime's own quantizer", "modelkit.pipeline.onnx_quantize:quantize_onnx"),
+    ".xml": ("openvino", "OpenVINO IR", "NNCF's weight compression", "modelkit.pipeline.openvino_quantize:quantize_openvino"),
+}
+
+
 def quantize(
     src: PathLike | nn.Module, dst: PathLike | None, *, scheme: str | Any, group_size: int | None = None,
     skip: Sequence[str] = (), format: str | None = None, qat: bool = False, epochs: int = 1, lr: float | None = None,
     steps: int | None = None, evaluate: bool = False, latency: bool | None = None, verify: bool = True,
     force: bool = False, reference: dict[str, Any] | None = None, progress: Callable[..., None] | None = None,
     source_format: str | None = None, trust: bool = False, key: str | None = None, arch: ArchSpec | str | None = None,
+    imatrix: PathLike | None = None,
 ) -> QuantizeReport | None:
     """Quantize a model file (or module) with one scheme, write it, and measure the cost.
 
@@ -324,6 +333,8 @@ def quantize(
         progress: QAT training progress callback; for a weight file quantized to GGUF without a
             model (quantize_weights), called with (bytes written, total) instead.
         source_format, trust, key, arch: how to read `src`, as for `load_module`.
+        imatrix: a llama.cpp importance-matrix file (GGUF block schemes; `modelkit imatrix` makes one):
+            weights it has an entry for are quantized under it, as llama-quantize --imatrix does.
 
     Returns:
         The report; None on ranks other than 0 when QAT runs under torchrun (rank 0 writes).
@@ -334,19 +345,22 @@ def quantize(
         >>> report.metric["delta"]                                                          # doctest: +SKIP
         0.0
     """
-    if isinstance(src, (str, os.PathLike)) and str(src).endswith(".onnx"):
-        from modelkit.pipeline.onnx_quantize import quantize_onnx
-
+    graph_tool = _GRAPH_TOOLS.get(Path(src).suffix.lower()) if isinstance(src, (str, os.PathLike)) else None
+    if graph_tool is not None:         # a graph file quantized by its runtime's own tool
+        fmt, label, tool, target = graph_tool
         ignored = [flag for flag, given in (("--qat", qat), ("--epochs", epochs != 1), ("--steps", steps is not None),
-                                            ("--lr", lr is not None), ("--to", format not in (None, "onnx")))
+                                            ("--lr", lr is not None), ("--to", format not in (None, fmt)),
+                                            ("--imatrix", imatrix is not None))
                    if given]
         if ignored:
-            raise ConfigError(f"{src}: {', '.join(ignored)} do not apply to ONNX input, which onnxruntime's own "
-                              "quantizer handles; quantize the torch checkpoint for those")
-
-        return quantize_onnx(src, dst, scheme=scheme, group_size=group_size, skip=skip, evaluate=evaluate,
-                             latency=latency, verify=verify, force=force, reference=reference)
-    config = make_config(scheme, group_size=group_size, skip=skip)
+            raise ConfigError(f"{src}: {', '.join(ignored)} do not apply to {label} input, which {tool} handles; "
+                              "quantize the torch checkpoint for those")
+        module, _, function = target.partition(":")
+        run = getattr(importlib.import_module(module), function)
+        return run(src, dst, scheme=scheme, group_size=group_size, skip=tuple(skip), evaluate=evaluate,
+                   latency=latency, verify=verify, force=force, reference=reference)
+    config = make_config(scheme, group_size=group_size, skip=skip,
+                         **({"imatrix": os.fspath(imatrix)} if imatrix is not None else {}))
     is_file = isinstance(src, (str, os.PathLike))
     if dst is not None:          # "out" of a Hugging Face folder is a folder (format_for_output)
         format = format_for_output(dst, format, source=source_format or (detect_format(src) if is_file else None))

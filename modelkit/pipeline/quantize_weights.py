@@ -18,6 +18,7 @@ import fnmatch
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +34,14 @@ from modelkit.pipeline.reports import QuantizeReport
 from modelkit.pipeline.write import ProgressFn, write_checkpoint
 from modelkit.quantizers.gguf_arrays import (
     BLOCK,
-    K_QUANTIZED,
+    KERNEL_TYPES,
     TYPE_SIZES,
     BlockConfig,
     quantize_array,
     row_bytes,
     row_type,
 )
+from modelkit.quantizers.imatrix import read_importance
 from modelkit.storage.dtypes import DTYPES, widen_to_float32
 
 PathLike = str | os.PathLike[str]
@@ -58,7 +60,7 @@ def checkpoint_stats(ckpt: Checkpoint) -> dict[str, Any]:
 def is_block_scheme(scheme: Any) -> bool:
     """Whether `scheme` (a name or a config) is a GGUF block type this module quantizes."""
     name = scheme if isinstance(scheme, str) else getattr(type(scheme), "scheme", None)
-    return name in TYPE_SIZES or name in K_QUANTIZED
+    return name in TYPE_SIZES or name in KERNEL_TYPES
 
 
 def _float32(entry: LazyTensor) -> np.ndarray:
@@ -89,10 +91,14 @@ def _quantizable(name: str, entry: Any, skip: tuple[str, ...], type_name: str, *
 
 
 def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | None = None,
-                     transposed: frozenset[str] = frozenset()) -> Checkpoint:
+                     transposed: frozenset[str] = frozenset(), gguf_names: Mapping[str, str] | None = None) -> Checkpoint:
     """`ckpt` with its quantizable weights as GGUF blocks of `config.scheme`, quantized on read.
     `transposed` names weights GGUF stores transposed (a family's Conv1D weights): their blocks run
-    along the stored rows, and the QuantizedTensor says so (params["transposed"])."""
+    along the stored rows, and the QuantizedTensor says so (params["transposed"]). `gguf_names`: the
+    names the GGUF file gives the tensors (a family's llama.cpp names), under which `config.imatrix`
+    holds their importance (default: the tensors' own names)."""
+    importance = read_importance(config.imatrix) if config.imatrix else None
+    gguf_names = gguf_names or {}
     tensors: dict[str, Any] = {}
     for name, entry in ckpt.tensors.items():
         flip = name in transposed and isinstance(entry, LazyTensor) and len(entry.shape) == 2
@@ -107,9 +113,10 @@ def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | No
             logger.info("%s: rows of %d weights are not whole %s super-blocks; stored as %s, as llama.cpp does",
                         name, cols, config.scheme.upper(), type_name.upper())
         ggml_type = type_name.upper()
+        vector = importance.for_weight(gguf_names.get(name, name), cols) if importance is not None else None
         qdata = LazyTensor(DTYPES["uint8"], (rows, row_bytes(type_name, cols)),
-                           lambda entry=entry, name=name, flip=flip, type_name=type_name:
-                           _quantized(entry, name, type_name, threads, flip),
+                           lambda entry=entry, name=name, flip=flip, type_name=type_name, vector=vector:
+                           _quantized(entry, name, type_name, threads, flip, vector),
                            entry.source)
         # dtype float32: what dequantizing GGUF blocks gives back, as the GGUF reader says
         params = {"ggml_type": ggml_type, **({"transposed": True} if flip else {})}
@@ -119,10 +126,12 @@ def block_checkpoint(ckpt: Checkpoint, config: BlockConfig, *, threads: int | No
     return Checkpoint(tensors, metadata, ckpt.arch, ckpt.assets)
 
 
-def _quantized(entry: LazyTensor, name: str, type_name: str, threads: int | None, flip: bool = False) -> np.ndarray:
+def _quantized(entry: LazyTensor, name: str, type_name: str, threads: int | None, flip: bool = False,
+               importance: np.ndarray | None = None) -> np.ndarray:
     try:
         values = _float32(entry)
-        return quantize_array(np.ascontiguousarray(values.T) if flip else values, type_name, threads=threads)
+        return quantize_array(np.ascontiguousarray(values.T) if flip else values, type_name, threads=threads,
+                              importance=importance)
     except ConfigError as e:
         raise ConfigError(f"{name}: {e}") from e
 
@@ -148,7 +157,8 @@ def quantize_weights(src: PathLike, dst: PathLike, *, config: BlockConfig, sourc
     if any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
         raise ConfigError(f"{src} is already quantized; quantize the float model instead")
     started = time.perf_counter()
-    blocks = block_checkpoint(ckpt, config, transposed=rules.transposed if rules is not None else frozenset())
+    blocks = block_checkpoint(ckpt, config, transposed=rules.transposed if rules is not None else frozenset(),
+                              gguf_names=rules.names if rules is not None else None)
     verified, size = write_checkpoint(blocks, dst, "gguf", force=force, verify=verify, progress=progress)
     seconds = time.perf_counter() - started     # quantizing happens as the writer pulls each tensor
     source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) if src.is_dir() else src.stat().st_size

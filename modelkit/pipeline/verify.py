@@ -29,10 +29,16 @@ if TYPE_CHECKING:        # weights are verified without torch; graphs import it 
 GRAPH_ATOL: dict[tuple[str, str], float] = {
     ("onnx", "float32"): 1e-4,
     ("torchscript", "float32"): 1e-5,
+    ("pt2", "float32"): 1e-5,
+    ("pt2", "float16"): 5e-2,
+    ("pt2", "bfloat16"): 2e-1,
     ("onnx", "float16"): 5e-2,
     ("torchscript", "float16"): 5e-2,
     ("onnx", "bfloat16"): 2e-1,
     ("torchscript", "bfloat16"): 2e-1,
+    ("openvino", "float32"): 1e-4,          # the ONNX tolerances (docs/formats/openvino.md has the measured figures)
+    ("openvino", "float16"): 5e-2,
+    ("openvino", "bfloat16"): 2e-1,
 }
 
 

@@ -75,6 +75,8 @@ def write_checkpoint(ckpt: Checkpoint, target: PathLike, fmt: str, options: Writ
     target = Path(target)
     options = options or WriteOptions(final_path=target)
     converter = load_format(fmt)
+    if FORMATS[fmt].read_only:
+        converter.write(ckpt, target, options)      # raises, saying why the format is not written, before any work
 
     def write(tmp: Path) -> None:
         converter.write(_with_progress(ckpt, progress), tmp, options)

@@ -33,7 +33,8 @@ __all__ = ["Finding", "Limits", "ScanError", "ScanReport", "ScannedFile", "Sever
            "needs_trust", "scan", "scan_paths"]
 
 PathLike = str | os.PathLike[str]
-_NO_PICKLE = {"safetensors": "safetensors", "onnx": "ONNX", "gguf": "GGUF", "hdf5": "HDF5"}
+_NO_PICKLE = {"safetensors": "safetensors", "onnx": "ONNX", "gguf": "GGUF", "hdf5": "HDF5", "openvino": "OpenVINO IR",
+              "tf-checkpoint": "A TensorFlow checkpoint index", "ggml": "A legacy llama.cpp file"}
 
 
 def scan(path: PathLike, *, recursive: bool = False, limits: Limits = Limits(),
@@ -81,7 +82,32 @@ def scan_paths(paths: Iterable[PathLike], *, recursive: bool = False, limits: Li
         if progress is not None:
             progress(done, len(files))
     _accept_named_data(report, named)
+    _accept_sibling_data(report, limits, scanned={os.path.realpath(f) for f in files})
     return report
+
+
+_MAX_SIBLINGS = 16
+
+
+def _accept_sibling_data(report: ScanReport, limits: Limits, *, scanned: set[str]) -> None:
+    """An ONNX external-data file scanned without its model (`modelkit scan model.onnx.data`) is data, not an
+    unknown model: the .onnx files beside it (up to 16, not already in this scan) are read for the files
+    they name, and a file one of them names is accepted as `_accept_named_data` accepts it."""
+    waiting = [e for e in report.errors if e.message.startswith(_UNRECOGNISED)]
+    folders = {os.path.dirname(os.path.realpath(e.path)) for e in waiting}
+    named: dict[str, str] = {}
+    for folder in folders:
+        try:
+            models = sorted(entry.path for entry in os.scandir(folder)
+                            if entry.name.lower().endswith(".onnx") and entry.is_file())[:_MAX_SIBLINGS]
+        except OSError:
+            continue
+        for model in models:
+            if os.path.realpath(model) in scanned:
+                continue
+            _, data_files = _scan_file(model, limits=limits)
+            named.update((data, model) for data in data_files)
+    _accept_named_data(report, named)
 
 
 _UNRECOGNISED = "unrecognised content"
@@ -100,7 +126,8 @@ def _accept_named_data(report: ScanReport, named: dict[str, str]) -> None:
             kept.append(error)
         else:
             report.files.append(ScannedFile(path=error.path, format="tensor data", examined=(
-                f"raw tensor bytes named by {owner}: no pickle, archive or code found in them",)))
+                f"raw tensor bytes named by {owner}: no pickle, archive or code found in them; the model's own "
+                "scan checks their size",)))
     report.errors[:] = kept
 
 

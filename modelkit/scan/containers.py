@@ -17,7 +17,7 @@ from modelkit.errors import ParseError
 from modelkit.parse import zipdir
 from modelkit.parse.paths import member_problem
 from modelkit.parse.pickle import looks_like_pickle
-from modelkit.parse.sniff import COMPRESSED, sniff
+from modelkit.parse.sniff import COMPRESSED, sniff, unsupported_archive
 from modelkit.scan.model import Finding, Severity
 from modelkit.scan.pickle import (
     Limits,
@@ -80,8 +80,21 @@ class Context:
 
 def scan_buffer(buf, start: int, end: int, ctx: Context, label: str, *, hint: str = "") -> str:
     """Analyse buf[start:end] (a file or a member) as whatever its content is; returns the format name."""
-    fmt = sniff(buf, start, end)
+    fmt = None
+    if hint == "fingerprint.pb":       # a SavedModel's hashes; shaped like the start of an ONNX model
+        from modelkit.parse.savedmodel import fingerprint
+        fmt = "savedmodel fingerprint" if fingerprint(buf, start, end) else None
+    elif hint == "keras_metadata.pb":  # a Keras 2 SavedModel's layer configs: judged like every Keras config
+        fmt = "keras metadata"
+    fmt = fmt or sniff(buf, start, end)
     if fmt is None:
+        unsupported = unsupported_archive(bytes(buf[start:start + 16]))
+        if unsupported is not None:
+            ctx.sink(label, start).add(Severity.DANGEROUS, "archive.unsupported",
+                                       f"a {unsupported} archive, which the scanner cannot open: what it holds was not "
+                                       "examined, and a loader that unpacks it sees content nobody checked",
+                                       offset=start, name=unsupported)
+            return unsupported
         fmt = _sniff_text(buf, start, end, ctx, label, hint)
     handler = _HANDLERS.get(fmt)
     if handler is not None:
@@ -124,6 +137,11 @@ def _sniff_text(buf, start: int, end: int, ctx: Context, label: str, hint: str) 
     stripped = head.lstrip()
     if hint.endswith(".jinja"):         # a Hugging Face folder's chat_template.jinja: Jinja, often starting with "{%"
         return _scan_template(buf, start, end, ctx, label)
+    if stripped[:1] == b"<":
+        from modelkit.parse.openvino import looks_like_ir
+        if looks_like_ir(head):
+            from modelkit.scan import openvino
+            return openvino.scan_ir(buf, start, end, ctx, label)
     if stripped[:1] in (b"{", b"["):
         from modelkit.scan import keras
         return keras.scan_json(buf, start, end, ctx, label)
@@ -227,7 +245,9 @@ def _read_member(buf, data: int, info: zipdir.ZipEntry, limit: int) -> bytes:
 
 
 def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None:
-    from modelkit.parse import npz  # here: only zips need it (start-up time of `modelkit scan`)
+    from modelkit.parse import keras as keras_config  # here: only zips need them (start-up time of `modelkit scan`)
+    from modelkit.parse import npz
+    from modelkit.parse import pt2 as pt2_archive
 
     sink = ctx.sink(label, start)
     view = buf if start == 0 and end == len(buf) else bytes(buf[start:end])
@@ -245,14 +265,22 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
     roots = {n.split("/", 1)[0] for n in names if n.endswith("data.pkl") and n.count("/") == 1}
     is_torchscript = any("/code/" in n or n.startswith("code/") for n in names) and any(
         n.endswith("constants.pkl") for n in names)
+    pt2_root = pt2_archive.root_of(names)       # judged as PT2 even beside a data.pkl: torch.export.load reads it so
+    layout = None
+    if pt2_root is not None:
+        from modelkit.scan import pt2
+        layout = pt2.Layout(pt2_root)
     kind = "TorchScript archive" if is_torchscript else "torch zip checkpoint" if roots else (
+        "PT2 archive" if layout is not None else
         "npz archive" if npz.is_npz(names) else
-        "Keras archive" if "config.json" in names and "metadata.json" in names else "zip archive")
+        "Keras archive" if keras_config.is_archive(names) else "zip archive")
     seen: set[str] = set()
     storages: set[str] = set()
     declared = 0
-    # Pickles first: their persistent ids name the storage members that are then skipped unread.
-    order = sorted(infos, key=lambda i: (not i.filename.endswith(".pkl"), i.filename))
+    # Pickles first: their persistent ids name the storage members that are then skipped unread. A PT2
+    # archive's JSON configs come before them: they name its raw tensor members.
+    order = sorted(infos, key=lambda i: (pt2.sort_key(i.filename, pt2_root) if layout is not None else 0,
+                                         not i.filename.endswith(".pkl"), i.filename))
     counts = {"pickles": 0, "storages": 0, "code": 0, "other": 0}
     for info in order:
         name = info.filename
@@ -281,7 +309,8 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
         except ParseError as e:
             sink.add(Severity.DANGEROUS, "zip.header_mismatch", f"{name!r}: {e.reason}", name=name)
             continue
-        if _is_storage(name, roots, storages):
+        if _is_storage(name, roots, storages) or (layout is not None and layout.is_raw(name)) or (
+                kind == "Keras archive" and _keras_weights(base_buf, info)):
             counts["storages"] += 1
             continue
         limit = min(info.file_size, MAX_MEMBER_BYTES)
@@ -291,8 +320,9 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
         try:
             content = _read_member(base_buf, data, info, limit + 1)
         except (ValueError, OSError, EOFError, MemoryError, _lzma_error()) as e:
-            severity = Severity.DANGEROUS if name.endswith("pkl") else Severity.SUSPICIOUS
-            sink.add(severity, "zip.unreadable_member", f"{name!r} cannot be read ({e})", name=name)
+            # What the scanner cannot read, a loader with another decompressor may: its content is unknown.
+            sink.add(Severity.DANGEROUS, "zip.unreadable_member", f"{name!r} cannot be read ({e}); its content was "
+                     "not examined", name=name)
             continue
         ctx.read_total += len(content)
         if len(content) > info.file_size:
@@ -302,7 +332,8 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
         if info.file_size > MAX_MEMBER_BYTES:
             sink.add(Severity.DANGEROUS, "scan.limit.bytes", f"{name!r} is larger than {MAX_MEMBER_BYTES} bytes; "
                      "only its start was examined", name=name)
-        counts[_scan_member(content, name, member, ctx, roots, storages, is_torchscript, kind)] += 1
+        judged = pt2.scan_member(content, name, member, ctx, layout) if layout is not None else None
+        counts[judged or _scan_member(content, name, member, ctx, roots, storages, is_torchscript, kind, layout)] += 1
     if declared > BOMB_MIN_BYTES * 1024:
         sink.add(Severity.DANGEROUS, "zip.bomb", f"members declare {declared} bytes in all")
     if is_torchscript:
@@ -314,7 +345,41 @@ def _scan_zip(buf, start: int, end: int, ctx: Context, label: str) -> str | None
 
 
 _ZIP_FORMATS = {"TorchScript archive": "torchscript", "torch zip checkpoint": "pth", "npz archive": "npz",
-                "Keras archive": "keras", "zip archive": "zip"}
+                "Keras archive": "keras", "PT2 archive": "pt2", "zip archive": "zip"}
+
+# Compiled code by its first bytes: ELF, Mach-O (both byte orders, 32/64-bit, fat) and PE (MZ ... "PE\0\0").
+_NATIVE = ((b"\x7fELF", "an ELF shared library or executable"), (b"\xcf\xfa\xed\xfe", "a Mach-O library"),
+           (b"\xce\xfa\xed\xfe", "a Mach-O library"), (b"\xfe\xed\xfa\xcf", "a Mach-O library"),
+           (b"\xfe\xed\xfa\xce", "a Mach-O library"), (b"\xca\xfe\xba\xbe", "a Mach-O universal library"))
+_NATIVE_SUFFIXES = (".so", ".dll", ".dylib", ".pyd")
+
+
+def native_code(content: bytes, name: str) -> str | None:
+    """What compiled code `content` is, or None: an archive member no model format needs."""
+    for magic, what in _NATIVE:
+        if content.startswith(magic):
+            return what
+    if content.startswith(b"MZ") and len(content) >= 64:
+        pe = struct.unpack_from("<I", content, 0x3C)[0]
+        if content[pe:pe + 4] == b"PE\0\0":
+            return "a Windows executable or DLL"
+    if name.lower().endswith(_NATIVE_SUFFIXES) or ".so." in name.rsplit("/", 1)[-1]:
+        return "named like a shared library"
+    return None
+
+
+def _keras_weights(buf, info: zipdir.ZipEntry) -> bool:
+    """A .keras archive's model.weights.h5 that is an HDF5 file: tensor data Keras reads with h5py, which runs
+    nothing (the archive's code, Lambda layers and custom objects, is in config.json). Skipped unread but for
+    its superblock, as torch storages are: a large model's weights are not read twice (nor refused for size)."""
+    from modelkit.parse import hdf5, keras
+
+    if info.filename != keras.ARCHIVE_WEIGHTS:
+        return False
+    try:
+        return hdf5.plausible_superblock(zipdir.read_start(buf, info, hdf5.SUPERBLOCK_HEAD))
+    except ParseError:
+        return False
 
 
 def _is_storage(name: str, roots: set[str], storages: set[str]) -> bool:
@@ -337,10 +402,15 @@ def _torch_text_record(content: bytes, name: str, root: str, roots: set[str]) ->
 
 
 def _scan_member(content: bytes, name: str, member: str, ctx: Context, roots: set[str], storages: set[str],
-                 is_torchscript: bool, kind: str) -> str:
+                 is_torchscript: bool, kind: str, layout=None) -> str:
     root = name.split("/", 1)[0]
     if _torch_text_record(content, name, root, roots):
         return "other"
+    native = native_code(content, name)
+    if native is not None:
+        ctx.sink(member).add(Severity.DANGEROUS, "archive.native_code",
+                             f"{name!r} is {native}: a loader that extracts the archive may load and run it", name=name)
+        return "code"
     if name.endswith((".pkl", ".debug_pkl")) or looks_like_pickle(content[:2]):
         stream = _scan_pickle(content, 0, len(content), ctx, member, note=not name.endswith(".debug_pkl"))
         if root in roots and stream.pickles:
@@ -356,7 +426,7 @@ def _scan_member(content: bytes, name: str, member: str, ctx: Context, roots: se
         keras.scan_json(content, 0, len(content), ctx, member, keras_archive=True)
         return "other"
     fmt = sniff(content, 0, len(content))
-    if fmt in ("zip", "tar", "gzip", "bzip2", "xz", "lzma", "zlib"):
+    if fmt in ("zip", "tar", "gzip", "bzip2", "xz", "lzma", "zlib") and not (layout is not None and layout.nested_ok(name)):
         ctx.sink(member).add(Severity.SUSPICIOUS, "zip.nested_archive",
                              f"an archive ({fmt}) inside an archive; scanned to depth {MAX_NESTING}")
     if ctx.depth >= MAX_NESTING:
@@ -483,7 +553,11 @@ def _lazy(module: str, function: str) -> Callable[..., str | None]:
 _HANDLERS: dict[str, Callable[..., None]] = {
     "zip": _scan_zip, "pickle": lambda *args: "pth" if _scan_pickle(*args).legacy_torch else "pickle", "npy": _scan_npy, "tar": _scan_tar,
     "safetensors": _lazy("headers", "scan_safetensors"), "gguf": _lazy("headers", "scan_gguf"),
+    "ggml": _lazy("headers", "scan_ggml"),
     "hdf5": _lazy("keras", "scan_hdf5"), "onnx": _lazy("onnx", "scan_onnx"),
+    "savedmodel": _lazy("tensorflow", "scan_savedmodel"), "tf-checkpoint": _lazy("tensorflow", "scan_index"),
+    "savedmodel fingerprint": _lazy("tensorflow", "scan_fingerprint"),
+    "keras metadata": _lazy("tensorflow", "scan_keras_metadata_file"),
     **{codec: _scan_compressed(codec) for _, codec in COMPRESSED},
 }
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from modelkit.errors import ParseError
-from modelkit.parse import gguf, safetensors
+from modelkit.parse import ggml, gguf, safetensors
 from modelkit.scan.model import Severity
 
 TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
@@ -112,3 +112,15 @@ def _check_template(template: str, key: str, ctx: Context, label: str) -> None:
 def check_template(template: str, key: str, ctx: Context, label: str) -> None:
     """Chat templates found elsewhere (tokenizer_config.json) get the same check."""
     _check_template(template, key, ctx, label)
+
+
+def scan_ggml(buf, start: int, end: int, ctx: Context, label: str) -> None:
+    """A legacy llama.cpp file: magic, version, hyperparameters, vocabulary and tensor records, each length held
+    to the file (modelkit.parse.ggml); tensors run to the end of the file, so nothing can follow them."""
+    try:
+        file = ggml.read(buf[start:end] if start else buf, end - start)
+    except ParseError as e:
+        _fail(ctx, label, "ggml.header.malformed", e.reason, e.offset)
+        return
+    ctx.examined.append(f"{label}: legacy llama.cpp {file.label} file, {len(file.tokens)} tokens, "
+                        f"{len(file.tensors)} tensor records checked against the file size")

@@ -88,7 +88,21 @@ ALLOWED: dict[str, dict[str, str]] = {
     },
     "joblib.numpy_pickle": {"NumpyArrayWrapper": "describes an array whose raw bytes joblib writes right after it"},
     "argparse": {"Namespace": "a plain attribute bag; older training checkpoints store their CLI args this way"},
+    # Training scripts save their paths and enums with the weights. A path object is a string with structure:
+    # building one (cls(*parts)) touches no file; reading or writing needs its methods, which a pickle
+    # reaches only through getattr (denied). Python 3.13 moved the classes to pathlib._local.
+    **{mod: {name: "a path value (cls(*parts)); constructing it opens, reads and writes nothing"
+             for name in ("Path", "PurePath", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")}
+       for mod in ("pathlib", "pathlib._local")},
+    "re": {"RegexFlag": "an enum of regular-expression flags; RegexFlag(value) looks the member up"},
+    "http": {"HTTPStatus": "an enum of HTTP status codes; HTTPStatus(value) looks the member up (opens nothing)"},
 }
+# numpy scalar types pickled as themselves (a dtype argument, a config value): looked up, never called with data
+# beyond a number.
+for _name in ("bool_", "float16", "float32", "float64", "longdouble", "int8", "int16", "int32", "int64", "uint8",
+              "uint16", "uint32", "uint64", "complex64", "complex128", "intc", "uintc", "intp", "uintp", "generic",
+              "number", "integer", "floating", "str_", "bytes_"):
+    ALLOWED["numpy"][_name] = "a numpy scalar type; calling it converts a number"
 for _name in ("Float64DType", "Float32DType", "Float16DType", "Int64DType", "Int32DType", "Int16DType",
               "Int8DType", "UInt8DType", "UInt16DType", "UInt32DType", "UInt64DType", "BoolDType",
               "Complex64DType", "Complex128DType", "LongDType", "ULongDType"):
@@ -173,6 +187,26 @@ DENIED: dict[str, str] = {
     "keras.models": "loads models (Lambda layers)", "keras.saving": "loads models", "tensorflow.io": "file access",
     "tensorflow.keras.models": "loads models", "huggingface_hub": "downloads files", "transformers.dynamic_module_utils": "runs remote code",
     "mlflow": "runs projects and downloads",
+    # Standard-library classes and functions whose construction or call alone opens files, sockets or
+    # processes: a pickle's REDUCE is enough to trigger them, so they are denied outright, not merely unknown.
+    "logging": "handlers (FileHandler, SocketHandler, basicConfig(filename=...)) create files and connect sockets",
+    "socketserver": "servers bind and listen on sockets", "asyncore": "socket dispatchers", "asynchat": "socket channels",
+    "smtpd": "an SMTP server", "imaplib": "connects to mail servers", "poplib": "connects to mail servers",
+    "nntplib": "connects to news servers", "wsgiref": "make_server binds sockets", "selectors": "watches sockets",
+    "gzip": "GzipFile/open create and write files", "bz2": "BZ2File/open create and write files",
+    "lzma": "LZMAFile/open create and write files", "wave": "open creates and writes files",
+    "aifc": "open creates and writes files", "sunau": "open creates and writes files",
+    "mailbox": "mailboxes create folders and files", "py_compile": "compiles source and writes .pyc files",
+    "compileall": "compiles and writes files", "zipapp": "writes archives", "pipes": "runs shell pipelines",
+    "linecache": "reads any file", "netrc": "reads credential files", "filecmp": "reads files",
+    "pstats": "Stats(file) reads marshal data", "uuid.getnode": "runs ifconfig/ipconfig to find a MAC address",
+    "tkinter": "opens windows and runs Tcl", "turtle": "opens windows and runs Tcl", "curses": "takes over the terminal",
+    "readline": "reads and writes history files", "xml.dom.minidom.parse": "reads files and URLs",
+    "xml.sax": "parsers fetch external entities (files, URLs)", "xml.etree.ElementTree.parse": "reads files",
+    "mimetypes.init": "reads files", "gettext": "translation() reads files", "sched": "runs scheduled callables",
+    "configparser": "read() reads files", "plistlib.load": "reads files", "shlex": "reads files with the source command",
+    "cgi": "reads request files and environment", "cgitb": "writes tracebacks to files",
+    "syslog": "writes to the system log", "getpass": "reads the terminal", "crypt": "native crypt(3)",
 }
 
 # Whole-module pickles: code that is not malware, but that only runs correctly with the user's trust.
@@ -279,5 +313,6 @@ def _classify_one(module: str, name: str) -> Verdict:
 NEEDS_TRUST_RULES = frozenset({
     "pickle.module.needs_trust", "pickle.global.unknown", "pickle.build.unusual", "torchscript.code",
     "torchscript.code.custom_op", "keras.config.custom_object", "keras.config.op_lambda",
-    "joblib.object", "code.python_source",
+    "joblib.object", "code.python_source", "torchscript.code.exception_class", "pt2.custom_op", "pt2.custom_object",
+    "pt2.opaque_object", "pt2.target.unknown",
 })

@@ -12,6 +12,7 @@ import os
 from modelkit.errors import ParseError
 from modelkit.parse import tfjs
 from modelkit.parse.paths import location_problem
+from modelkit.scan import tf_ops
 from modelkit.scan.model import Severity
 
 TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
@@ -22,20 +23,9 @@ if TYPE_CHECKING:
 
 # Ops a graph may hold that reach outside the model when a TensorFlow runtime runs it (a graph model
 # converted back with tfjs-to-tf, or read by TF tooling; TF.js itself has no kernel for them and refuses
-# to run them). A short list on purpose: the ones that run the loading process's Python, and the ones
-# that read, list or write files at a path the graph computes. Op -> what it does.
-RISKY_OPS = {
-    "PyFunc": "calls a Python function of the process that runs the graph (tf.py_func)",
-    "PyFuncStateless": "calls a Python function of the process that runs the graph (tf.numpy_function)",
-    "EagerPyFunc": "calls a Python function of the process that runs the graph (tf.py_function)",
-    "ReadFile": "reads a file at a path the graph computes",
-    "WriteFile": "writes a file at a path the graph computes",
-    "MatchingFiles": "lists files matching a pattern the graph computes",
-    "SaveV2": "writes a checkpoint at a path the graph computes",
-    "RestoreV2": "reads a checkpoint at a path the graph computes",
-    "MergeV2Checkpoints": "moves and deletes checkpoint files at paths the graph computes",
-    "ImmutableConst": "maps a file named in the graph into memory",
-}
+# to run them): TensorFlow's table (modelkit.scan.tf_ops), checkpoint I/O included (a TF.js graph
+# has no saver). Op -> (severity, what it does).
+RISKY_OPS = {**tf_ops.RISKY_OPS, **{op: (Severity.DANGEROUS, why) for op, why in tf_ops.CHECKPOINT_OPS.items()}}
 _MAX_OP_FINDINGS = 100
 
 
@@ -56,10 +46,10 @@ def scan_model(doc: Any, ctx: Context, label: str) -> str:
         return "TF.js model.json, malformed"
     flagged = 0
     for node in model.nodes:
-        why = RISKY_OPS.get(node["op"])
+        severity, why = RISKY_OPS.get(node["op"], (None, None))
         if why is not None and flagged < _MAX_OP_FINDINGS:
             flagged += 1
-            sink.add(Severity.DANGEROUS, "tfjs.graph.op", f"graph node {str(node.get('name'))[:80]!r} is a "
+            sink.add(severity, "tfjs.graph.op", f"graph node {str(node.get('name'))[:80]!r} is a "
                      f"{node['op']} op, which {why}", name=node["op"])
     shards = sum(len(g.paths) for g in model.groups)
     weights = sum(len(g.weights) for g in model.groups)

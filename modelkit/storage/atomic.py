@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import shutil
 import tempfile
 import threading
@@ -35,7 +36,8 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions
     nothing else could overlap the write-back; see `sync_in_background`.)
 
     `companions` are suffixes of sidecar files the writer may create next to the output (ONNX
-    external data: ".data"), named as they will be called; on success each sidecar is renamed into
+    external data: ".data", giving "m.onnx.data"; "{stem}" names the output without its suffix: OpenVINO's
+    "{stem}.bin" gives "m.bin" beside "m.xml"), named as they will be called (`companion_name`); on success each sidecar is renamed into
     place first and the output last, and a sidecar of an earlier output that this one does not have
     is removed. On error the temporary folder goes, sidecars and all.
 
@@ -52,7 +54,7 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions
         if not tmp.is_file():
             raise ModelkitError(f"internal error: the writer left no file at {tmp}")
         for suffix in companions:
-            sidecar, final = folder / f"{target.name}{suffix}", target.with_name(f"{target.name}{suffix}")
+            sidecar, final = folder / companion_name(target, suffix), target.with_name(companion_name(target, suffix))
             if sidecar.is_file():
                 _commit(sidecar, final)
             elif final.is_file():               # the earlier output's sidecar: not this one's
@@ -61,6 +63,11 @@ def atomic_path(path: str | os.PathLike[str], *, force: bool = False, companions
         _commit(tmp, target)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def companion_name(target: Path, suffix: str) -> str:
+    """The name of `target`'s sidecar: "<name><suffix>", or the suffix with "{stem}" filled in."""
+    return suffix.format(stem=target.stem) if "{stem}" in suffix else f"{target.name}{suffix}"
 
 
 def sync_in_background(path: Path) -> Callable[..., None]:
@@ -105,15 +112,64 @@ def _commit(tmp: Path, target: Path) -> None:
     _fsync_dir(target.parent)
 
 
+class _ShardSync:
+    """fsyncs the finished files of a folder output on one thread while the writer writes the next.
+
+    A sharded output is many files; each is complete long before the last one is, so its write-back
+    to disk can overlap the writing of the rest instead of all of it waiting for the end.
+    """
+
+    def __init__(self) -> None:
+        self._files: queue.Queue[Path | None] = queue.Queue()
+        self.failure: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="modelkit-shard-fsync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (file := self._files.get()) is not None:
+            if self.failure is None:
+                try:
+                    with open(file, "rb") as f:
+                        os.fsync(f.fileno())
+                except OSError as e:             # reported at the commit: a later fsync may not see it
+                    self.failure = e
+
+    def submit(self, file: Path) -> None:
+        self._files.put(file)
+
+    def close(self) -> None:
+        self._files.put(None)
+        self._thread.join()
+
+
+_folder_syncs: dict[Path, _ShardSync] = {}
+
+
+def file_finished(file: Path) -> None:
+    """A writer closed `file` for good: if it belongs to a folder output being written, start its
+    write-back now (shards of safetensors folders, TF.js weight groups). Elsewhere nothing happens."""
+    sync = _folder_syncs.get(Path(file).parent)
+    if sync is not None:
+        sync.submit(Path(file))
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike[str], *, force: bool = False) -> Iterator[Path]:
-    """Like atomic_path, for outputs that are a folder (sharded checkpoints)."""
+    """Like atomic_path, for outputs that are a folder (sharded checkpoints). Files the writer
+    reports through `file_finished` are fsynced while it writes the rest."""
     target = Path(path)
     check_output(target, force=force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     os.chmod(tmp, 0o777 & ~_umask())
+    _folder_syncs[tmp] = early = _ShardSync()
     try:
-        yield tmp
+        try:
+            yield tmp
+        finally:
+            _folder_syncs.pop(tmp, None)
+            early.close()
+        if early.failure is not None:
+            raise early.failure
         for child in tmp.iterdir():
             with open(child, "rb") as f:
                 os.fsync(f.fileno())

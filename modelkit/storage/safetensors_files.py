@@ -26,6 +26,7 @@ from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.metadata import ALIASES_KEY, tied_names
 from modelkit.parse import safetensors as safetensors_header
 from modelkit.parse.paths import plain_name_problem
+from modelkit.storage.atomic import file_finished
 from modelkit.storage.dtypes import SAFETENSORS_DTYPES, DType, tensor_bytes
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 from modelkit.storage.tensors import LazyTensor, QuantizedTensor
@@ -176,6 +177,7 @@ def write_folder(folder: Path, tensors: Mapping[str, LazyTensor], shard_size: in
     for number, shard in enumerate(shards, start=1):
         file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         write_file(folder / file_name, shard, metadata_for(shard))
+        file_finished(folder / file_name)
         weight_map.update({name: file_name for name in shard})
     weight_map.update({alias: weight_map[target] for alias, target in (aliases or {}).items()})
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}

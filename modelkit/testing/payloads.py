@@ -53,6 +53,40 @@ def torchscript_zip(code: str, *, root: str = "model", data_pkl: bytes | None = 
                       f"{root}/code/__torch__.py": code.encode(), f"{root}/version": b"3\n"})
 
 
+def pt2_zip(*, nodes: list[str] | None = None, weights: dict | None = None, constants: dict | None = None,
+            pickled: frozenset[str] = frozenset(), extra: dict[str, bytes] | None = None, root: str = "archive",
+            branch: list[str] | None = None) -> bytes:
+    """A PT2-shaped zip (what torch.export.save writes): archive_format, a program whose graph calls `nodes`
+    (targets), payload configs `weights`/`constants` ({fqn: path_name}; `use_pickle` for the fqns in `pickled`
+    and for names other than weight_N/tensor_N) with a float32 [2] tensor in each raw member, plus `extra`
+    members (name under root). `branch`: targets of a nested graph, passed to a torch.cond node as torch.export
+    serializes control flow."""
+    meta = {"dtype": 7, "sizes": [{"as_int": 2}], "strides": [{"as_int": 1}], "storage_offset": {"as_int": 0},
+            "requires_grad": False, "device": {"type": "cpu", "index": None}, "layout": 7}
+    members = {f"{root}/archive_format": b"pt2", f"{root}/archive_version": b"0", f"{root}/byteorder": b"little"}
+    graph = {"inputs": [], "outputs": [], "tensor_values": {}, "custom_obj_values": {},
+             "nodes": [{"target": t, "inputs": [], "outputs": [], "metadata": {}, "name": f"n{i}"}
+                       for i, t in enumerate(nodes or ["torch.ops.aten.relu.default"])]}
+    if branch:
+        nested = {"graph": {"nodes": [{"target": t, "inputs": [], "outputs": [], "metadata": {}} for t in branch]}}
+        graph["nodes"].append({"target": "torch.ops.higher_order.cond", "outputs": [], "metadata": {},
+                               "inputs": [{"name": "true_fn", "arg": {"as_graph": nested}, "kind": 1}]})
+    program = {"graph_module": {"graph": graph, "signature": {"input_specs": [], "output_specs": []},
+                                "module_call_graph": []}, "range_constraints": {}, "schema_version": {"major": 8, "minor": 20}}
+    members[f"{root}/models/model.json"] = json.dumps(program).encode()
+    for folder, entries in (("weights", weights or {"w": "weight_0"}), ("constants", constants or {})):
+        config = {}
+        for fqn, path_name in entries.items():
+            raw = path_name.startswith(("weight_", "tensor_")) and fqn not in pickled
+            config[fqn] = {"path_name": path_name, "is_param": folder == "weights", "use_pickle": not raw,
+                           "tensor_meta": meta if raw else None}
+            if raw and "/" not in path_name:
+                members[f"{root}/data/{folder}/{path_name}"] = struct.pack("<2f", 1.0, 2.0)
+        members[f"{root}/data/{folder}/model_{folder}_config.json"] = json.dumps({"config": config}).encode()
+    members.update({f"{root}/{name}": data for name, data in (extra or {}).items()})
+    return zip_bytes(members)
+
+
 def safetensors_bytes(header: dict, data: bytes = b"") -> bytes:
     """A safetensors file: the header as JSON after its 8-byte length, then `data`."""
     raw = json.dumps(header).encode()
@@ -201,4 +235,20 @@ def hostile_corpus() -> dict[str, bytes]:
         "bad-varint.onnx": b"\x08" + b"\xff" * 12,
         "bomb.zip": zip_bytes({"b.bin": b"\0" * (80 << 20)}, compression=zipfile.ZIP_DEFLATED),
         "npy-header.npy": b"\x93NUMPY\x01\x00" + struct.pack("<H", 0xFFFF) + b"{",
+        "aoti.pt2": pt2_zip(extra={"data/aotinductor/model/model.so": b"\x7fELF\x02\x01\x01" + bytes(57)}),
+        "shared-library.pt2": pt2_zip(extra={"extra/libhelper.so": b"\x7fELF\x02\x01\x01" + bytes(57)}),
+        "pickled-constant.pt2": pt2_zip(constants={"c": "tensor_0"}, pickled=frozenset({"c"}),
+                                        extra={"data/constants/tensor_0": evil}),
+        "opaque-object.pt2": pt2_zip(constants={"c": "opaque_obj_0"}, extra={"data/constants/opaque_obj_0": evil}),
+        "sample-inputs.pt2": pt2_zip(extra={"data/sample_inputs/model.pt": torch_zip(evil)}),
+        "escape.pt2": pt2_zip(extra={"../../escaped.py": b"print(1)\n"}),
+        "config-escape.pt2": pt2_zip(weights={"w": "../../../etc/passwd"}),
+        "target.pt2": pt2_zip(nodes=["torch.ops.aten.relu.default", "torch.os.system"]),
+        "load-target.pt2": pt2_zip(nodes=["torch.load"]),
+        "nested-target.pt2": pt2_zip(branch=["torch.ops.aten.sin.default", "torch.os.system"]),
+        "torch-and-pt2.pt": pt2_zip(nodes=["torch.os.system"], extra={"data.pkl": pickle.dumps({}, protocol=2)}),
+        "file-op.pt2": pt2_zip(nodes=["torch.ops.aten.from_file.default"]),
+        "raise-class.ts": torchscript_zip('def f(x):\n  ops.prim.RaiseException("true", "os.system")\n'),
+        "model.7z.pt": b"7z\xbc\xaf\x27\x1c\x00\x04" + bytes(56),
+        "rar-member.pt": torch_zip(pickle.dumps({}, protocol=2), extra={"archive/extra.bin": b"Rar!\x1a\x07\x01\x00" + bytes(8)}),
     }

@@ -1,0 +1,60 @@
+"""The atomic write layer: folder outputs fsync finished shards early, and a failed fsync is never lost."""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from modelkit.storage import atomic
+
+
+def _record_fsyncs(monkeypatch: pytest.MonkeyPatch, fail_for: str | None = None) -> list[str]:
+    """Replace os.fsync with one that records the file name of each regular file it syncs."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        name = Path(os.readlink(f"/proc/self/fd/{fd}")).name
+        if fail_for is not None and name == fail_for:
+            raise OSError(5, "Input/output error")
+        synced.append(name)
+        real(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    return synced
+
+
+def test_finished_shards_are_synced_while_the_folder_is_still_being_written(tmp_path, monkeypatch):
+    synced = _record_fsyncs(monkeypatch)
+    target = tmp_path / "out"
+    with atomic.atomic_dir(target) as tmp:
+        (tmp / "shard-1").write_bytes(b"a" * 4096)
+        atomic.file_finished(tmp / "shard-1")
+        for _ in range(200):                        # the background thread picks it up
+            if "shard-1" in synced:
+                break
+            threading.Event().wait(0.01)
+        assert "shard-1" in synced and "shard-2" not in synced
+        (tmp / "shard-2").write_bytes(b"b" * 4096)
+    assert sorted(p.name for p in target.iterdir()) == ["shard-1", "shard-2"]
+    assert "shard-2" in synced                      # the commit still syncs every file
+
+
+def test_a_failed_early_fsync_fails_the_write_and_leaves_no_output(tmp_path, monkeypatch):
+    _record_fsyncs(monkeypatch, fail_for="shard-1")
+    target = tmp_path / "out"
+    with pytest.raises(OSError, match="Input/output error"), atomic.atomic_dir(target) as tmp:
+        (tmp / "shard-1").write_bytes(b"a")
+        atomic.file_finished(tmp / "shard-1")
+        (tmp / "shard-2").write_bytes(b"b")
+    assert not target.exists()
+    assert not [p for p in tmp_path.iterdir()]     # the temporary folder is gone too
+
+
+def test_file_finished_outside_a_folder_output_does_nothing(tmp_path, monkeypatch):
+    synced = _record_fsyncs(monkeypatch)
+    (tmp_path / "loose").write_bytes(b"x")
+    atomic.file_finished(tmp_path / "loose")
+    assert synced == []
