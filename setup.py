@@ -1,8 +1,10 @@
-"""The one compiled part: GGUF block quantization kernels (quantizers/_gguf_kernels.c).
+"""The compiled parts: GGUF block quantization kernels (quantizers/_gguf_kernels.c) and matrix
+products on packed quantized weights (quantizers/_matmul_kernels.c).
 
-Everything else is configured in pyproject.toml. The extension is optional: where no C compiler
-is found the install still succeeds and gguf_blocks.py quantizes with eager torch (same bytes,
-slower; `modelkit.quantizers.gguf_blocks.ACCELERATED` tells which).
+Everything else is configured in pyproject.toml. Both extensions are optional: where no C compiler
+is found the install still succeeds; gguf_blocks.py then quantizes with eager torch (same bytes,
+slower; `modelkit.quantizers.gguf_blocks.ACCELERATED` tells which) and quantized layers compute by
+dequantizing one layer at a time (`modelkit.quantizers.fast_linear.ISA` is None).
 """
 from setuptools import Extension, setup
 
@@ -17,4 +19,13 @@ KERNELS = Extension(
     optional=True,
 )
 
-setup(ext_modules=[KERNELS])
+MATMUL = Extension(
+    "modelkit.quantizers._matmul_kernels",
+    sources=["quantizers/_matmul_kernels.c"],
+    depends=["quantizers/_matmul_kernels_x86.h"],
+    # No -march: the SIMD kernels carry target attributes and are picked at run time.
+    extra_compile_args=["-O3"],
+    optional=True,
+)
+
+setup(ext_modules=[KERNELS, MATMUL])

@@ -1,7 +1,10 @@
 """What every scheme shares: the quantized modules, choosing layers, swapping them in, rebuilding.
 
 A quantized module keeps a QuantizedTensor's parts (packed values, scales, zero points) as
-buffers and dequantizes its weight on the fly in `forward`; `checkpoint_entries()` hands the
+buffers, exactly as stored, and computes on them: Linear and Conv2d through the packed-weight
+kernels of fast_linear.py where one reads the layout (int8, int4/gptq, q8_0, q4_0), else by
+dequantizing the weight on the fly in `forward`; an Embedding dequantizes only the rows it looks
+up. No float copy of a weight stays resident. `checkpoint_entries()` hands the
 weight back as that QuantizedTensor, so `Checkpoint.from_module` of a quantized model holds the
 quantized weights under their usual names ("fc1.weight") and writers store them natively.
 """
@@ -19,6 +22,7 @@ from torch import nn
 
 from modelkit.checkpoint import LazyTensor, QuantizedTensor, TensorEntry, dequantizer
 from modelkit.errors import ConfigError
+from modelkit.quantizers import fast_linear
 from modelkit.quantizers.gguf_arrays import check_skip  # noqa: F401  (one check for every config)
 
 logger = logging.getLogger("modelkit.quantizers")
@@ -97,6 +101,18 @@ class QuantizedModule(nn.Module):
         return QuantizedTensor(scheme=self.scheme, layout=self.layout, shape=self.weight_shape,
                                dtype=self.weight_dtype, parts=parts, params=self.params)
 
+    def packed(self) -> fast_linear.Packed | None:
+        """The packed-weight kernels' view of the stored parts (None when no kernel reads this layout);
+        worked out again only when a part is replaced (`.to()`, `load_state_dict` with assign)."""
+        buffers = self._buffers
+        cached = self.__dict__.get("_packed")
+        if cached is not None and all(buffers[p] is t for p, t in cached[0]) and cached[2] == buffers["qdata"].data_ptr():
+            return cached[1]
+        parts = {part: buffers[part] for part in self.part_names}
+        packed = fast_linear.packed_form(self.layout, self.params, self.weight_shape, parts)
+        self.__dict__["_packed"] = (tuple(parts.items()), packed, buffers["qdata"].data_ptr())
+        return packed
+
     def dequantize(self) -> torch.Tensor:
         """The float weight this module computes with."""
         return dequantizer(self.layout)(self.quantized_weight())
@@ -121,6 +137,9 @@ class QuantizedLinear(QuantizedModule):
     """nn.Linear with a quantized weight: y = x @ dequantize(W).T + b."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed() if fast_linear.usable(x) else None
+        if packed is not None:
+            return fast_linear.matmul(x, packed, self.bias)
         return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
@@ -133,8 +152,21 @@ class QuantizedConv2d(QuantizedModule):
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed() if fast_linear.usable(x) and x.ndim == 4 and self.groups == 1 else None
+        if packed is not None and not isinstance(self.padding, str):
+            return self._unfolded(x, packed)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.conv2d(x, self.dequantize().to(x.dtype), bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+    def _unfolded(self, x: torch.Tensor, packed: fast_linear.Packed) -> torch.Tensor:
+        """The convolution as a product of the packed weight with every input patch (im2col)."""
+        kernel = self.weight_shape[2:]
+        size = [(n + 2 * p - d * (k - 1) - 1) // s + 1
+                for n, p, d, k, s in zip(x.shape[2:], self.padding, self.dilation, kernel, self.stride, strict=True)]
+        patches = F.unfold(x, kernel, dilation=self.dilation, padding=self.padding, stride=self.stride)  # (B, C*kh*kw, L)
+        y = fast_linear.matmul(patches.transpose(1, 2), packed, self.bias)                            # (B, L, O)
+        return y.transpose(1, 2).reshape(x.shape[0], -1, *size)                                       # (B, O, H', W')
 
 
 class QuantizedEmbedding(QuantizedModule):
@@ -145,7 +177,17 @@ class QuantizedEmbedding(QuantizedModule):
         self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.dequantize(), self.padding_idx)
+        """Dequantizes the rows looked up, not the table."""
+        flat = ids.reshape(-1)
+        rows = self.weight_shape[0]
+        parts = {}
+        for part in self.part_names:
+            stored = getattr(self, part)
+            per_row = stored.ndim >= 1 and stored.shape[0] == rows and (part == "qdata" or stored.numel() > 1)
+            parts[part] = LazyTensor.of(stored[flat] if per_row else stored)
+        picked = QuantizedTensor(scheme=self.scheme, layout=self.layout, shape=(flat.numel(), *self.weight_shape[1:]),
+                                 dtype=self.weight_dtype, parts=parts, params=self.params)
+        return dequantizer(self.layout)(picked).reshape(*ids.shape, *self.weight_shape[1:])
 
 
 def quantized_module(module: nn.Module, weight: QuantizedTensor) -> QuantizedModule:

@@ -20,9 +20,13 @@ from torch import nn
 
 from modelkit.checkpoint import QuantizedTensor
 from modelkit.errors import ConfigError
-from modelkit.quantizers import _affine, _modules
+from modelkit.quantizers import _affine, _modules, fast_linear
 
 SPEC = _affine.AffineSpec(bits=8, group_size=None, symmetric=True, scale_dtype=torch.float32)
+# Weights up to which, with at most 64 activation rows, the packed-weight kernel (the same per-row int8
+# activations) runs instead of torch._int_mm, whose fixed cost loses to float on small layers (tinylm's: 0.93x -> 0.75x float at batch 1,
+# bench/infer.py; 256 x 768 at batch 1: 1.3-1.7x float with _int_mm, 1.1x with the kernel).
+SMALL_WEIGHT = 1 << 18
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +75,10 @@ class DynamicInt8Linear(_modules.QuantizedModule):
         if x.device.type != "cpu":       # the int8 kernel path is for CPU; elsewhere compute in float
             return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         shape = x.shape
+        packed = self.packed() if fast_linear.usable(x) else None
+        if packed is not None and packed.rows * packed.cols <= SMALL_WEIGHT and x.numel() <= 64 * packed.cols:
+            # small layers, few rows: torch._int_mm's fixed cost dominates
+            return fast_linear.matmul(x, packed, self.bias, rowwise=True)
         xq, sx = quantize_rows(x.reshape(-1, shape[-1]))                        # (M, K) int8, (M, 1)
         acc = torch._int_mm(xq, self.qdata.t())                                  # (M, N) int32
         y = acc.float().mul_(sx).mul_(self.scale.view(1, -1))

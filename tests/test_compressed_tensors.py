@@ -25,11 +25,21 @@ import modelkit
 from modelkit.checkpoint import Checkpoint, QuantizedTensor
 from modelkit.metadata import QUANTIZED_KEY
 from modelkit.pipeline.quantize import quantize_module
+from modelkit.quantizers.fast_linear import use_isa
 from modelkit.quantizers.gptq import GPTQConfig
 from modelkit.quantizers.int4 import Int4Config
 from modelkit.quantizers.int8 import Int8Config
 from modelkit.quantizers.int8_dynamic import Int8DynamicConfig
 from modelkit.storage.compressed_tensors import compressed_tensors_config
+
+
+@pytest.fixture(autouse=True)
+def _reference_path():
+    """transformers and onnxruntime dequantize the weights they load: our quantized layers run their reference
+    path here (dequantize, float product), not the packed-weight kernels (tests/test_fast_linear.py)."""
+    with use_isa(None):
+        yield
+
 
 # The embedding stays float in most cases: transformers 5.23's default load cannot take a quantized
 # nn.Embedding (its weight initialisation looks for `weight`; "int4-all" loads it with

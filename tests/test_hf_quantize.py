@@ -26,8 +26,17 @@ from modelkit.errors import ConfigError, UnsupportedConversionError
 from modelkit.models import hf_families
 from modelkit.pipeline.convert import convert
 from modelkit.pipeline.quantize import quantize
+from modelkit.quantizers.fast_linear import use_isa
 from modelkit.quantizers.gptq import GPTQConfig
 from modelkit.quantizers.int4 import Int4Config
+
+
+@pytest.fixture(autouse=True)
+def _reference_path():
+    """transformers and onnxruntime dequantize the weights they load: our quantized layers run their reference
+    path here (dequantize, float product), not the packed-weight kernels (tests/test_fast_linear.py)."""
+    with use_isa(None):
+        yield
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "llama_cpp" / "hf"
 COMMON = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -18,14 +18,16 @@ from modelkit.checkpoint import Checkpoint, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError
 from modelkit.models import load_model_module, zoo_models
 from modelkit.quantizers import _affine, gguf_arrays
+from modelkit.quantizers.fast_linear import use_isa
 
 # (model, scheme) -> (max |q(x) - f(x)| / max |f(x)|, stored bytes / float32 bytes), each pinned
-# at about 1.5x the value measured on 2026-11-21 (measured in the comment), or the reason the
+# at about 1.5x the value measured on 2026-11-21 (measured in the comment; 2026-11-25 where the packed-weight
+# kernels of quantizers/fast_linear.py, which round activations to int8, changed it), or the reason the
 # scheme cannot apply: a ConfigError is the expected outcome there, never a silent float copy.
 EXPECTED: dict[tuple[str, str], tuple[float, float] | str] = {
     ("mlp", "bf16"): (0.005, 0.54),           # 0.00326, 0.5346 (biases stay float32)
     ("mlp", "fp16"): (0.001, 0.54),           # 0.00043, 0.5346
-    ("mlp", "int8"): (0.012, 0.38),           # 0.00744, 0.3710
+    ("mlp", "int8"): (0.015, 0.38),           # 0.00989, 0.3710 (packed kernels: int8 activations)
     ("mlp", "int8-dynamic"): (0.015, 0.38),   # 0.00989, 0.3710
     ("mlp", "int4"): "no input width (2, 30, 20) is a multiple of the group size",
     ("mlp", "gptq"): "no input width (2, 30, 20) is a multiple of the group size",
@@ -47,7 +49,7 @@ EXPECTED: dict[tuple[str, str], tuple[float, float] | str] = {
     ("cnn", "int8-dynamic"): (0.004, 0.37),   # 0.00256, 0.3658 (convs stay float)
     ("cnn", "int4"): (0.025, 0.32),           # 0.01661, 0.3152 (convs too narrow for g32)
     ("cnn", "gptq"): (0.01, 0.32),            # 0.00639, 0.3152
-    ("cnn", "q8_0"): (0.0015, 0.42),          # 0.00086, 0.4148 (convs' rows are 3 wide)
+    ("cnn", "q8_0"): (0.003, 0.42),           # 0.00209, 0.4148 (convs' rows are 3 wide; int8 activations)
     ("cnn", "q4_0"): (0.037, 0.32),           # 0.02469, 0.3152
     ("cnn", "q4_1"): (0.028, 0.33),           # 0.01837, 0.3276
     ("cnn", "q5_0"): (0.015, 0.35),           # 0.01000, 0.3401
@@ -58,16 +60,16 @@ EXPECTED: dict[tuple[str, str], tuple[float, float] | str] = {
     ("cnn", "q3_k"): (0.037, 0.32),           # 0.02469, 0.3152 (Q4_0)
     ("cnn", "q4_k"): (0.015, 0.35),           # 0.01000, 0.3401 (Q5_0)
     ("cnn", "q5_k"): (0.022, 0.36),           # 0.01439, 0.3525 (Q5_1)
-    ("cnn", "q6_k"): (0.0015, 0.42),          # 0.00086, 0.4148 (Q8_0)
+    ("cnn", "q6_k"): (0.003, 0.42),           # 0.00209, 0.4148 (Q8_0)
     ("cnn", "iq4_nl"): (0.036, 0.32),         # 0.02371, 0.3152 (measured 2026-11-25)
     ("cnn", "iq4_xs"): (0.036, 0.32),         # 0.02371, 0.3152 (IQ4_NL: llama.cpp's fallback)
     ("tinylm", "bf16"): (0.005, 0.51),        # 0.00289, 0.5023
     ("tinylm", "fp16"): (0.0005, 0.51),       # 0.00032, 0.5023
-    ("tinylm", "int8"): (0.012, 0.29),        # 0.00751, 0.2827
+    ("tinylm", "int8"): (0.015, 0.29),        # 0.01006, 0.2827 (packed kernels: int8 activations)
     ("tinylm", "int8-dynamic"): (0.015, 0.46),  # 0.00992, 0.4511 (embedding stays float)
     ("tinylm", "int4"): (0.22, 0.15),         # 0.14437, 0.1446 (untrained weights: noise-like)
     ("tinylm", "gptq"): (0.29, 0.15),         # 0.19261, 0.1446 (calibrated on text, tested on random ids)
-    ("tinylm", "q8_0"): (0.012, 0.27),        # 0.00757, 0.2690
+    ("tinylm", "q8_0"): (0.015, 0.27),        # 0.01011, 0.2690 (packed kernels: int8 activations)
     ("tinylm", "q4_0"): (0.2, 0.15),          # 0.12861, 0.1446
     ("tinylm", "q4_1"): (0.19, 0.161),        # 0.12285, 0.1601
     ("tinylm", "q5_0"): (0.1, 0.176),         # 0.06497, 0.1757
@@ -76,7 +78,7 @@ EXPECTED: dict[tuple[str, str], tuple[float, float] | str] = {
     ("tinylm", "q3_k"): (0.2, 0.15),          # 0.12861, 0.1446 (Q4_0)
     ("tinylm", "q4_k"): (0.1, 0.176),         # 0.06497, 0.1757 (Q5_0)
     ("tinylm", "q5_k"): (0.095, 0.192),       # 0.06242, 0.1912 (Q5_1)
-    ("tinylm", "q6_k"): (0.012, 0.27),        # 0.00757, 0.2690 (Q8_0)
+    ("tinylm", "q6_k"): (0.015, 0.27),        # 0.01011, 0.2690 (Q8_0)
     ("tinylm", "iq4_nl"): (0.17, 0.15),       # 0.11120, 0.1446 (measured 2026-11-25)
     ("tinylm", "iq4_xs"): (0.17, 0.15),       # 0.11120, 0.1446 (IQ4_NL: llama.cpp's fallback)
 }
@@ -275,7 +277,8 @@ def _check_onnxruntime(quantized, path, name: str, scheme: str) -> None:
     with torch.no_grad():
         for seed, batch in enumerate((1, 5)):
             x = load_model_module(name).example_inputs(batch, seed=seed)
-            expected = quantized(x)
+            with use_isa(None):     # the graph dequantizes: compare with the reference path, not the int8 kernels
+                expected = quantized(x)
             assert float((run(x) - expected).abs().max()) <= rtol * float(expected.abs().max()), (name, scheme)
 
 

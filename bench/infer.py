@@ -1,0 +1,324 @@
+"""Inference speed of quantized models: float against each scheme, and against other runtimes (issue 16).
+
+    .venv/bin/python bench/infer.py [--threads 2] [--only probe,tinylm,llama,anchors] [--json out.json]
+    PYTHONPATH=/work/llama/site .venv/bin/python bench/infer.py      # with llama.cpp (llama-cpp-python)
+
+Every figure is a ratio to a baseline timed in the same process, just before it (float32 on the same
+model, or the other runtime on the same weights), so a loaded machine shifts both sides alike.
+
+1. probe: torch's own CPU kernels (_weight_int8pack_mm, _int_mm, _weight_int4pack_mm_for_cpu,
+   _dyn_quant_matmul_4bit) and modelkit's packed-weight kernels against fp32 `linear`, one layer,
+   batch 1 and 64, at the shapes of tinylm and of a ~100M-parameter Llama.
+2. tinylm (the zoo's default config) and llama-100m (transformers' LlamaForCausalLM, hidden 768,
+   12 layers, 12 heads / 4 KV heads, MLP 2048, vocabulary 32000, random weights): forward latency
+   on 16-token windows at batch 1 and 64 for float and every scheme (quantized layers as load_module
+   builds them); for llama-100m also `generate` prompt processing (64 tokens) and decode tokens/s.
+   Goals: int8 / int8-dynamic <= 0.6x float at batch 1, int4 / gptq layout / q4_0 / q4_k <= 0.5x, every
+   scheme <= 1.0x at batch 64.
+3. anchors, on the same weights: torchao int8 weight-only (torchao 0.18's int4 weight-only has no
+   float32 CPU path: reported as unavailable); onnxruntime on modelkit's ONNX files (QDQ int8, int4);
+   llama.cpp (llama-cpp-python, the same thread count) on the very GGUF files modelkit writes for a
+   tinylm with the 100M body (hidden 768, 12 layers; its byte vocabulary, as llama.cpp reads tinylm),
+   decode tokens/s against modelkit's layers loaded from those files and run with transformers' KV cache.
+   Goal: >= 0.5x llama.cpp for q8_0 and q4_0.
+
+Bars are reported, never asserted: the exit code is 0 either way.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modelkit import schemes
+from modelkit.models import build
+
+RESULTS: dict[str, Any] = {"rows": [], "bars": []}
+LLAMA_100M = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+              "num_attention_heads": 12, "num_key_value_heads": 4, "max_position_embeddings": 512}
+SCHEMES = ("int8", "int8-dynamic", "int4", "q8_0", "q4_0", "q4_k")
+GOAL_BATCH1 = {"int8": 0.6, "int8-dynamic": 0.6, "int4": 0.5, "q4_0": 0.5, "q4_k": 0.5, "q8_0": 0.6}
+
+
+def bar(name: str, value: float, goal: float, higher: bool = False) -> None:
+    ok = value >= goal if higher else value <= goal
+    RESULTS["bars"].append({"bar": name, "value": round(value, 3), "goal": goal, "met": ok})
+    print(f"  [{'met' if ok else 'MISSED'}] {name}: {value:.2f}x (goal {'>=' if higher else '<='} {goal}x)", flush=True)
+
+
+def timed(fn: Callable[..., Any], *args: Any, repeats: int, min_seconds: float = 0.0) -> float:
+    """Median seconds of `fn(*args)` after one warm-up call."""
+    fn(*args)
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - started < min_seconds and len(times) < 10 * repeats):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def row(table: str, **values: Any) -> None:
+    RESULTS["rows"].append({"table": table, **values})
+    print("  " + "  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()), flush=True)
+
+
+# ------------------------------------------------------------------------------------------ 1. probe
+
+SHAPES = {"tinylm qkv 192x192": (192, 192), "tinylm mlp 512x192": (512, 192), "llama q 768x768": (768, 768),
+          "llama kv 256x768": (256, 768), "llama up 2048x768": (2048, 768), "llama down 768x2048": (768, 2048),
+          "llama head 32000x768": (32000, 768)}
+
+
+def _ratio(call: tuple[Callable[..., Any], tuple[Any, ...]], base: float, repeats: int) -> float | str:
+    try:
+        return round(timed(call[0], *call[1], repeats=repeats) / base, 2)
+    except RuntimeError as e:          # a kernel this torch build refuses on CPU: say so in the table
+        return f"error ({str(e)[:40]})"
+
+
+def probe() -> None:
+    from modelkit.quantizers import fast_linear, gguf_blocks, int4, int8
+    from modelkit.quantizers.gguf_arrays import Q4_0Config, Q8_0Config
+
+    print("\n1. one layer: torch's CPU kernels and modelkit's against fp32 linear (ratio of latency)")
+    for name, (n, k) in SHAPES.items():
+        layer = nn.Linear(k, n, bias=False)
+        ours = {"modelkit int8": int8.apply(nn.Sequential(layer), int8.Int8Config())[0],
+                "modelkit int4": int4.apply(nn.Sequential(layer), int4.Int4Config())[0],
+                "modelkit q8_0": gguf_blocks.apply(nn.Sequential(layer), Q8_0Config())[0],
+                "modelkit q4_0": gguf_blocks.apply(nn.Sequential(layer), Q4_0Config())[0]}
+        wq = torch.randint(-127, 127, (n, k), dtype=torch.int8)
+        scales = torch.rand(n)
+        packed4 = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 15, (n, k), dtype=torch.int32), 1)
+        zeros4 = torch.rand(k // 32, n, 2)
+        dyn4 = torch._dyn_quant_pack_4bit_weight(torch.randint(0, 15, (n, k), dtype=torch.uint8),
+                                                 torch.rand(n, k // 32), torch.zeros(n), 32, k, n)
+        for batch in (1, 64):
+            x = torch.randn(batch, k)
+            xq = torch.randint(-127, 127, (max(batch, 17), k), dtype=torch.int8)     # _int_mm wants M > 16
+            repeats = 5 if n * k * batch > 10**8 else 20
+            with torch.no_grad():
+                base = timed(F.linear, x, layer.weight, repeats=repeats)
+                cells = {"_weight_int8pack_mm": (torch._weight_int8pack_mm, (x, wq, scales)),
+                         "_int_mm": (torch._int_mm, (xq, wq.t())),
+                         "_weight_int4pack_mm_for_cpu": (torch._weight_int4pack_mm_for_cpu, (x, packed4, 32, zeros4)),
+                         "_dyn_quant_matmul_4bit": (torch._dyn_quant_matmul_4bit, (x, dyn4, 32, k, n))}
+                cells.update({key: (m, (x,)) for key, m in ours.items()})
+                ratios = {key: _ratio(fn, base, repeats) for key, fn in cells.items()}
+            row("probe", shape=name, batch=batch, fp32_ms=base * 1e3, **ratios)
+    print(f"  modelkit kernel: {fast_linear.ISA} (of {', '.join(fast_linear.ISAS)})")
+
+
+# ------------------------------------------------------------------------------------- 2. models
+
+def hf_llama(config: dict[str, Any], seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=False)).eval()
+
+
+def quantized(model: nn.Module, scheme: str) -> nn.Module:
+    from modelkit.pipeline.quantize import quantize_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_module(model, schemes.load_scheme(scheme)()).eval()
+
+
+def forward_ms(model: nn.Module, vocab: int, batch: int, repeats: int) -> float:
+    ids = torch.randint(0, vocab, (batch, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return 1e3 * timed(model, ids, repeats=repeats)
+
+
+def generate_rates(model: nn.Module, vocab: int, *, prompt: int = 64, new: int = 32) -> tuple[float, float]:
+    """(prompt tokens/s, decode tokens/s) of transformers' greedy generate with KV cache."""
+    import transformers
+
+    class First:
+        at = 0.0
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            First.at = First.at or time.perf_counter()
+            return scores
+
+    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(1))
+    config = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    best = (0.0, 0.0)
+    with torch.no_grad():
+        for _ in range(2):
+            First.at = 0.0
+            started = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                           logits_processor=transformers.LogitsProcessorList([First()]))
+            ended = time.perf_counter()
+            rates = (prompt / (First.at - started), (new - 1) / (ended - First.at))
+            best = (max(best[0], rates[0]), max(best[1], rates[1]))
+    return best
+
+
+def models(only: set[str]) -> None:
+    print("\n2. forward latency (16-token windows) and generate, each scheme against float32 on the same model")
+    cases = []
+    if "tinylm" in only:
+        cases.append(("tinylm", build("tinylm", seed=0).eval(), 256, False))
+    if "llama" in only:
+        cases.append(("llama-100m", hf_llama(LLAMA_100M), 32000, True))
+    for name, model, vocab, has_generate in cases:
+        heavy = name != "tinylm"
+        base = {b: forward_ms(model, vocab, b, 3 if heavy and b > 1 else 10) for b in (1, 64)}
+        rates = generate_rates(model, vocab) if has_generate else None
+        row(name, scheme="float32", batch1_ms=base[1], batch64_ms=base[64],
+            **({"prompt_tok_s": rates[0], "decode_tok_s": rates[1]} if rates else {}))
+        for scheme in SCHEMES:
+            q = quantized(model, scheme)
+            gc.collect()
+            again = {b: forward_ms(model, vocab, b, 3 if heavy and b > 1 else 10) for b in (1, 64)} if heavy else base
+            ms = {b: forward_ms(q, vocab, b, 3 if heavy and b > 1 else 10) for b in (1, 64)}
+            ratio = {b: ms[b] / min(base[b], again[b]) for b in (1, 64)}
+            extra = {}
+            if has_generate:
+                q_rates = generate_rates(q, vocab)
+                extra = {"prompt_vs_float": round(q_rates[0] / rates[0], 2), "decode_vs_float": round(q_rates[1] / rates[1], 2),
+                         "decode_tok_s": q_rates[1]}
+            row(name, scheme=scheme, batch1_ratio=round(ratio[1], 2), batch64_ratio=round(ratio[64], 2), **extra)
+            bar(f"{name} {scheme} batch 1 / float", ratio[1], GOAL_BATCH1[scheme])
+            bar(f"{name} {scheme} batch 64 / float", ratio[64], 1.0)
+            del q
+            gc.collect()
+        del model
+        gc.collect()
+
+
+# ------------------------------------------------------------------------------------ 3. anchors
+
+def torchao_anchor() -> None:
+    print("\n3a. torchao int8 weight-only (Int8WeightOnlyConfig) against modelkit int8, llama-100m")
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as e:
+        print(f"  torchao not importable ({e}); pip install --no-deps torchao==0.18.0")
+        return
+    model = hf_llama(LLAMA_100M)
+    ours = quantized(model, "int8")
+    theirs = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_(theirs, Int8WeightOnlyConfig())
+    for batch in (1, 64):
+        reps = 10 if batch == 1 else 3
+        t_theirs = forward_ms(theirs, 32000, batch, reps)
+        t_ours = forward_ms(ours, 32000, batch, reps)
+        row("torchao", batch=batch, torchao_int8_ms=t_theirs, modelkit_int8_ms=t_ours, modelkit_vs_torchao=round(t_ours / t_theirs, 2))
+        bar(f"modelkit int8 / torchao int8 weight-only, batch {batch}", t_ours / t_theirs, 1.0)
+    d_theirs, d_ours = generate_rates(theirs, 32000)[1], generate_rates(ours, 32000)[1]
+    row("torchao", decode_tok_s_torchao=d_theirs, decode_tok_s_modelkit=d_ours)
+    bar("modelkit int8 decode / torchao int8 decode", d_ours / d_theirs, 1.0, higher=True)
+    print("  torchao int4 weight-only: 0.18 has no float32 CPU path here (plain/preshuffled need mslk, "
+          "tile_packed_to_4d needs CUDA and bfloat16): not measured")
+
+
+def onnx_anchor() -> None:
+    print("\n3b. onnxruntime on modelkit's ONNX files (QDQ int8; int4) against modelkit's own layers, tinylm")
+    from modelkit.formats import load_format
+    from modelkit.models.tinylm import example_inputs
+    from modelkit.pipeline.quantize import save_quantized
+
+    model = build("tinylm", seed=0).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        for scheme in ("int8", "int4"):
+            q = quantized(model, scheme)
+            path = Path(tmp) / f"{scheme}.onnx"
+            save_quantized(q, path, config=schemes.load_scheme(scheme)())
+            run = load_format("onnx").runnable(path)
+            for batch in (1, 64):
+                x = example_inputs(batch)
+                with torch.no_grad():
+                    t_ort = timed(run, x, repeats=10)
+                    t_ours = timed(q, x, repeats=10)
+                row("onnxruntime", scheme=scheme, batch=batch, ort_ms=t_ort * 1e3, modelkit_ms=t_ours * 1e3,
+                    modelkit_vs_ort=round(t_ours / t_ort, 2))
+
+
+def llama_cpp_anchor(threads: int) -> None:
+    print(f"\n3c. llama.cpp on the GGUF files modelkit writes (tinylm with the 100M body), {threads} threads")
+    try:
+        import llama_cpp
+    except ImportError:
+        print("  llama_cpp not importable: run with PYTHONPATH=/work/llama/site (llama-cpp-python 0.3.36)")
+        return
+    import modelkit
+    from modelkit.checkpoint import Checkpoint
+
+    body = {k: v for k, v in LLAMA_100M.items() if k != "vocab_size"}
+    model = build("tinylm", body, seed=0).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        for scheme in ("q8_0", "q4_0"):
+            path = Path(tmp) / f"{scheme}.gguf"
+            modelkit.save(Checkpoint.from_module(quantized(model, scheme)), path)
+            # modelkit: the layers load_module builds from this file, in transformers' Llama (KV cache)
+            loaded = modelkit.load_module(path)
+            hf = hf_llama({**body, "vocab_size": 256})
+            hf.load_state_dict({k: v for k, v in loaded.state_dict().items() if "." in k and k in hf.state_dict()},
+                               strict=False)
+            for name, module in loaded.named_modules():
+                if type(module).__name__.startswith("Quantized"):
+                    hf.set_submodule(name, module)
+            ours_prompt, ours_decode = generate_rates(hf, 256)
+            llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=256, verbose=False)
+            prompt = list(range(1, 65))
+            best_prompt = best_decode = 0.0
+            for _ in range(2):
+                llm.reset()
+                t0 = time.perf_counter()
+                llm.eval(prompt)
+                t1 = time.perf_counter()
+                for i in range(31):
+                    llm.eval([(i * 7) % 256])
+                t2 = time.perf_counter()
+                best_prompt, best_decode = max(best_prompt, 64 / (t1 - t0)), max(best_decode, 31 / (t2 - t1))
+            del llm
+            row("llama.cpp", scheme=scheme, llama_cpp_prompt_tok_s=best_prompt, llama_cpp_decode_tok_s=best_decode,
+                modelkit_prompt_tok_s=ours_prompt, modelkit_decode_tok_s=ours_decode)
+            bar(f"{scheme} decode tokens/s, modelkit / llama.cpp", ours_decode / best_decode, 0.5, higher=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", default="probe,tinylm,llama,anchors")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    only = set(args.only.split(","))
+    print(f"torch {torch.__version__}, {args.threads} threads; ratios are within this run (the machine may be loaded)")
+    if "probe" in only:
+        probe()
+    models(only)
+    if "anchors" in only:
+        torchao_anchor()
+        onnx_anchor()
+        llama_cpp_anchor(args.threads)
+    if args.json:
+        args.json.write_text(json.dumps(RESULTS, indent=2))
+    met = sum(b["met"] for b in RESULTS["bars"])
+    print(f"\n{met}/{len(RESULTS['bars'])} goals met")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

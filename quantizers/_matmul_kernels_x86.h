@@ -1,0 +1,266 @@
+/* x86-64 SIMD kernels of _matmul_kernels.c, included once per instruction set with
+ *   KNAME(name)  the function names' suffix      KTARGET  the target attribute
+ *   KVNNI        1: vpdpbusd (KDPBUSD) on 256-bit registers; 0: AVX2 vpmaddubsw + vpmaddwd
+ *
+ * Eight output rows at a time: each row's block of 32 levels is one register, its integer dot
+ * product with the activation block another, and eight of those reduce to one register whose
+ * lane i is row i's sum; that register is scaled in float (block scales of the eight rows times
+ * the activation block's scale) into the row group's accumulator. One load of a weight block
+ * serves TOKENS activation rows (batch > 1 is a tiled loop).
+ *
+ * vpdpbusd multiplies unsigned bytes by signed bytes: int8 weight levels are read as unsigned by
+ * flipping their top bit (q + 128) and 128 joins their zero. vpmaddubsw could overflow 16 bits on
+ * such products, so the AVX2 kernel multiplies |q| by the activations carrying q's sign instead.
+ */
+
+#if !KVNNI
+/* Activations -> int8 blocks, as quantize_activations (the same levels: cvtps2dq rounds half to even
+ * like nearbyintf); whole blocks here, a row's partial last block through quantize_block. Compiled
+ * once, with the AVX2 kernels; the VNNI kernels use it too. */
+KTARGET static void quantize_activations_avx2(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t nb, int pairs,
+                                              int rowwise, int8_t *q, float *d, float *s) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (Py_ssize_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        float fixed = rowwise ? row_max(row, K) : -1.0f;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            const float *src = row + b * QK;
+            int8_t *dst = q + (m * nb + b) * QK;
+            if (K - b * QK < QK) {
+                quantize_block(src, K - b * QK, fixed, pairs, dst, d + m * nb + b, s + m * nb + b);
+                continue;
+            }
+            __m256 v[4];
+            for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(src + 8 * k);
+            float amax = fixed;
+            if (amax < 0.0f) {
+                __m256 m4 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                          _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+                __m128 h = _mm_max_ps(_mm256_castps256_ps128(m4), _mm256_extractf128_ps(m4, 1));
+                h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_max_ss(h, _mm_movehdup_ps(h));
+                amax = _mm_cvtss_f32(h);
+            }
+            __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i i[4];
+            for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inverse));
+            __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+            __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+            packed = _mm256_permutevar8x32_epi32(packed, order);              /* back to x0 .. x31 */
+            if (pairs)                                                        /* x0, x2, .., x30, x1, .., x31 */
+                packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(packed, evens_odds), 0xd8);
+            _mm256_storeu_si256((__m256i *)dst, packed);
+            d[m * nb + b] = amax / 127.0f;
+            s[m * nb + b] = (float)_mm_cvtsi128_si32(t);
+        }
+    }
+}
+#endif
+
+KTARGET static inline __m256i KNAME(expand_nibbles)(const uint8_t *p) {
+    __m128i q = _mm_loadu_si128((const __m128i *)p);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);      /* low nibbles: lanes 0-15, high: 16-31 */
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+/* Lane i of the result: the sum of the eight 32-bit lanes of p[i]. */
+KTARGET static inline __m256i KNAME(reduce8)(const __m256i *p) {
+    __m256i s01 = _mm256_hadd_epi32(p[0], p[1]), s23 = _mm256_hadd_epi32(p[2], p[3]);
+    __m256i s45 = _mm256_hadd_epi32(p[4], p[5]), s67 = _mm256_hadd_epi32(p[6], p[7]);
+    __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
+                            _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
+
+/* Eight rows' block b: levels in activation order (unsigned-ready for VNNI), block scales, zeros. */
+typedef struct {
+    __m256i v[ROWS];
+#if !KVNNI
+    __m256i abs[ROWS];
+#endif
+    __m256 scale, zero;
+} KNAME(block_t);
+
+KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, const uint8_t *const *rowp,
+                                             const Py_ssize_t *ri, const float *row_zero, Py_ssize_t b,
+                                             KNAME(block_t) *blk) {
+    uint16_t halves[ROWS];
+    float zeros[ROWS];
+    int is_signed = fmt == F_I8 || fmt == F_Q8_0;
+    Py_ssize_t g = fmt == F_I4 ? b / w->group_blocks : 0;        /* the scale group of block b */
+    for (int i = 0; i < ROWS; i++) {
+        const uint8_t *row = rowp[i];
+        if (fmt == F_I8) {
+            Py_ssize_t n = w->K - b * QK;
+            if (n >= QK) {
+                blk->v[i] = _mm256_loadu_si256((const __m256i *)(row + b * QK));
+            } else {                                     /* the row's last, partial block */
+                uint8_t tail[QK] = {0};
+                memcpy(tail, row + b * QK, (size_t)n);
+                blk->v[i] = _mm256_loadu_si256((const __m256i *)tail);
+            }
+            zeros[i] = row_zero[i];
+        } else if (fmt == F_Q8_0) {
+            const uint8_t *block = row + b * 34;
+            halves[i] = read_u16(block);
+            blk->v[i] = _mm256_loadu_si256((const __m256i *)(block + 2));
+            zeros[i] = 0.0f;
+        } else if (fmt == F_Q4_0) {
+            const uint8_t *block = row + b * 18;
+            halves[i] = read_u16(block);
+            blk->v[i] = KNAME(expand_nibbles)(block + 2);
+            zeros[i] = 8.0f;
+        } else {                                         /* F_I4 */
+            halves[i] = ((const uint16_t *)w->scale)[ri[i] * w->scale_stride + g];
+            blk->v[i] = KNAME(expand_nibbles)(row + b * (QK / 2));
+            if (w->signed_nibbles) {
+                blk->v[i] = _mm256_xor_si256(blk->v[i], _mm256_set1_epi8(8));
+                zeros[i] = 8.0f;
+            } else {
+                zeros[i] = (float)w->zero[ri[i] * w->zero_stride + g];
+            }
+        }
+        if (is_signed) {
+#if KVNNI
+            blk->v[i] = _mm256_xor_si256(blk->v[i], _mm256_set1_epi8((char)0x80));
+            zeros[i] += 128.0f;
+#else
+            blk->abs[i] = _mm256_abs_epi8(blk->v[i]);
+#endif
+        }
+    }
+    blk->scale = fmt == F_I8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)halves));
+    blk->zero = _mm256_loadu_ps(zeros);
+}
+
+/* One activation block against the eight rows: their eight integer dot products, as lanes. */
+KTARGET static inline __m256i KNAME(dots)(const int fmt, const KNAME(block_t) *blk, __m256i x) {
+    __m256i p[ROWS];
+#if KVNNI
+    (void)fmt;
+    for (int i = 0; i < ROWS; i++) p[i] = KDPBUSD(_mm256_setzero_si256(), blk->v[i], x);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < ROWS; i++) {
+        __m256i pairs = fmt == F_I8 || fmt == F_Q8_0
+            ? _mm256_maddubs_epi16(blk->abs[i], _mm256_sign_epi8(x, blk->v[i]))
+            : _mm256_maddubs_epi16(blk->v[i], x);
+        p[i] = _mm256_madd_epi16(pairs, ones);
+    }
+#endif
+    return KNAME(reduce8)(p);
+}
+
+/* Rows [r, r + ROWS) (clamped copies past N) against activation rows [m0, m0 + T). */
+KTARGET static inline void KNAME(tile)(const int fmt, const int T, const weight_t *w, const act_t *a,
+                                       const uint8_t *const *rowp, const Py_ssize_t *ri, const float *row_zero,
+                                       Py_ssize_t m0, __m256 *acc) {
+    const Py_ssize_t nb = w->nb;
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        KNAME(block_t) blk;
+        KNAME(load_block)(fmt, w, rowp, ri, row_zero, b, &blk);
+        for (int t = 0; t < T; t++) {
+            Py_ssize_t at = (m0 + t) * nb + b;
+            __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + at * QK));
+            __m256 f = _mm256_cvtepi32_ps(KNAME(dots)(fmt, &blk, x));
+            f = _mm256_fnmadd_ps(blk.zero, _mm256_set1_ps(a->s[at]), f);
+            acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(blk.scale, _mm256_set1_ps(a->d[at])), acc[t]);
+        }
+    }
+}
+
+#if KVNNI
+/* v[i] (row i's block) -> u[j]: lane i holds row i's bytes 4j..4j+3 (an 8 x 8 transpose of 32-bit words). */
+KTARGET static inline void KNAME(transpose8)(const __m256i *v, __m256i *u) {
+    __m256i t[8], s[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);          /* words 0,1 | 4,5 of rows i, i+1 */
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);      /* words 2,3 | 6,7 */
+    }
+    for (int i = 0; i < 8; i += 4) {
+        s[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);          /* word 0 | 4 of rows i..i+3 */
+        s[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);      /* word 1 | 5 */
+        s[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);  /* word 2 | 6 */
+        s[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);  /* word 3 | 7 */
+    }
+    for (int j = 0; j < 4; j++) {
+        u[j] = _mm256_permute2x128_si256(s[j], s[4 + j], 0x20);
+        u[j + 4] = _mm256_permute2x128_si256(s[j], s[4 + j], 0x31);
+    }
+}
+
+/* As tile, for TOKENS activation rows at once: the weight block is transposed once so that each
+ * vpdpbusd takes four activations broadcast to all eight rows; no reduction per token. */
+KTARGET static inline void KNAME(tile_wide)(const int fmt, const weight_t *w, const act_t *a,
+                                            const uint8_t *const *rowp, const Py_ssize_t *ri, const float *row_zero,
+                                            Py_ssize_t m0, __m256 *acc) {
+    const Py_ssize_t nb = w->nb;
+    for (int t = 0; t < TOKENS; t++) acc[t] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        KNAME(block_t) blk;
+        __m256i u[8], sums[TOKENS];
+        KNAME(load_block)(fmt, w, rowp, ri, row_zero, b, &blk);
+        KNAME(transpose8)(blk.v, u);
+        const int32_t *x = (const int32_t *)(a->q + (m0 * nb + b) * QK);
+        for (int t = 0; t < TOKENS; t++) sums[t] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++)
+            for (int t = 0; t < TOKENS; t++)
+                sums[t] = KDPBUSD(sums[t], u[j], _mm256_set1_epi32(x[t * nb * (QK / 4) + j]));
+        for (int t = 0; t < TOKENS; t++) {
+            Py_ssize_t at = (m0 + t) * nb + b;
+            __m256 f = _mm256_fnmadd_ps(blk.zero, _mm256_set1_ps(a->s[at]), _mm256_cvtepi32_ps(sums[t]));
+            acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(blk.scale, _mm256_set1_ps(a->d[at])), acc[t]);
+        }
+    }
+}
+#endif
+
+KTARGET static inline void KNAME(rows_of)(const int fmt, const weight_t *w, const act_t *a, Py_ssize_t r0,
+                                          Py_ssize_t r1) {
+    for (Py_ssize_t r = r0; r < r1; r += ROWS) {
+        int n = r1 - r < ROWS ? (int)(r1 - r) : ROWS;
+        const uint8_t *rowp[ROWS];
+        Py_ssize_t ri[ROWS];
+        float scale[ROWS], bias[ROWS], row_zero[ROWS];
+        for (int i = 0; i < ROWS; i++) {
+            ri[i] = r + (i < n ? i : n - 1);
+            rowp[i] = w->w + ri[i] * w->w_stride;
+            scale[i] = row_scale(w, ri[i]);
+            bias[i] = w->bias ? w->bias[ri[i]] : 0.0f;
+            row_zero[i] = fmt == F_I8 && w->zero ? (float)(int8_t)w->zero[ri[i] * w->zero_stride] : 0.0f;
+        }
+        __m256 vscale = _mm256_loadu_ps(scale), vbias = _mm256_loadu_ps(bias);
+        for (Py_ssize_t m0 = 0; m0 < a->M;) {
+            __m256 acc[TOKENS];
+            int T = a->M - m0 >= TOKENS ? TOKENS : 1;
+#if KVNNI
+            if (T == TOKENS) KNAME(tile_wide)(fmt, w, a, rowp, ri, row_zero, m0, acc);
+#else
+            if (T == TOKENS) KNAME(tile)(fmt, TOKENS, w, a, rowp, ri, row_zero, m0, acc);
+#endif
+            else KNAME(tile)(fmt, 1, w, a, rowp, ri, row_zero, m0, acc);
+            for (int t = 0; t < T; t++) {
+                float out[ROWS];
+                _mm256_storeu_ps(out, _mm256_fmadd_ps(acc[t], vscale, vbias));
+                memcpy(a->y + (m0 + t) * w->N + r, out, sizeof(float) * (size_t)n);
+            }
+            m0 += T;
+        }
+    }
+}
+
+KTARGET static void KNAME(rows)(const weight_t *w, const act_t *a, Py_ssize_t r0, Py_ssize_t r1) {
+    switch (w->fmt) {
+    case F_I8: KNAME(rows_of)(F_I8, w, a, r0, r1); break;
+    case F_Q8_0: KNAME(rows_of)(F_Q8_0, w, a, r0, r1); break;
+    case F_Q4_0: KNAME(rows_of)(F_Q4_0, w, a, r0, r1); break;
+    default: KNAME(rows_of)(F_I4, w, a, r0, r1); break;
+    }
+}
