@@ -88,6 +88,32 @@ class LazyTensor:
         return to_torch(data, self.dtype) if isinstance(data, np.ndarray) else data
 
 
+@dataclass(frozen=True, eq=False)
+class MadeTensor(LazyTensor):
+    """A LazyTensor whose bytes are costly to make (quantized as the writer pulls them): the first read
+    remembers their BLAKE2b digest, so the write path's check compares the written bytes with that digest
+    instead of making them a second time (modelkit.pipeline.verify)."""
+
+    made: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+
+    def _read(self) -> Any:
+        data = super()._read()
+        if "digest" not in self.made:
+            self.made["digest"] = digest(to_numpy(data) if not isinstance(data, np.ndarray) else data)
+        return data
+
+    def digest(self) -> bytes | None:
+        """The digest of the bytes made so far (None before the first read)."""
+        return self.made.get("digest")
+
+
+def digest(array: np.ndarray) -> bytes:
+    """BLAKE2b of an array's bytes (C order)."""
+    import hashlib
+
+    return hashlib.blake2b(memoryview(np.ascontiguousarray(array)).cast("B")).digest()
+
+
 def _unpack_int4(packed: Any, signed: bool) -> Any:
     """(..., n/2) uint8, low nibble first -> (..., n) int8 values."""
     import torch
