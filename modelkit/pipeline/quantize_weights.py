@@ -5,7 +5,7 @@ architecture (a bare state dict, a weight file from another tool): every 2-D flo
 tensor whose name ends in "weight" and whose rows are whole 32-weight blocks becomes a block
 type, as llama.cpp's quantizer chooses them; every other tensor is stored as it is. Tensors are
 quantized as the GGUF writer pulls them (one in memory at a time) and the written file is
-verified bit for bit: every tensor's blocks read back have the BLAKE2b digest of the blocks that were
+verified: every tensor's blocks read back have the digest (CRC-32 and length) of the blocks that were
 quantized (storage.tensors.MadeTensor: the file holds exactly what the kernels made, checked without
 quantizing twice; the kernels themselves are checked against llama.cpp by the tests).
 With a llama.cpp recipe (`--scheme Q4_K_M`, modelkit.quantizers.gguf_recipes) each tensor gets the type

@@ -91,7 +91,7 @@ class LazyTensor:
 @dataclass(frozen=True, eq=False)
 class MadeTensor(LazyTensor):
     """A LazyTensor whose bytes are costly to make (quantized as the writer pulls them): the first read
-    remembers their BLAKE2b digest, so the write path's check compares the written bytes with that digest
+    remembers their digest (CRC-32 and length), so the write path's check compares the written bytes with that digest
     instead of making them a second time (modelkit.pipeline.verify)."""
 
     made: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
@@ -108,10 +108,12 @@ class MadeTensor(LazyTensor):
 
 
 def digest(array: np.ndarray) -> bytes:
-    """BLAKE2b of an array's bytes (C order)."""
-    import hashlib
+    """CRC-32 and length of an array's bytes (C order): a check against writing the wrong bytes, not against
+    an adversary (zlib's CRC runs at memory speed; a cryptographic hash would cost more than the write)."""
+    import zlib
 
-    return hashlib.blake2b(memoryview(np.ascontiguousarray(array)).cast("B")).digest()
+    data = memoryview(np.ascontiguousarray(array)).cast("B")
+    return zlib.crc32(data).to_bytes(4, "little") + len(data).to_bytes(8, "little")
 
 
 def _unpack_int4(packed: Any, signed: bool) -> Any:
