@@ -16,6 +16,12 @@ Prints, each next to its baseline measured in the same run:
    0.5x the float latency.
 4. Peers on the same models: torch.ao.quantization.quantize_dynamic (deprecated in torch 2.13,
    run here only as the baseline) and onnxruntime's quantize_dynamic, against int8-dynamic.
+5. llama.cpp's recipes (--recipes, or --recipes-only): Q4_K_M and Q6_K of a ~1 GiB Llama-shaped F16 GGUF
+   (hidden 2048, GQA 8, untied output: TinyLlama's shapes, fewer layers), `modelkit quantize --scheme Q4_K_M`
+   against llama.cpp's own quantizer (`llama_model_quantize` in-process through ctypes: llama-quantize's
+   code; llama-cpp-python importable, e.g. PYTHONPATH=/path/to/llama_cpp/site) with the same thread count,
+   each in a fresh process: wall time and ratio (bar >= 1.0x, goal 2x), peak anonymous memory above the
+   process after imports (bar < 300 MiB), every tensor's type and bytes equal to llama.cpp's.
 
 Reference models come from `--runs` when a trained model with the default config and recipe is
 there (`modelkit demo` writes them); otherwise they are trained here with the default recipes.
@@ -135,6 +141,44 @@ def tinylm_bars(rows: dict[str, Any]) -> None:
                         ("qat int4 g32", "QAT int4 g32 better than RTN int4 g32")):
         value = rows[label]["metric"]
         bar(f"tinylm {text}", f"{value:.4f} vs {rtn:.4f} bits/byte", value < rtn, f"float {base:.4f}")
+
+
+# Quality bars of llama.cpp's recipes on tinylm (relative bits per byte above float), issue 15.
+RECIPE_QUALITY = {"q6_k": 0.3, "q5_k_m": 0.8, "q4_k_m": 2.0, "q3_k_m": 6.0}
+
+
+def recipe_quality(model: torch.nn.Module, folder: Path) -> None:
+    """tinylm's validation bits per byte under each llama.cpp recipe (module path: the types llama.cpp picks for
+    tinylm's llama.cpp names), and the bits per weight of the GGUF file each writes."""
+    from gguf import GGUFReader
+
+    from modelkit.api import save
+    from modelkit.checkpoint import Checkpoint
+    from modelkit.pipeline.quantize import quantize
+    from modelkit.quantizers.gguf_recipes import RECIPES
+
+    source = folder / "tinylm.safetensors"
+    save(Checkpoint.from_module(model), source, force=True)
+    key = "bits_per_byte"
+    base = metric_of(model)[key]
+    print(f"  {'float':<8} bits/byte {base:.4f}", flush=True)
+    rows: dict[str, Any] = {"float": {"metric": base}}
+    for name in ("q6_k", "q5_k_m", "q4_k_m", "q3_k_m", *(r for r in RECIPES if r not in RECIPE_QUALITY)):
+        started = time.perf_counter()
+        quantized = quantize_module(model, schemes.config_from_dict({"scheme": name}))
+        seconds = time.perf_counter() - started
+        value = metric_of(quantized)[key]
+        path = folder / f"tinylm-{name}.gguf"
+        quantize(source, path, scheme=name, force=True)
+        tensors = GGUFReader(path).tensors
+        bpw = 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
+        rel = 100 * (value - base) / base
+        rows[name] = {"metric": value, "relative_pct": rel, "bits_per_weight": bpw, "seconds": seconds}
+        print(f"  {name:<8} bits/byte {value:.4f}  {rel:+.3f}%  {bpw:.2f} bits/weight", flush=True)
+        if name in RECIPE_QUALITY:
+            bar(f"tinylm {name.upper()} bits/byte <= {RECIPE_QUALITY[name]}% worse than float", f"{rel:+.3f}%",
+                rel <= RECIPE_QUALITY[name], f"float {base:.4f}, {name} {value:.4f}, {bpw:.2f} bits per weight")
+    RESULTS["recipe_quality"] = rows
 
 
 # ------------------------------------------------------------------------------------ speed
@@ -264,6 +308,153 @@ def peers(name: str, model: torch.nn.Module, ours: float, folder: Path) -> None:
     RESULTS.setdefault("peers", {})[name] = [{"method": m, key: v, **lat} for m, v, lat in table]
 
 
+# ------------------------------------------------------------------------------------ recipes
+
+# Runs in a fresh process per measurement: imports, then times one quantization while sampling RssAnon.
+_RECIPE_HARNESS = """
+import ctypes, json, resource, sys, threading, time
+src, dst, who, recipe, threads = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+if who == "llama.cpp":
+    import llama_cpp
+    from modelkit.quantizers.gguf_recipes import RECIPES
+else:
+    import modelkit, modelkit.pipeline.quantize, modelkit.pipeline.quantize_weights
+    from modelkit.formats import load_format
+    load_format("gguf")
+
+def rss_anon():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+with open(src, "rb", buffering=0) as f:          # the input in the page cache for both, untimed
+    while f.read(64 << 20):
+        pass
+peak, done = [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss_anon())
+        time.sleep(0.005)
+base = rss_anon()
+threading.Thread(target=sample, daemon=True).start()
+started, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+if who == "llama.cpp":
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = RECIPES[recipe].ftype, threads
+    assert llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)) == 0
+else:
+    modelkit.pipeline.quantize.quantize(src, dst, scheme=recipe, force=True)
+seconds = time.perf_counter() - started
+after = resource.getrusage(resource.RUSAGE_SELF)
+done.set()
+peak[0] = max(peak[0], rss_anon())
+print(json.dumps({"seconds": seconds, "peak_above_base": peak[0] - base,
+                  "cpu_seconds": after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime}))
+"""
+
+
+def recipe_input(folder: Path, size_mib: int) -> Path:
+    """A Llama-shaped F16 GGUF of about `size_mib` (seeded random weights, no tokenizer), written by modelkit."""
+    from modelkit.api import save
+    from modelkit.checkpoint import Checkpoint
+    from modelkit.pipeline.convert import convert
+
+    hidden, ffn, kv, vocab = 2048, 5632, 256, 32000
+    per_layer = 2 * (2 * hidden * hidden + 2 * kv * hidden + 3 * hidden * ffn)
+    layers = max(1, round((size_mib * 2**20 - 2 * 2 * vocab * hidden) / per_layer))
+    generator = torch.Generator().manual_seed(0)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * 0.02).half()
+
+    state = {"model.embed_tokens.weight": weight(vocab, hidden), "lm_head.weight": weight(vocab, hidden),
+             "model.norm.weight": torch.ones(hidden, dtype=torch.float16)}
+    for i in range(layers):
+        prefix = f"model.layers.{i}."
+        state.update({prefix + "self_attn.q_proj.weight": weight(hidden, hidden),
+                      prefix + "self_attn.k_proj.weight": weight(kv, hidden),
+                      prefix + "self_attn.v_proj.weight": weight(kv, hidden),
+                      prefix + "self_attn.o_proj.weight": weight(hidden, hidden),
+                      prefix + "mlp.gate_proj.weight": weight(ffn, hidden), prefix + "mlp.up_proj.weight": weight(ffn, hidden),
+                      prefix + "mlp.down_proj.weight": weight(hidden, ffn),
+                      prefix + "input_layernorm.weight": torch.ones(hidden, dtype=torch.float16),
+                      prefix + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.float16)})
+    hf = folder / "hf"
+    hf.mkdir(parents=True, exist_ok=True)
+    save(Checkpoint.from_state_dict(state), hf / "model.safetensors", force=True)
+    del state
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "vocab_size": vocab, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}))
+    path = folder / "model-f16.gguf"
+    convert(hf, path, force=True)
+    return path
+
+
+def _run_recipe(src: Path, dst: Path, who: str, recipe: str, threads: int, runs: int) -> dict[str, float]:
+    """Fastest of `runs` fresh-process runs (the largest peak of them)."""
+    import subprocess
+
+    best: dict[str, float] | None = None
+    for _ in range(runs):
+        result = subprocess.run([sys.executable, "-c", _RECIPE_HARNESS, str(src), str(dst), who, recipe, str(threads)],
+                                capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise SystemExit(f"{who} {recipe} failed:\n{result.stderr[-2000:]}")
+        figures = json.loads(result.stdout.strip().splitlines()[-1])
+        if best is None or figures["seconds"] < best["seconds"]:
+            best = {**figures, "peak_above_base": max(figures["peak_above_base"], best["peak_above_base"] if best else 0)}
+    assert best is not None
+    return best
+
+
+def recipe_speed(size_mib: int, runs: int, folder: Path) -> None:
+    import importlib.util
+
+    import numpy as np
+    from gguf import GGUFReader
+
+    from modelkit.quantizers.gguf_arrays import default_threads
+
+    threads = default_threads()
+    src = recipe_input(folder, size_mib)
+    print(f"  input: {src.stat().st_size / 2**20:.0f} MiB F16 GGUF, {threads} threads for both", flush=True)
+    have_llama = importlib.util.find_spec("llama_cpp") is not None
+    if not have_llama:
+        print("  llama_cpp is not importable (set PYTHONPATH to llama-cpp-python's site): modelkit's figures only")
+    figures: dict[str, Any] = {"input_mib": src.stat().st_size / 2**20, "threads": threads, "recipes": {}}
+    for recipe in ("q4_k_m", "q6_k"):
+        ours_path, theirs_path = folder / f"ours-{recipe}.gguf", folder / f"llama-{recipe}.gguf"
+        ours = _run_recipe(src, ours_path, "modelkit", recipe, threads, runs)
+        row: dict[str, Any] = {"modelkit_s": ours["seconds"], "modelkit_peak_mib": ours["peak_above_base"] / 2**20,
+                               "bits_per_weight": None}
+        tensors = GGUFReader(ours_path).tensors
+        row["bits_per_weight"] = 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
+        if have_llama:
+            theirs = _run_recipe(src, theirs_path, "llama.cpp", recipe, threads, runs)
+            reference = {t.name: t for t in GGUFReader(theirs_path).tensors}
+            same = all(t.tensor_type == reference[t.name].tensor_type and np.array_equal(t.data, reference[t.name].data)
+                       for t in tensors)
+            ratio = theirs["seconds"] / ours["seconds"]
+            row.update({"llama_cpp_s": theirs["seconds"], "llama_cpp_peak_mib": theirs["peak_above_base"] / 2**20,
+                        "ratio": ratio, "same_types_and_bytes": same, "modelkit_cpu_s": ours["cpu_seconds"],
+                        "llama_cpp_cpu_s": theirs["cpu_seconds"], "cpu_ratio": theirs["cpu_seconds"] / ours["cpu_seconds"]})
+            bar(f"{recipe.upper()} of a {figures['input_mib']:.0f} MiB F16 GGUF >= 1.0x llama.cpp's quantizer (goal 2x)",
+                f"{ratio:.2f}x", ratio >= 1.0 and same,
+                f"modelkit {ours['seconds']:.1f} s vs llama.cpp {theirs['seconds']:.1f} s, {threads} threads each; CPU time "
+                f"{ours['cpu_seconds']:.1f} s vs {theirs['cpu_seconds']:.1f} s ({row['cpu_ratio']:.2f}x); "
+                f"every tensor's type and bytes equal llama.cpp's: {same}; {row['bits_per_weight']:.2f} bits per weight")
+        bar(f"{recipe.upper()} peak memory < 300 MiB above the interpreter", f"{row['modelkit_peak_mib']:.0f} MiB",
+            row["modelkit_peak_mib"] < 300,
+            f"llama.cpp: {row.get('llama_cpp_peak_mib', float('nan')):.0f} MiB (anonymous memory; mapped file pages do not count)")
+        figures["recipes"][recipe] = row
+    RESULTS["recipes"] = figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="runs", help="folder with trained reference models (modelkit demo's)")
@@ -271,9 +462,34 @@ def main() -> int:
     parser.add_argument("--speed-only", action="store_true")
     parser.add_argument("--qat-steps", type=int, default=150, help="tinylm QAT steps (one partial epoch)")
     parser.add_argument("--json", help="also write every figure to this file")
+    parser.add_argument("--recipes", action="store_true", help="also time Q4_K_M and Q6_K against llama.cpp (5.)")
+    parser.add_argument("--recipes-only", action="store_true", help="only 5.")
+    parser.add_argument("--recipe-quality-only", action="store_true",
+                        help="only tinylm's bits per byte under each llama.cpp recipe (also part of 2.)")
+    parser.add_argument("--size-mib", type=int, default=1024, help="5.: size of the F16 input")
+    parser.add_argument("--repeat", type=int, default=3, help="5.: runs of each (the fastest counts)")
     args = parser.parse_args()
     runs = Path(args.runs)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    if args.recipe_quality_only:
+        print("\n== tinylm: validation bits per byte under llama.cpp's recipes", flush=True)
+        with tempfile.TemporaryDirectory() as folder:
+            recipe_quality(load_module_cached("tinylm", runs), Path(folder))
+        met = sum(b["met"] for b in RESULTS["bars"])
+        print(f"\n{met} of {len(RESULTS['bars'])} bars met", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(RESULTS, indent=2, default=str) + "\n")
+        return 0
+    if args.recipes or args.recipes_only:
+        print("\n== llama.cpp's recipes: modelkit against llama.cpp's quantizer", flush=True)
+        with tempfile.TemporaryDirectory() as folder:
+            recipe_speed(args.size_mib, args.repeat, Path(folder))
+        if args.recipes_only:
+            met = sum(b["met"] for b in RESULTS["bars"])
+            print(f"\n{met} of {len(RESULTS['bars'])} bars met", flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(RESULTS, indent=2, default=str) + "\n")
+            return 0
     if not args.speed_only:
         print("\n== cnn: digits test accuracy", flush=True)
         cnn = load_module_cached("cnn", runs)
@@ -286,6 +502,8 @@ def main() -> int:
             rows = zoo("tinylm", tinylm, qat_epochs=1, qat_steps=args.qat_steps)
             tinylm_bars(rows)
             RESULTS["tinylm"] = rows
+            with tempfile.TemporaryDirectory() as folder:
+                recipe_quality(tinylm, Path(folder))
     print("\n== speed", flush=True)
     block_speed()
     dynamic_speed()

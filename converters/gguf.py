@@ -57,7 +57,7 @@ from gguf import dequantize as gguf_dequantize
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import ConfigError, FormatError, ParseError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
-from modelkit.metadata import META_PREFIX, TENSORS_KEY, tied_names
+from modelkit.metadata import FILE_TYPE_KEY, META_PREFIX, TENSORS_KEY, tied_names
 from modelkit.models import _hf
 from modelkit.parse import gguf as gguf_header
 from modelkit.parse.detect import gguf as detect  # noqa: F401  (the converter's detect)
@@ -496,7 +496,7 @@ def _plan(ckpt: Checkpoint) -> tuple[str, KV, list[_Slot]]:
         slots.append(slot)
     kv: KV = {
         _KEYS.NAME: (_display_name(ckpt, rules), GGUFValueType.STRING, None),
-        _KEYS.FILE_TYPE: (int(_file_type(slots)), GGUFValueType.UINT32, None),
+        _KEYS.FILE_TYPE: (_stated_file_type(ckpt) or int(_file_type(slots)), GGUFValueType.UINT32, None),
         _KEYS.QUANTIZATION_VERSION: (GGML_QUANT_VERSION, GGUFValueType.UINT32, None),
     }
     if rules is not None:
@@ -509,7 +509,8 @@ def _plan(ckpt: Checkpoint) -> tuple[str, KV, list[_Slot]]:
         kv[_KEYS.ARCH] = (ckpt.arch.to_json(), GGUFValueType.STRING, None)
     kv[_KEYS.TENSORS] = (json.dumps(records, sort_keys=True, separators=(",", ":")), GGUFValueType.STRING, None)
     for key, value in ckpt.metadata.items():
-        kv[_KEYS.META_PREFIX + key] = (value, GGUFValueType.STRING, None)
+        if key != FILE_TYPE_KEY:
+            kv[_KEYS.META_PREFIX + key] = (value, GGUFValueType.STRING, None)
     return (rules.family.architecture if rules else _GENERIC_ARCH), kv, slots
 
 
@@ -562,6 +563,16 @@ def _slot(entry: LazyTensor | QuantizedTensor, name: str, stored: str, undo: _Un
 def _bad_rows(name: str, shape: tuple[int, ...], n_heads: int) -> UnsupportedConversionError:
     return UnsupportedConversionError("checkpoint", "gguf", f"tensor {name!r} of shape {list(shape)} does not split "
                                                             f"into {n_heads} heads of RoPE pairs; check the ArchSpec")
+
+
+def _stated_file_type(ckpt: Checkpoint) -> int | None:
+    """The LLAMA_FTYPE a recipe stated (FILE_TYPE_KEY), or None."""
+    value = ckpt.metadata.get(FILE_TYPE_KEY)
+    if value is None:
+        return None
+    if not str(value).isdigit():
+        raise ConfigError(f"the checkpoint's {FILE_TYPE_KEY} metadata is {value!r}, not llama.cpp's file type number")
+    return int(value)
 
 
 def _file_type(slots: list[_Slot]) -> LlamaFileType:

@@ -18,6 +18,8 @@ METRICS_KEY = "modelkit.metrics"    # evaluation figures by split
 ALIASES_KEY = "modelkit.aliases"    # tied names -> the name whose tensor they share
 QUANTIZED_KEY = "modelkit.quantized"    # N -> {scheme, layout, shape, dtype, params, format?, parts: {part: stored}}
 QUANT_KEY = "modelkit.quantization"     # the scheme's config (config_to_dict) that quantized the file
+FILE_TYPE_KEY = "modelkit.file_type"    # llama.cpp's LLAMA_FTYPE of a recipe (a decimal string): the GGUF writer
+                                        # stores it as general.file_type instead of a guess (not as metadata)
 PRUNE_KEY = "modelkit.prune"        # the PruneConfig and fine-tuning epochs that pruned the file
 DISTILL_KEY = "modelkit.distill"    # the distillation recipe (teacher, temperature, alpha, ...)
 TRAIN_KEY = "modelkit.train"        # the training recipe

@@ -26,15 +26,22 @@ SCHEMES: dict[str, str] = {
     "int8-dynamic": "modelkit.quantizers.int8_dynamic:Int8DynamicConfig",
     "iq4_nl": "modelkit.quantizers.gguf_arrays:IQ4_NLConfig",
     "iq4_xs": "modelkit.quantizers.gguf_arrays:IQ4_XSConfig",
-    "q2_k": "modelkit.quantizers.gguf_arrays:Q2_KConfig",
+    "q2_k": "modelkit.quantizers.gguf_arrays:Q2_KConfig",           # llama.cpp's Q2_K file type (a recipe)
     "q3_k": "modelkit.quantizers.gguf_arrays:Q3_KConfig",
+    "q3_k_l": "modelkit.quantizers.gguf_arrays:Q3_K_LConfig",
+    "q3_k_m": "modelkit.quantizers.gguf_arrays:Q3_K_MConfig",
+    "q3_k_s": "modelkit.quantizers.gguf_arrays:Q3_K_SConfig",
     "q4_0": "modelkit.quantizers.gguf_arrays:Q4_0Config",
     "q4_1": "modelkit.quantizers.gguf_arrays:Q4_1Config",
     "q4_k": "modelkit.quantizers.gguf_arrays:Q4_KConfig",
+    "q4_k_m": "modelkit.quantizers.gguf_arrays:Q4_K_MConfig",
+    "q4_k_s": "modelkit.quantizers.gguf_arrays:Q4_K_SConfig",
     "q5_0": "modelkit.quantizers.gguf_arrays:Q5_0Config",
     "q5_1": "modelkit.quantizers.gguf_arrays:Q5_1Config",
     "q5_k": "modelkit.quantizers.gguf_arrays:Q5_KConfig",
-    "q6_k": "modelkit.quantizers.gguf_arrays:Q6_KConfig",
+    "q5_k_m": "modelkit.quantizers.gguf_arrays:Q5_K_MConfig",
+    "q5_k_s": "modelkit.quantizers.gguf_arrays:Q5_K_SConfig",
+    "q6_k": "modelkit.quantizers.gguf_arrays:Q6_KConfig",           # llama.cpp's Q6_K file type (a recipe)
     "q8_0": "modelkit.quantizers.gguf_arrays:Q8_0Config",
     "tfjs-uint16": "modelkit.quantizers.tfjs_uint:TfjsUint16Config",
     "tfjs-uint8": "modelkit.quantizers.tfjs_uint:TfjsUint8Config",
@@ -47,6 +54,10 @@ SCHEME_KEY = "scheme"
 
 
 def _check(name: str) -> str:
+    """The scheme's name as the table spells it; GGUF block types and llama.cpp's file types in any case
+    ("Q4_K_M", as llama-quantize takes them)."""
+    if isinstance(name, str) and name not in SCHEMES and name.lower() in SCHEMES and name.lower().startswith("q"):
+        name = name.lower()
     if not isinstance(name, str) or name not in SCHEMES:
         raise ConfigError(f"unknown quantization scheme {name!r}; known: {', '.join(SCHEMES)}"
                           f"{did_you_mean(str(name), SCHEMES)}")

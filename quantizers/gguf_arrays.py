@@ -28,6 +28,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from modelkit.errors import ConfigError, MissingDependencyError
+from modelkit.quantizers.gguf_recipes import RECIPES
+
+RECIPE_BASES: dict[str, str] = {name: r.base for name, r in RECIPES.items()}
 
 try:
     from modelkit.quantizers import _gguf_kernels
@@ -110,6 +113,9 @@ class BlockConfig:
     """
 
     scheme: ClassVar[str] = ""
+    # llama.cpp's file type (modelkit.quantizers.gguf_recipes.RECIPES) whose per-tensor rules choose each type;
+    # "" for the legacy types, whose every weight is `scheme`
+    recipe: ClassVar[str] = ""
     skip: tuple[str, ...] = ()
     imatrix: str | None = None
 
@@ -117,6 +123,11 @@ class BlockConfig:
         check_skip(self)
         if self.imatrix is not None and (not isinstance(self.imatrix, str) or not self.imatrix):
             raise ConfigError(f"imatrix must be the path of an importance-matrix file, got {self.imatrix!r}")
+
+    @property
+    def block_type(self) -> str:
+        """The block type of every weight no rule of the recipe picks otherwise ("q4_k" for q4_k_m)."""
+        return RECIPE_BASES.get(self.recipe, type(self).scheme)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,16 +161,29 @@ class Q5_1Config(BlockConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Q2_KConfig(BlockConfig):
+class Q3_KConfig(BlockConfig):
     """Quantize every Linear and Embedding weight to llama.cpp's K-quant super-blocks (256 weights).
 
     As BlockConfig, except that a weight whose rows are not whole 256-weight super-blocks is stored
     as llama.cpp's quantizer stores it then (K_FALLBACK: Q4_0 under q2_k and q3_k, Q5_0 under q4_k,
     Q5_1 under q5_k, Q8_0 under q6_k) when its rows are whole 32-weight blocks, otherwise kept in
-    float (logged). `imatrix` as for BlockConfig.
+    float (logged). `imatrix` as for BlockConfig. (llama-quantize's Q3_K, Q4_K and Q5_K are its _M recipes:
+    name those, q3_k_m ..., for its per-tensor choices.)
     """
 
-    scheme: ClassVar[str] = "q2_k"
+    scheme: ClassVar[str] = "q3_k"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q4_KConfig(BlockConfig):
+    __doc__ = Q3_KConfig.__doc__
+    scheme: ClassVar[str] = "q4_k"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Q5_KConfig(BlockConfig):
+    __doc__ = Q3_KConfig.__doc__
+    scheme: ClassVar[str] = "q5_k"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,27 +210,35 @@ class IQ4_XSConfig(BlockConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Q3_KConfig(BlockConfig):
-    __doc__ = Q2_KConfig.__doc__
-    scheme: ClassVar[str] = "q3_k"
+class RecipeConfig(BlockConfig):
+    """llama.cpp's file type of this name (llama-quantize's Q2_K, Q3_K_S ... Q6_K): each tensor's block type
+    chosen by llama.cpp's rules from its llama.cpp name, layer and shape (modelkit.quantizers.gguf_recipes:
+    more bits for attn_v, ffn_down, attn_output and the output head; 32-weight fallbacks for rows that
+    are not whole 256-weight super-blocks), and general.file_type set to llama.cpp's value. A model
+    whose tensors have no llama.cpp names (no family) gets the base type everywhere, with the fallbacks.
+    """
+
+    scheme: ClassVar[str] = ""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Q4_KConfig(BlockConfig):
-    __doc__ = Q2_KConfig.__doc__
-    scheme: ClassVar[str] = "q4_k"
+def _recipe_config(name: str) -> type[RecipeConfig]:
+    """The config class of recipe `name` (Q4_K_MConfig for "q4_k_m")."""
+    title = f"{name.upper()}Config"
+    namespace = {"scheme": name, "recipe": name, "__module__": __name__, "__qualname__": title,
+                 "__doc__": RecipeConfig.__doc__}
+    return dataclass(frozen=True, kw_only=True)(type(title, (RecipeConfig,), namespace))
 
 
-@dataclass(frozen=True, kw_only=True)
-class Q5_KConfig(BlockConfig):
-    __doc__ = Q2_KConfig.__doc__
-    scheme: ClassVar[str] = "q5_k"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Q6_KConfig(BlockConfig):
-    __doc__ = Q2_KConfig.__doc__
-    scheme: ClassVar[str] = "q6_k"
+# The recipes' configs, one class each (the scheme table names them): Q2_KConfig ... Q6_KConfig
+Q2_KConfig = _recipe_config("q2_k")
+Q3_K_SConfig = _recipe_config("q3_k_s")
+Q3_K_MConfig = _recipe_config("q3_k_m")
+Q3_K_LConfig = _recipe_config("q3_k_l")
+Q4_K_SConfig = _recipe_config("q4_k_s")
+Q4_K_MConfig = _recipe_config("q4_k_m")
+Q5_K_SConfig = _recipe_config("q5_k_s")
+Q5_K_MConfig = _recipe_config("q5_k_m")
+Q6_KConfig = _recipe_config("q6_k")
 
 
 def shares(total: int, workers: int, least: int, step: int = 1) -> list[tuple[int, int]]:
@@ -330,11 +362,15 @@ def _k_kernels(what: str) -> Any:
     return _gguf_kernels
 
 
+_WIDEN_BLOCKS = 1024         # blocks of float16 widened at a time by one worker (about 1 MiB of float32: in cache)
+
+
 def quantize_kquants(values: np.ndarray, type_name: str, *, threads: int | None = None,
                      importance: np.ndarray | None = None) -> np.ndarray:
     """Quantize a float array to K-quant super-blocks (q2_k .. q6_k) or IQ4 blocks (iq4_nl, iq4_xs) along its
     last dimension: the bytes llama.cpp's `ggml_quantize_chunk` writes (under `importance`, one float per
-    column, when given), as uint8 (rows, bytes per row).
+    column, when given), as uint8 (rows, bytes per row). float16 input is widened to float32 (exactly) by
+    the worker threads as they go.
 
     Raises:
         ConfigError: the last dimension is not whole blocks, the importance does not fit, or the array holds
@@ -351,12 +387,23 @@ def quantize_kquants(values: np.ndarray, type_name: str, *, threads: int | None 
                           f"whole {block}-weight {'super-blocks' if block == K_BLOCK else 'blocks'}{stored}")
     weights = None if importance is None else _importance(importance, shape, type_name)
     rows = math.prod(shape[:-1])
-    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    # float16 is widened by the workers, a slice at a time (no float32 copy of the tensor, no serial pass)
+    flat = np.ascontiguousarray(values, dtype=np.float16 if values.dtype == np.float16 else np.float32).reshape(-1)
     out = np.empty(flat.size // block * size, dtype=np.uint8)
+    row_blocks = shape[-1] // block
+    # under an importance matrix every slice starts on a row (the weights are per column)
+    widen = _WIDEN_BLOCKS if weights is None else max(1, _WIDEN_BLOCKS // row_blocks) * row_blocks
 
     def work(start: int, stop: int) -> bool:
-        return kernels.kquantize(type_name, flat[start * block:stop * block], out[start * size:stop * size],
-                                 weights) < 0
+        if flat.dtype == np.float32:
+            return kernels.kquantize(type_name, flat[start * block:stop * block], out[start * size:stop * size],
+                                     weights) < 0
+        for first in range(start, stop, widen):
+            last = min(first + widen, stop)
+            chunk = flat[first * block:last * block].astype(np.float32)
+            if kernels.kquantize(type_name, chunk, out[first * size:last * size], weights) >= 0:
+                return False
+        return True
 
     # a super-block costs ~40x a 32-weight block: shares of 2**12 super-blocks are worth a thread; under an
     # importance matrix the shares start on rows (the weights are per column)

@@ -61,6 +61,7 @@ from modelkit.quantizers.gguf_arrays import (  # noqa: F401  (the configs are th
     run_kernels,
     shares,
 )
+from modelkit.quantizers.gguf_recipes import checkpoint_types
 from modelkit.quantizers.imatrix import read_importance
 from modelkit.storage.memory import empty_bytes
 
@@ -437,18 +438,27 @@ def quantized_tensor(weight: torch.Tensor, type_name: str, *, scheme: str | None
 
 def apply(model: nn.Module, config: BlockConfig) -> nn.Module:
     """Return a copy of `model` whose Linear and Embedding weights are GGUF blocks of `config.scheme` (a K type's
-    weights whose rows are not whole super-blocks: llama.cpp's fallback type, gguf_arrays.row_type), under
-    `config.imatrix`'s entries (by the weights' GGUF names) when it names an importance matrix."""
-    if config.scheme not in KERNEL_TYPES:
-        block_type(config.scheme)
+    weights whose rows are not whole super-blocks: llama.cpp's fallback type, gguf_arrays.row_type), or, for a
+    recipe (q4_k_m ...), of the type llama.cpp's rules pick for the weight's llama.cpp name (a model without a
+    llama.cpp layout: the recipe's base type and fallbacks); under `config.imatrix`'s entries (by the weights'
+    GGUF names) when it names an importance matrix."""
+    base = config.block_type
+    if base not in KERNEL_TYPES:
+        block_type(base)
+    chosen = _recipe_types(model, config.recipe) if config.recipe else None
     gguf_names = _gguf_names(model) if config.imatrix else {}
     importance = read_importance(config.imatrix) if config.imatrix else None
 
     def convert(name: str, module: nn.Module) -> nn.Module | None:
         weight = module.weight.detach()
-        type_name = row_type(config.scheme, weight.shape[-1]) if weight.ndim == 2 else None
+        if chosen is not None and f"{name}.weight" in chosen:
+            type_name = chosen[f"{name}.weight"]
+            type_name = None if type_name == "f16" else type_name   # llama.cpp's F16 fallback: the layer stays float
+        else:
+            type_name = row_type(base, weight.shape[-1]) if weight.ndim == 2 else None
         if type_name is None:
-            _modules.log_kept(name, f"rows of {weight.shape[-1]} weights are not whole {BLOCK}-weight blocks")
+            _modules.log_kept(name, f"rows of {weight.shape[-1]} weights are not whole {BLOCK}-weight blocks"
+                              if chosen is None else f"llama.cpp's {config.recipe.upper()} keeps it as it is")
             return None
         vector = None
         if importance is not None:
@@ -473,6 +483,14 @@ def _gguf_names(model: nn.Module) -> dict[str, str]:
     except ConfigError:                 # not a registered model: its names are the GGUF names
         return {}
     return dict(rules.names) if rules is not None else {}
+
+
+def _recipe_types(model: nn.Module, recipe: str) -> dict[str, str | None]:
+    """State-dict name -> type under `recipe`, from the llama.cpp layout of the model's architecture."""
+    from modelkit.checkpoint import Checkpoint
+
+    types, _ = checkpoint_types(Checkpoint.from_module(model), recipe)
+    return types
 
 
 def from_affine(q: QuantizedTensor) -> QuantizedTensor | None:

@@ -71,20 +71,25 @@ LOGITS_PROMPT = 1           # the prompt whose logits are compared: its first LO
 LOGITS_TOKENS = 16
 
 
-def build_folder(family: str, folder: Path) -> Path:
-    """The family's tiny model with its tokenizer, as save_pretrained writes it (seeded: the same bytes each run)."""
+def build_folder(family: str, folder: Path, shape: dict | None = None) -> Path:
+    """The family's tiny model with its tokenizer, as save_pretrained writes it (seeded: the same bytes each run).
+    `shape` replaces COMMON's sizes (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads; GPT-2 takes the first four as n_embd, n_inner, n_layer, n_head)."""
     spec = FAMILIES[family]
+    given, shape = shape or {}, {**COMMON, **(shape or {})}
     folder.mkdir(parents=True, exist_ok=True)
     for file in (TOKENIZERS / spec.tokenizer).iterdir():
         shutil.copyfile(file, folder / file.name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     ids = {k: tokenizer.convert_tokens_to_ids(getattr(tokenizer, f"{k}_token")) for k in ("bos", "eos", "pad")
            if getattr(tokenizer, f"{k}_token", None) is not None}
-    values = {**COMMON, **dict(spec.extra), "vocab_size": len(tokenizer) + 3,        # spare rows, as Qwen2's
+    values = {**shape, **dict(spec.extra), "vocab_size": len(tokenizer) + 3,        # spare rows, as Qwen2's
               **{f"{k}_token_id": v for k, v in ids.items()}}
     if family == "gpt2":
         # n_positions as released GPT-2 has it: transformers' GGUF reader does not read it from context_length
-        values = {"vocab_size": values["vocab_size"], "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 1024,
+        values = {"vocab_size": values["vocab_size"], "n_embd": shape["hidden_size"], "n_layer": shape["num_hidden_layers"],
+                  "n_head": shape["num_attention_heads"], "n_positions": 1024,
+                  **({"n_inner": given["intermediate_size"]} if "intermediate_size" in given else {}),
                   **{f"{k}_token_id": v for k, v in ids.items()}}
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(spec.config(**values)).eval()

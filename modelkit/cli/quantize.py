@@ -6,6 +6,7 @@ import click
 from modelkit.cli.options import force_option, output_options, read_options
 from modelkit.cli.output import Progress, emit_json, human_bytes, note, table
 from modelkit.formats import FORMATS
+from modelkit.quantizers.gguf_recipes import RECIPES, describe
 
 SCHEMA = "modelkit.quantize/1"
 
@@ -68,7 +69,14 @@ def render(reports: list) -> str:
 @click.argument("dst", type=click.Path(dir_okay=True))
 @click.option("--scheme", "scheme_values", multiple=True, required=True,
               help="Scheme (repeat or comma-separate for a comparison run): int8, int8-dynamic, int4, gptq, "
-                   "q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, fp16, bf16; for .onnx input: int8-dynamic, int8-static, int4.")
+                   "q8_0, q4_0, q4_1, q5_0, q5_1, q3_k, q4_k, q5_k, iq4_nl, iq4_xs (one GGUF block type for every "
+                   "weight), fp16, bf16, tfjs-uint8, tfjs-uint16 (TF.js model.json); "
+                   "llama.cpp's file types (any case, per-tensor types as llama-quantize picks them): "
+                   + "; ".join(describe(r) for r in RECIPES.values())
+                   + ". For .onnx input: int8-dynamic, int8-static, int4.")
+@click.option("--allow-requantize", is_flag=True,
+              help="Accept an input that is already block-quantized (GGUF): dequantize and quantize it again, as "
+                   "llama-quantize --allow-requantize (quality is lost twice).")
 @click.option("--group-size", type=int, help="int4 / gptq: input columns per scale (32, 64 or 128; ONNX int4: a power of two from 16 to 256).")
 @click.option("--imatrix", type=click.Path(dir_okay=False),
               help="GGUF block schemes: llama.cpp importance matrix (GGUF or .dat; `modelkit imatrix` makes one).")
@@ -84,7 +92,8 @@ def render(reports: list) -> str:
 @read_options()
 @force_option
 @output_options
-def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int | None, imatrix: str | None,
+def quantize(src: str, dst: str, scheme_values: tuple[str, ...], allow_requantize: bool, group_size: int | None,
+             imatrix: str | None,
              skip: tuple[str, ...],
              to: str | None, qat: bool, epochs: int, steps: int | None, lr: float | None, evaluate: bool,
              plot: str | None, verify: bool, source_format: str | None, trust: bool, key: str | None,
@@ -99,6 +108,7 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int
     Examples:
       modelkit quantize runs/cnn/model.safetensors cnn-int8.safetensors --scheme int8 --eval
       modelkit quantize runs/tinylm/model.safetensors tinylm-q4_0.gguf --scheme q4_0
+      modelkit quantize model-f16.gguf model-Q4_K_M.gguf --scheme Q4_K_M      # llama-quantize's recipe
       modelkit quantize weights.safetensors weights-q8_0.gguf --scheme q8_0      # no model, no torch needed
       modelkit quantize runs/tinylm/model.safetensors tinylm-q3_k.gguf --scheme q3_k --imatrix imatrix.gguf
       modelkit quantize runs/tinylm/model.safetensors out/ --scheme q8_0,q4_0,int4,gptq --eval --plot q.png
@@ -117,7 +127,7 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], group_size: int
         raise ConfigError("--scheme needs at least one scheme name")
     options = {"group_size": group_size, "skip": skip, "qat": qat, "epochs": epochs, "steps": steps, "lr": lr,
                "verify": verify, "source_format": source_format, "trust": trust, "key": key, "arch": arch,
-               "imatrix": imatrix}
+               "imatrix": imatrix, "allow_requantize": allow_requantize}
     # QAT shows its training; a weight file quantized to GGUF without a model, the bytes written
     with Progress("qat" if qat else "quantize", enabled=(qat or len(names) == 1) and not as_json,
                   unit="" if qat else "bytes") as progress, \

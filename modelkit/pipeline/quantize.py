@@ -22,7 +22,7 @@ from modelkit import schemes
 from modelkit.checkpoint import METRICS_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor, instantiate
 from modelkit.errors import ConfigError
 from modelkit.formats import FORMATS, ReadOptions, WriteOptions, detect_format, format_for_output, load_format
-from modelkit.metadata import QUANT_KEY
+from modelkit.metadata import FILE_TYPE_KEY, QUANT_KEY
 from modelkit.pipeline.quantize_weights import (
     checkpoint_stats,
     is_block_scheme,
@@ -146,7 +146,7 @@ class _Source:
 
 
 def _load_float(src: PathLike | nn.Module, *, source_format: str | None = None, trust: bool = False,
-                key: str | None = None, arch: ArchSpec | str | None = None) -> _Source:
+                key: str | None = None, arch: ArchSpec | str | None = None, allow_requantize: bool = False) -> _Source:
     from modelkit.pipeline.load import load, load_module
 
     if not isinstance(src, (str, os.PathLike)):
@@ -154,11 +154,16 @@ def _load_float(src: PathLike | nn.Module, *, source_format: str | None = None, 
     path = Path(src)
     fmt = source_format or detect_format(path)
     ckpt = load(path, format=fmt, trust=trust, key=key)
-    if any(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()):
-        raise ConfigError(f"{path} is already quantized; quantize the float model instead")
+    quantized = sorted({t.scheme.upper() for t in ckpt.tensors.values() if isinstance(t, QuantizedTensor)})
+    if quantized and not (allow_requantize and arch is None):
+        raise ConfigError(f"{path} is already quantized ({', '.join(quantized)}); quantize the float model, or pass "
+                          "--allow-requantize to dequantize and quantize it again (quality is lost twice)")
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
     metadata = {k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}
-    model = load_module(path, format=fmt, trust=trust, key=key, arch=arch)
+    if quantized:                           # --allow-requantize: the dequantized weights, as llama-quantize takes them
+        model = instantiate(load(path, format=fmt, trust=trust, key=key, dequantize=True), source=str(path))
+    else:
+        model = load_module(path, format=fmt, trust=trust, key=key, arch=arch)
     return _Source(model, {"path": str(path), "format": fmt, "bytes": size}, metadata, dict(ckpt.assets))
 
 
@@ -233,7 +238,11 @@ def save_quantized(model: nn.Module, dst: PathLike, *, config: Any, format: str 
 
     dst = Path(dst)
     fmt = format_for_output(dst, format)
-    meta = {**(metadata or {}), QUANT_KEY: schemes.config_to_json(config)}
+    meta = {**{k: v for k, v in (metadata or {}).items() if k != FILE_TYPE_KEY}, QUANT_KEY: schemes.config_to_json(config)}
+    if getattr(config, "recipe", ""):                       # llama.cpp's file type, as general.file_type
+        from modelkit.quantizers.gguf_recipes import RECIPES
+
+        meta[FILE_TYPE_KEY] = str(RECIPES[config.recipe].ftype)
     ckpt = Checkpoint.from_module(model, metadata=meta)
     ckpt = Checkpoint(ckpt.tensors, ckpt.metadata, ckpt.arch, dict(assets or {}))
     if fmt == "gguf":
@@ -318,6 +327,7 @@ def quantize(
     force: bool = False, reference: dict[str, Any] | None = None, progress: Callable[..., None] | None = None,
     source_format: str | None = None, trust: bool = False, key: str | None = None, arch: ArchSpec | str | None = None,
     imatrix: PathLike | None = None,
+    allow_requantize: bool = False,
 ) -> QuantizeReport | None:
     """Quantize a model file (or module) with one scheme, write it, and measure the cost.
 
@@ -341,6 +351,8 @@ def quantize(
         source_format, trust, key, arch: how to read `src`, as for `load_module`.
         imatrix: a llama.cpp importance-matrix file (GGUF block schemes; `modelkit imatrix` makes one):
             weights it has an entry for are quantized under it, as llama-quantize --imatrix does.
+        allow_requantize: Accept a file that is already quantized (GGUF block types): its weights are
+            dequantized and quantized again, as llama-quantize --allow-requantize does; refused otherwise.
 
     Returns:
         The report; None on ranks other than 0 when QAT runs under torchrun (rank 0 writes).
@@ -374,12 +386,13 @@ def quantize(
                     and not (qat or evaluate or latency) and format == "gguf")
     if weights_only:        # no model needed, unless the file names one (then the model picks its layers)
         report = quantize_weights(src, dst, config=config, source_format=source_format, trust=trust, key=key,
-                                  force=force, verify=verify, progress=progress)
+                                  force=force, verify=verify, progress=progress, allow_requantize=allow_requantize)
         if report is not None:
             return report
     from modelkit.pipeline import distributed
 
-    loaded = _load_float(src, source_format=source_format, trust=trust, key=key, arch=arch)
+    loaded = _load_float(src, source_format=source_format, trust=trust, key=key, arch=arch,
+                         allow_requantize=allow_requantize)
     model, source, metadata = loaded.model, loaded.info, loaded.metadata
     config = _family_defaults(config, model)
     tokenizer = _eval_tokenizer(loaded, src) if evaluate else None       # before anything is written
@@ -528,7 +541,7 @@ def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], fo
 
         reference = float_reference(src)
     elif evaluate:
-        reading = {k: options[k] for k in ("source_format", "trust", "key", "arch") if k in options}
+        reading = {k: options[k] for k in ("source_format", "trust", "key", "arch", "allow_requantize") if k in options}
         loaded = _load_float(src, **reading)
         reference = measure_float(loaded.model, tokenizer=_eval_tokenizer(loaded, src))
     suffix = ".onnx" if str(src).endswith(".onnx") else next(iter(FORMATS[format].suffixes), "")   # hf: a folder each

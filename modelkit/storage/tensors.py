@@ -88,6 +88,34 @@ class LazyTensor:
         return to_torch(data, self.dtype) if isinstance(data, np.ndarray) else data
 
 
+@dataclass(frozen=True, eq=False)
+class MadeTensor(LazyTensor):
+    """A LazyTensor whose bytes are costly to make (quantized as the writer pulls them): the first read
+    remembers their digest (CRC-32 and length), so the write path's check compares the written bytes with that digest
+    instead of making them a second time (modelkit.pipeline.verify)."""
+
+    made: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+
+    def _read(self) -> Any:
+        data = super()._read()
+        if "digest" not in self.made:
+            self.made["digest"] = digest(to_numpy(data) if not isinstance(data, np.ndarray) else data)
+        return data
+
+    def digest(self) -> bytes | None:
+        """The digest of the bytes made so far (None before the first read)."""
+        return self.made.get("digest")
+
+
+def digest(array: np.ndarray) -> bytes:
+    """CRC-32 and length of an array's bytes (C order): a check against writing the wrong bytes, not against
+    an adversary (zlib's CRC runs at memory speed; a cryptographic hash would cost more than the write)."""
+    import zlib
+
+    data = memoryview(np.ascontiguousarray(array)).cast("B")
+    return zlib.crc32(data).to_bytes(4, "little") + len(data).to_bytes(8, "little")
+
+
 def _unpack_int4(packed: Any, signed: bool) -> Any:
     """(..., n/2) uint8, low nibble first -> (..., n) int8 values."""
     import torch
