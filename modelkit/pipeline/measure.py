@@ -65,9 +65,9 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
         raise ConfigError(f"unknown runtime {runtime!r}; known: {', '.join(EVAL_RUNTIMES)}")
     graph = _RUNTIME_FORMATS.get(runtime)
     if graph is not None:
-        fmt, suffix = graph
+        fmt, suffix, called = graph
         if isinstance(path_or_model, nn.Module) or detect_format(Path(path_or_model)) != fmt:
-            raise ConfigError(f"{path_or_model}: runtime {runtime} needs a {fmt} file; convert it with "
+            raise ConfigError(f"{path_or_model}: runtime {runtime} needs {called} file; convert it with "
                               f"modelkit convert SRC model{suffix} first")
         model, device = session_module(path_or_model, fmt=fmt), "cpu"
     elif isinstance(path_or_model, nn.Module):
@@ -239,7 +239,8 @@ def metric_change(name: str, higher_is_better: bool, before: Mapping[str, Any], 
 
 
 # Runtimes that run a graph file's own graph: runtime -> (its format, the suffix to convert to).
-_RUNTIME_FORMATS = {"onnxruntime": ("onnx", ".onnx"), "openvino": ("openvino", ".xml")}
+# runtime -> (format, suffix, how the format is named in a sentence)
+_RUNTIME_FORMATS = {"onnxruntime": ("onnx", ".onnx", "an ONNX"), "openvino": ("openvino", ".xml", "an OpenVINO IR")}
 
 
 def session_module(path: PathLike, arch: ArchSpec | None = None, fmt: str = "onnx") -> nn.Module:
