@@ -255,5 +255,5 @@ def test_metadata_keys_keep_their_values():
         "PTH_SOURCE_KEY": "modelkit.pth.source", "PTH_METADATA_ENTRY": "__modelkit__", "PTH_LAYOUT": "modelkit.pth/1",
         "NPZ_MEMBER": "modelkit.json", "NPZ_LAYOUT": "modelkit.npz/1",
         "TF_KEYS_KEY": "modelkit.tensorflow.keys", "TF_SOURCE_KEY": "modelkit.tensorflow.source",
-        "GGML_SOURCE_KEY": "modelkit.ggml.source",
+        "GGML_SOURCE_KEY": "modelkit.ggml.source", "FILE_TYPE_KEY": "modelkit.file_type",
     }
