@@ -23,6 +23,7 @@ from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import TF_SOURCE_KEY
 from modelkit.parse import savedmodel as saved
 from modelkit.parse.detect import savedmodel as detect  # noqa: F401  (the converter's detect)
+from modelkit.parse.paths import read_capped
 from modelkit.storage.tf_bundle import read_bundle
 
 MAX_PB_BYTES = 2 << 30          # protobuf's own limit on one message
@@ -44,9 +45,7 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
                                 "SavedModel's folder (or leave out --format to detect the format)")
     gate(pb, trust=options.trust)
     try:
-        if pb.stat().st_size > MAX_PB_BYTES:
-            raise FormatError(pb, f"is over {MAX_PB_BYTES} bytes, more than protobuf allows")
-        model = saved.read(pb.read_bytes())
+        model = saved.read(read_capped(pb, MAX_PB_BYTES, "a protobuf"))
     except OSError as e:
         raise FormatError(pb, f"cannot read it ({e.strerror})") from e
     except ParseError as e:

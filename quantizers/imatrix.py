@@ -21,6 +21,7 @@ import numpy as np
 from modelkit.errors import ConfigError, FormatError
 from modelkit.parse import imatrix as parse_imatrix
 from modelkit.parse.imatrix import CHUNK_COUNT_KEY, CHUNK_SIZE_KEY, COUNTS_SUFFIX, DATASETS_KEY, SUMS_SUFFIX, TYPE_KEY
+from modelkit.parse.paths import read_capped
 from modelkit.storage.atomic import atomic_path
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,8 @@ def read_importance(path: str | os.PathLike[str]) -> Importance:
     path = Path(path)
     if not path.is_file():
         raise FormatError(path, "no such importance-matrix file")
-    if path.stat().st_size > MAX_BYTES:
-        raise FormatError(path, f"{path.stat().st_size} bytes is more than an importance matrix holds")
-    parsed = parse_imatrix.read_imatrix(path.read_bytes(), source=str(path))      # ParseError is a FormatError
+    data = read_capped(path, MAX_BYTES, "an importance matrix")                 # ParseError is a FormatError
+    parsed = parse_imatrix.read_imatrix(data, source=str(path))
     if not parsed.legacy and not parsed.has_metadata:
         raise ConfigError(f"{path}: a GGUF importance matrix without {DATASETS_KEY}, {CHUNK_COUNT_KEY} and "
                           f"{CHUNK_SIZE_KEY} (llama-quantize refuses it too); write it with llama-imatrix or "

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from modelkit.errors import ParseError
+from modelkit.parse.paths import read_capped
 
 CONFIG_NAME = "config.json"
 MAX_JSON = 50_000_000          # the largest config or tokenizer file modelkit reads (real tokenizer.json: ~10 MB)
@@ -22,10 +23,7 @@ ASSETS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", 
 
 def read_bytes(path: Path) -> bytes:
     """A folder file's bytes, refusing one larger than MAX_JSON."""
-    size = path.stat().st_size
-    if size > MAX_JSON:
-        raise ParseError(f"{path.name} is {size} bytes; refusing anything over {MAX_JSON}", source=str(path))
-    return path.read_bytes()
+    return read_capped(path, MAX_JSON, "a model folder's JSON file")
 
 
 def read_json(path: Path) -> dict[str, Any]:

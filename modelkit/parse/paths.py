@@ -105,3 +105,18 @@ def resolve_location(directory: str, location: str, *, what: str) -> str:
     if not os.path.isfile(target):
         raise ParseError(f"{what} has external data {location!r}, which is missing or not a file")
     return target
+
+
+def read_capped(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
+    """The whole of a small structured file (`what`: "a protobuf", "a checkpoint index" ...), refusing one larger
+    than `limit` before reading it: sizes are the file's claim, so they are checked before any allocation.
+
+    Raises:
+        ParseError: the file is larger than `limit` (OSError as the file system raises it).
+    """
+    size = os.stat(path).st_size
+    if size > limit:
+        raise ParseError(f"{os.path.basename(path)} is {size} bytes, over the {limit} that {what} may take; "
+                         "refusing to read it", source=os.fspath(path))
+    with open(path, "rb") as f:
+        return f.read()

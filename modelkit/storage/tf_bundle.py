@@ -26,6 +26,7 @@ import numpy as np
 from modelkit.errors import FormatError, ParseError
 from modelkit.metadata import TF_KEYS_KEY
 from modelkit.parse import tf_bundle
+from modelkit.parse.paths import read_capped
 from modelkit.storage.checksums import crc32c
 from modelkit.storage.tensors import LazyTensor
 
@@ -94,9 +95,7 @@ def read_bundle(prefix: Path) -> tuple[dict[str, LazyTensor], dict[str, str]]:
     """
     index = Path(f"{prefix}.index")
     try:
-        if index.stat().st_size > tf_bundle.MAX_INDEX_BYTES:
-            raise FormatError(index, f"is over {tf_bundle.MAX_INDEX_BYTES} bytes; an index that large is not read")
-        bundle = tf_bundle.read_index(index.read_bytes())
+        bundle = tf_bundle.read_index(read_capped(index, tf_bundle.MAX_INDEX_BYTES, "a checkpoint index"))
     except OSError as e:
         raise FormatError(index, f"cannot read the checkpoint index ({e.strerror})") from e
     except ParseError as e:
