@@ -53,6 +53,7 @@ from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse import keras as keras_json
 from modelkit.parse.detect import KERAS_WEIGHTS, keras_weights
 from modelkit.parse.detect import hdf5 as detect  # noqa: F401  (the converter's detect)
+from modelkit.parse.paths import read_capped
 from modelkit.storage import hdf5_files
 from modelkit.storage.atomic import companion_name
 from modelkit.storage.dtypes import DType, contiguous, dtype_name, widen_to_float32
@@ -118,9 +119,8 @@ def layers(path: Path) -> list[dict[str, str]] | None:
     if path.suffix != ".json":
         return None
     try:
-        if path.stat().st_size > keras_json.MAX_JSON:
-            raise FormatError(path, f"is over {keras_json.MAX_JSON} bytes; an architecture that large is not read")
-        config = keras_json.model_config(keras_json.load_json(path.read_bytes()))
+        config = keras_json.model_config(keras_json.load_json(read_capped(path, keras_json.MAX_JSON,
+                                                                          "a Keras architecture")))
     except OSError as e:
         raise FormatError(path, f"cannot read it ({e.strerror})") from e
     except ParseError as e:

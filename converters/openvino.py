@@ -54,6 +54,7 @@ from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, json_object
 from modelkit.parse import openvino as ir_xml
 from modelkit.parse.detect import openvino as detect  # noqa: F401  (the converter's detect)
+from modelkit.parse.paths import read_capped
 from modelkit.storage.dtypes import DTYPES, tensor_bytes
 from modelkit.storage.mapped import MappedFile
 
@@ -89,9 +90,7 @@ def bin_path(path: Path) -> Path:
 
 def _ir(path: Path) -> ir_xml.IR:
     try:
-        if path.stat().st_size > ir_xml.MAX_XML:
-            raise FormatError(path, f"is over {ir_xml.MAX_XML} bytes; an IR .xml that large is not read")
-        return ir_xml.read_ir(path.read_bytes())
+        return ir_xml.read_ir(read_capped(path, ir_xml.MAX_XML, "an IR .xml"))
     except OSError as e:
         raise FormatError(path, f"cannot read it ({e.strerror or e})") from e
     except ParseError as e:

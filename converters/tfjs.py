@@ -71,6 +71,7 @@ from modelkit.models.keras_plan import (
 from modelkit.parse import keras as keras_json
 from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse.detect import tfjs as detect  # noqa: F401  (the converter's detect)
+from modelkit.parse.paths import read_capped
 from modelkit.storage import dtypes
 from modelkit.storage.atomic import file_finished
 from modelkit.storage.mapped import FileSpan, MappedFile
@@ -108,9 +109,7 @@ def model_json(path: Path) -> Path:
 def _model(file: Path) -> tfjs_json.Model:
     """model.json parsed by modelkit.parse.tfjs, its size checked before it is read."""
     try:
-        if file.stat().st_size > keras_json.MAX_JSON:
-            raise FormatError(file, f"is over {keras_json.MAX_JSON} bytes; a model.json that large is not read")
-        return tfjs_json.read_model(file.read_bytes())
+        return tfjs_json.read_model(read_capped(file, keras_json.MAX_JSON, "a model.json"))
     except OSError as e:
         raise FormatError(file, f"cannot read it ({e.strerror})") from e
     except ParseError as e:

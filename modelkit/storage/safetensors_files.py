@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
 from modelkit.metadata import ALIASES_KEY, tied_names
 from modelkit.parse import safetensors as safetensors_header
-from modelkit.parse.paths import plain_name_problem
+from modelkit.parse.paths import plain_name_problem, read_capped
 from modelkit.storage.atomic import file_finished
 from modelkit.storage.dtypes import SAFETENSORS_DTYPES, DType, tensor_bytes
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
@@ -85,11 +85,9 @@ def read_folder(folder: Path, index_path: Path | None = None) -> tuple[dict[str,
     if not index_path.is_file():
         tensors, metadata = read_file(folder / SINGLE_NAME)
         return tensors, metadata, folder / SINGLE_NAME
-    size = index_path.stat().st_size
-    if size > safetensors_header.MAX_INDEX:
-        raise FormatError(index_path, f"index is {size} bytes; refusing anything over {safetensors_header.MAX_INDEX}")
     try:
-        weight_map = safetensors_header.read_index(index_path.read_bytes())
+        weight_map = safetensors_header.read_index(read_capped(index_path, safetensors_header.MAX_INDEX,
+                                                               "a sharded checkpoint's index"))
     except ParseError as e:
         raise FormatError(index_path, e.reason) from e
     shards: dict[str, tuple[dict[str, LazyTensor], dict[str, str]]] = {}
