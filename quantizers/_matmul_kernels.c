@@ -15,6 +15,8 @@
  *           of 32/64/128 columns; two's complement nibbles, or 0..15 with a uint8 zero point per group
  *           The activations of an F_I4 product are stored in pair order within each block
  *           (weights 0,2,..,30 then 1,3,..,31), so the nibble expansion of F_Q4_0 serves both.
+ *   F_Q4_1 .. F_IQ4_XS  the other GGUF block types (q4_1, q5_0, q5_1, iq4_nl; the K-quants q2_k .. q6_k
+ *           and iq4_xs, whose activations are llama.cpp's q8_K: blocks of 256): _matmul_kernels_kquants.h
  *
  * For each block, sum_k (q_k - z) x_k = sum_k q_k x_k - z sum_k x_k: the integer dot product runs
  * on the raw levels and the zero (8 for q4_0 and symmetric int4; 128 where the VNNI kernels read
@@ -44,7 +46,10 @@
 #define ROWS 8          /* output rows computed together (one 8-lane register of results) */
 #define TOKENS 8        /* activation rows sharing one load of a weight block */
 
-enum { F_I8 = 0, F_Q8_0 = 1, F_Q4_0 = 2, F_I4 = 3 };
+enum { F_I8 = 0, F_Q8_0 = 1, F_Q4_0 = 2, F_I4 = 3,
+       /* _matmul_kernels_kquants.h: legacy blocks of 32, then the K super-blocks of 256 */
+       F_Q4_1 = 4, F_Q5_0 = 5, F_Q5_1 = 6, F_IQ4_NL = 7, F_Q2_K = 8, F_Q3_K = 9, F_Q4_K = 10, F_Q5_K = 11,
+       F_Q6_K = 12, F_IQ4_XS = 13, F_LAST = F_IQ4_XS };
 
 typedef struct {
     int fmt;
@@ -66,6 +71,7 @@ typedef struct {
     const float *s;                /* (M, nb) sum of each block's levels */
     Py_ssize_t M;
     float *y;                      /* (M, N) output */
+    const int16_t *bsums;          /* K types: (M, K / 16) sums of 16 levels (q, d: q8_K, one scale per 256) */
 } act_t;
 
 /* IEEE binary16 bits -> float (exact; subnormals included). */
@@ -207,6 +213,15 @@ static void generic_rows(const weight_t *w, const act_t *a, Py_ssize_t r0, Py_ss
 
 typedef void (*rows_fn)(const weight_t *, const act_t *, Py_ssize_t, Py_ssize_t);
 
+/* The other GGUF types (K-quants, q4_1, q5_0, q5_1, IQ4): portable here, AVX2 below. */
+#define KNAME(name) name##_generic
+#define KTARGET
+#define KSIMD 0
+#include "_matmul_kernels_kquants.h"
+#undef KNAME
+#undef KTARGET
+#undef KSIMD
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MODELKIT_GENERIC_ONLY)
 #include <immintrin.h>
 #define HAVE_X86_KERNELS 1
@@ -215,6 +230,9 @@ typedef void (*rows_fn)(const weight_t *, const act_t *, Py_ssize_t, Py_ssize_t)
 #define KTARGET __attribute__((target("avx2,fma,f16c")))
 #define KVNNI 0
 #include "_matmul_kernels_x86.h"
+#define KSIMD 1
+#include "_matmul_kernels_kquants.h"        /* the VNNI entries use these AVX2 ones too */
+#undef KSIMD
 #undef KNAME
 #undef KTARGET
 #undef KVNNI
@@ -241,14 +259,16 @@ typedef void (*rows_fn)(const weight_t *, const act_t *, Py_ssize_t, Py_ssize_t)
 #endif
 #endif
 
-static const struct { const char *name; rows_fn rows; quantize_fn quantize; } ALL_ISAS[] = {
+/* rows: F_I8..F_I4; more_rows: the formats of _matmul_kernels_kquants.h. */
+static const struct { const char *name; rows_fn rows; quantize_fn quantize; rows_fn more_rows; } ALL_ISAS[] = {
 #ifdef HAVE_VNNI_KERNELS
-    {"avx512vnni", rows_avx512vnni, quantize_activations_avx2}, {"avxvnni", rows_avxvnni, quantize_activations_avx2},
+    {"avx512vnni", rows_avx512vnni, quantize_activations_avx2, more_rows_avx2},
+    {"avxvnni", rows_avxvnni, quantize_activations_avx2, more_rows_avx2},
 #endif
 #ifdef HAVE_X86_KERNELS
-    {"avx2", rows_avx2, quantize_activations_avx2},
+    {"avx2", rows_avx2, quantize_activations_avx2, more_rows_avx2},
 #endif
-    {"generic", generic_rows, quantize_activations},
+    {"generic", generic_rows, quantize_activations, more_rows_generic},
 };
 #define N_ISAS ((int)(sizeof ALL_ISAS / sizeof ALL_ISAS[0]))
 static int isa_ok[N_ISAS];      /* this CPU runs ALL_ISAS[i]: set once, when the module loads */
@@ -361,7 +381,7 @@ PyDoc_STRVAR(linear_doc,
 "linear(isa, threads, fmt, w, w_stride, scale, scale_stride, zero, zero_stride, group_blocks,\n"
 "       signed_nibbles, bias, N, K, x, M, y, rowwise)\n\n"
 "y (M, N float32) = x (M, K float32) @ W.T + bias, W packed as `fmt` (0 int8 rows, 1 q8_0, 2 q4_0,\n"
-"3 int4 rows). Every array argument is an address (int; 0 for none) of contiguous memory the caller\n"
+"3 int4 rows, 4 q4_1, 5 q5_0, 6 q5_1, 7 iq4_nl, 8 q2_k, 9 q3_k, 10 q4_k, 11 q5_k, 12 q6_k, 13 iq4_xs). Every array argument is an address (int; 0 for none) of contiguous memory the caller\n"
 "keeps alive for the call. `rowwise`: one activation scale per row instead of per block of 32.\n"
 "`isa`: a name of ISAS. Releases the GIL while it runs.");
 
@@ -378,13 +398,13 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     quantize_fn quantize = NULL;
     for (int i = 0; i < N_ISAS; i++)
         if (strcmp(isa, ALL_ISAS[i].name) == 0 && isa_ok[i]) {
-            rows = ALL_ISAS[i].rows;
+            rows = fmt > F_I4 ? ALL_ISAS[i].more_rows : ALL_ISAS[i].rows;
             quantize = ALL_ISAS[i].quantize;
         }
     if (rows == NULL) return PyErr_Format(PyExc_ValueError, "no %s kernels on this CPU", isa);
-    if (fmt < F_I8 || fmt > F_I4 || N < 1 || K < 1 || M < 0 || !w_ptr || !x_ptr || !y_ptr)
+    if (fmt < F_I8 || fmt > F_LAST || N < 1 || K < 1 || M < 0 || !w_ptr || !x_ptr || !y_ptr)
         return PyErr_Format(PyExc_ValueError, "bad arguments: fmt %d, N %zd, K %zd, M %zd", fmt, N, K, M);
-    if ((fmt != F_I8 && K % QK) || ((fmt == F_I8 || fmt == F_I4) && !scale_ptr) ||
+    if ((fmt != F_I8 && K % QK) || (fmt > F_I4 && is_k_format(fmt) && K % QKK) || ((fmt == F_I8 || fmt == F_I4) && !scale_ptr) ||
         (fmt == F_I4 && (group_blocks < 1 || (!signed_nibbles && !zero_ptr))))
         return PyErr_Format(PyExc_ValueError, "format %d does not fit K %zd with these parts", fmt, K);
     if (M == 0) Py_RETURN_NONE;
@@ -392,16 +412,20 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                   (const uint8_t *)(uintptr_t)zero_ptr, zero_stride, group_blocks, signed_nibbles,
                   (const float *)(uintptr_t)bias_ptr, N, K, (K + QK - 1) / QK};
     Py_ssize_t nb = w.nb;
+    int k_type = fmt > F_I4 && is_k_format(fmt);
     int8_t *q = malloc((size_t)(M * nb * QK) + 64);
-    float *d = malloc(sizeof(float) * (size_t)(M * nb) * 2);
+    float *d = malloc(sizeof(float) * (size_t)(M * nb) * 2);     /* q8_K's scales and sums fit in there too */
     if (!q || !d) {
         free(q);
         free(d);
         return PyErr_NoMemory();
     }
-    act_t a = {q, d, d + M * nb, M, (float *)(uintptr_t)y_ptr};
+    act_t a = {q, d, d + M * nb, M, (float *)(uintptr_t)y_ptr, (const int16_t *)(d + M * nb)};
     Py_BEGIN_ALLOW_THREADS
-    quantize((const float *)(uintptr_t)x_ptr, M, K, nb, fmt == F_I4, rowwise, q, d, d + M * nb);
+    if (k_type)
+        quantize_q8_k((const float *)(uintptr_t)x_ptr, M, K, q, d, (int16_t *)(d + M * nb));
+    else
+        quantize((const float *)(uintptr_t)x_ptr, M, K, nb, fmt == F_I4, rowwise, q, d, d + M * nb);
     Py_ssize_t tiles = (N + ROWS - 1) / ROWS;
     /* Tasks of at least ~64 Ki multiply-adds, at most 4 per thread. */
     Py_ssize_t work_per_tile = ROWS * K * M, per_task = (65536 + work_per_tile - 1) / work_per_tile;

@@ -3,10 +3,11 @@
 A quantized Linear (and a Conv2d, through unfold) computes y = x @ W.T + b without a float copy of
 W: the activations are rounded to int8 in blocks of 32 (llama.cpp's q8_0 activations) and the
 kernels take integer dot products with the weight blocks as the file stores them. Supported weights
-(`packed_form`): GGUF q8_0 and q4_0 blocks, affine int8 per channel or per tensor (symmetric or
-with a zero point), affine int4 in groups of 32/64/128 (symmetric or with zero points: int4 and
-gptq). Anything else (the K-quants, q4_1/q5_*, GPT-2's transposed blocks) returns None here and
-its layer dequantizes one layer at a time, as before.
+(`packed_form`): every GGUF block type modelkit reads (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; the
+K-quants q2_k .. q6_k and iq4_xs, whose activations are rounded as llama.cpp's q8_K: blocks of 256
+with one scale), affine int8 per channel or per tensor (symmetric or with a zero point), affine int4
+in groups of 32/64/128 (symmetric or with zero points: int4 and gptq). Anything else (GPT-2's
+transposed blocks, float types) returns None here and its layer dequantizes one layer at a time.
 
 Which kernel runs is chosen once, at import: the best of `ISAS` on this CPU ("avx512vnni",
 "avxvnni", "avx2", "generic"), or the one named by MODELKIT_MATMUL_ISA ("off" turns the kernels off).
@@ -33,7 +34,10 @@ ENV = "MODELKIT_MATMUL_ISA"
 ISAS: tuple[str, ...] = tuple(_kernels.ISAS) if _kernels is not None else ()
 QK = 32                                    # activations per block scale; weights per block
 F_I8, F_Q8_0, F_Q4_0, F_I4 = 0, 1, 2, 3    # _matmul_kernels.c's formats
-GGUF_FORMATS = {"Q8_0": (F_Q8_0, 34), "Q4_0": (F_Q4_0, 18)}
+# GGUF type -> (_matmul_kernels.c's format, bytes per block, weights per block)
+GGUF_FORMATS = {"Q8_0": (F_Q8_0, 34, 32), "Q4_0": (F_Q4_0, 18, 32), "Q4_1": (4, 20, 32), "Q5_0": (5, 22, 32),
+                "Q5_1": (6, 24, 32), "IQ4_NL": (7, 18, 32), "Q2_K": (8, 84, 256), "Q3_K": (9, 110, 256),
+                "Q4_K": (10, 144, 256), "Q5_K": (11, 176, 256), "Q6_K": (12, 210, 256), "IQ4_XS": (13, 136, 256)}
 SMALL = 1 << 18                            # multiply-adds below which one thread does the work
 
 
@@ -95,12 +99,12 @@ def packed_form(layout: str, params: dict, shape: tuple[int, ...], parts: dict[s
         return None
     if layout == "gguf":
         found = GGUF_FORMATS.get(str(params.get("ggml_type", "")).upper())
-        if found is None or params.get("transposed") or cols % QK or data.dtype != torch.uint8:
+        if found is None or params.get("transposed") or cols % found[2] or data.dtype != torch.uint8:
             return None
-        fmt, block_bytes = found
-        if data.numel() != rows * cols // QK * block_bytes:
+        fmt, block_bytes, block = found
+        if data.numel() != rows * cols // block * block_bytes:
             return None
-        return Packed(fmt, rows, cols, data, cols // QK * block_bytes)
+        return Packed(fmt, rows, cols, data, cols // block * block_bytes)
     if layout != "affine":
         return None
     bits, scale, zero = int(params.get("bits", 8)), parts.get("scale"), parts.get("zero_point")
