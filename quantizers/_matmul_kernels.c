@@ -259,16 +259,24 @@ typedef void (*rows_fn)(const weight_t *, const act_t *, Py_ssize_t, Py_ssize_t)
 #endif
 #endif
 
-/* rows: F_I8..F_I4; more_rows: the formats of _matmul_kernels_kquants.h. */
-static const struct { const char *name; rows_fn rows; quantize_fn quantize; rows_fn more_rows; } ALL_ISAS[] = {
+typedef void (*quantize_k_fn)(const float *, Py_ssize_t, Py_ssize_t, int8_t *, float *, int16_t *);
+
+/* rows: F_I8..F_I4; more_rows: the formats of _matmul_kernels_kquants.h, quantize_k: their q8_K activations. */
+static const struct {
+    const char *name;
+    rows_fn rows;
+    quantize_fn quantize;
+    rows_fn more_rows;
+    quantize_k_fn quantize_k;
+} ALL_ISAS[] = {
 #ifdef HAVE_VNNI_KERNELS
-    {"avx512vnni", rows_avx512vnni, quantize_activations_avx2, more_rows_avx2},
-    {"avxvnni", rows_avxvnni, quantize_activations_avx2, more_rows_avx2},
+    {"avx512vnni", rows_avx512vnni, quantize_activations_avx2, more_rows_avx2, quantize_q8_k_avx2},
+    {"avxvnni", rows_avxvnni, quantize_activations_avx2, more_rows_avx2, quantize_q8_k_avx2},
 #endif
 #ifdef HAVE_X86_KERNELS
-    {"avx2", rows_avx2, quantize_activations_avx2, more_rows_avx2},
+    {"avx2", rows_avx2, quantize_activations_avx2, more_rows_avx2, quantize_q8_k_avx2},
 #endif
-    {"generic", generic_rows, quantize_activations, more_rows_generic},
+    {"generic", generic_rows, quantize_activations, more_rows_generic, quantize_q8_k_generic},
 };
 #define N_ISAS ((int)(sizeof ALL_ISAS / sizeof ALL_ISAS[0]))
 static int isa_ok[N_ISAS];      /* this CPU runs ALL_ISAS[i]: set once, when the module loads */
@@ -396,10 +404,12 @@ static PyObject *linear(PyObject *self, PyObject *args) {
         return NULL;
     rows_fn rows = NULL;
     quantize_fn quantize = NULL;
+    quantize_k_fn quantize_k = NULL;
     for (int i = 0; i < N_ISAS; i++)
         if (strcmp(isa, ALL_ISAS[i].name) == 0 && isa_ok[i]) {
             rows = fmt > F_I4 ? ALL_ISAS[i].more_rows : ALL_ISAS[i].rows;
             quantize = ALL_ISAS[i].quantize;
+            quantize_k = ALL_ISAS[i].quantize_k;
         }
     if (rows == NULL) return PyErr_Format(PyExc_ValueError, "no %s kernels on this CPU", isa);
     if (fmt < F_I8 || fmt > F_LAST || N < 1 || K < 1 || M < 0 || !w_ptr || !x_ptr || !y_ptr)
@@ -423,7 +433,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     act_t a = {q, d, d + M * nb, M, (float *)(uintptr_t)y_ptr, (const int16_t *)(d + M * nb)};
     Py_BEGIN_ALLOW_THREADS
     if (k_type)
-        quantize_q8_k((const float *)(uintptr_t)x_ptr, M, K, q, d, (int16_t *)(d + M * nb));
+        quantize_k((const float *)(uintptr_t)x_ptr, M, K, q, d, (int16_t *)(d + M * nb));
     else
         quantize((const float *)(uintptr_t)x_ptr, M, K, nb, fmt == F_I4, rowwise, q, d, d + M * nb);
     Py_ssize_t tiles = (N + ROWS - 1) / ROWS;

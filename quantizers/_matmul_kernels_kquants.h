@@ -24,6 +24,7 @@
 #define MODELKIT_KQUANTS_COMMON
 
 #define QKK 256                     /* weights per K super-block, activations per q8_K scale */
+#define FUSED_TOKENS 3              /* up to this many activation rows, the AVX2 kernels skip the unpacked row */
 
 static const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -53,7 +54,7 @@ typedef struct {
     float d, dmin;
 } ksuper_t;
 
-/* One legacy block unpacked. */
+/* One legacy block unpacked: w = d q + m, q unsigned (0..31) except IQ4_NL's signed table values. */
 typedef struct {
     int8_t q[QK];
     float d, m;
@@ -73,6 +74,17 @@ static inline void kq_scale_min(int j, const uint8_t *q, int *sc, int *m) {
         *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+}
+
+/* The same 12 bytes at once: out[0..7] the eight scales, out[8..15] the eight minimums. */
+static inline void kq_scales_mins(const uint8_t *q, uint8_t *out) {
+    uint32_t word[3], sm[4];
+    memcpy(word, q, 12);
+    sm[0] = word[0] & 0x3f3f3f3fu;                                          /* scales 0-3: low 6 bits of 0-3 */
+    sm[1] = (word[2] & 0x0f0f0f0fu) | ((word[0] >> 6) & 0x03030303u) << 4;  /* scales 4-7 */
+    sm[2] = word[1] & 0x3f3f3f3fu;                                          /* minimums 0-3 */
+    sm[3] = ((word[2] >> 4) & 0x0f0f0f0fu) | ((word[1] >> 6) & 0x03030303u) << 4;
+    memcpy(out, sm, 16);
 }
 
 /* Q4_K (144 B: d, dmin, 12 scale bytes, 128 nibble bytes), Q5_K (176 B: the same with 32 fifth-bit
@@ -187,7 +199,7 @@ static inline void unpack_super(int fmt, const uint8_t *b, ksuper_t *o) {
  * weight l from the low nibble of byte l, weight l + 16 from its high nibble. */
 static inline void unpack_legacy(int fmt, const uint8_t *b, lblock_t *o) {
     o->d = half_to_float(read_u16(b));
-    o->m = fmt == F_Q4_1 || fmt == F_Q5_1 ? half_to_float(read_u16(b + 2)) : 0.0f;
+    o->m = fmt == F_Q4_1 || fmt == F_Q5_1 ? half_to_float(read_u16(b + 2)) : fmt == F_Q5_0 ? -16.0f * o->d : 0.0f;
     if (fmt == F_IQ4_NL) {
         for (int l = 0; l < 16; l++) {
             o->q[l] = IQ4_TABLE[b[2 + l] & 0xF];
@@ -204,15 +216,14 @@ static inline void unpack_legacy(int fmt, const uint8_t *b, lblock_t *o) {
     }
     const uint8_t *qh = fmt == F_Q5_0 ? b + 2 : b + 4, *qs = qh + 4;
     uint32_t bits = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
-    int offset = fmt == F_Q5_0 ? 16 : 0;
-    for (int l = 0; l < 16; l++) {
-        o->q[l] = (int8_t)(((qs[l] & 0xF) | ((bits >> l) & 1) << 4) - offset);
-        o->q[l + 16] = (int8_t)(((qs[l] >> 4) | ((bits >> (l + 16)) & 1) << 4) - offset);
+    for (int l = 0; l < 16; l++) {                 /* Q5_0's - 16 is in m */
+        o->q[l] = (int8_t)((qs[l] & 0xF) | ((bits >> l) & 1) << 4);
+        o->q[l + 16] = (int8_t)((qs[l] >> 4) | ((bits >> (l + 16)) & 1) << 4);
     }
 }
 
 /* Activations as q8_K: (M, K) int8 levels, a float scale per 256, the sum of each 16 levels (int16). */
-static void quantize_q8_k(const float *x, Py_ssize_t M, Py_ssize_t K, int8_t *q, float *d, int16_t *bsums) {
+static void quantize_q8_k_generic(const float *x, Py_ssize_t M, Py_ssize_t K, int8_t *q, float *d, int16_t *bsums) {
     for (Py_ssize_t m = 0; m < M; m++)
         for (Py_ssize_t b = 0; b < K / QKK; b++) {
             const float *src = x + m * K + b * QKK;
@@ -281,15 +292,16 @@ KTARGET static inline float KNAME(kdot)(const int signed_levels, const ksuper_t 
 }
 
 /* One unpacked row of nb legacy blocks against activation row (xq, xd, xs). */
-KTARGET static inline float KNAME(ldot)(const lblock_t *w, Py_ssize_t nb, const int8_t *xq, const float *xd,
-                                        const float *xs) {
+KTARGET static inline float KNAME(ldot)(const int signed_levels, const lblock_t *w, Py_ssize_t nb, const int8_t *xq,
+                                        const float *xd, const float *xs) {
 #if KSIMD
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     float offsets = 0.0f;
     for (Py_ssize_t b = 0; b < nb; b++, w++, xq += QK) {
         __m256i u = _mm256_loadu_si256((const __m256i *)w->q), x = _mm256_loadu_si256((const __m256i *)xq);
-        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u)), ones);
+        __m256i p = _mm256_madd_epi16(signed_levels ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u))
+                                                    : _mm256_maddubs_epi16(u, x), ones);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w->d * xd[b]), acc);
         offsets += w->m * xd[b] * xs[b];
     }
@@ -298,6 +310,7 @@ KTARGET static inline float KNAME(ldot)(const lblock_t *w, Py_ssize_t nb, const 
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     return _mm_cvtss_f32(h) + offsets;
 #else
+    (void)signed_levels;
     float acc = 0.0f;
     for (Py_ssize_t b = 0; b < nb; b++, w++, xq += QK) {
         int32_t dot = 0;
@@ -308,33 +321,371 @@ KTARGET static inline float KNAME(ldot)(const lblock_t *w, Py_ssize_t nb, const 
 #endif
 }
 
+#if KSIMD
+/* ---- AVX2 decoding of the stored blocks, shared by the fused dot products and the unpacking ------ */
+
+KTARGET static inline float KNAME(hsum)(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* Q4_K/Q5_K: levels of values 64 c .. 64 c + 31 (lo) and 64 c + 32 .. 64 c + 63 (hi). */
+KTARGET static inline void KNAME(qk_levels)(const uint8_t *b, int c, int five, __m256i *lo, __m256i *hi) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    __m256i bits = _mm256_loadu_si256((const __m256i *)((five ? b + 48 : b + 16) + 32 * c));
+    *lo = _mm256_and_si256(bits, low4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
+    if (five) {
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        __m256i m_lo = _mm256_set1_epi8((char)(1 << (2 * c))), m_hi = _mm256_set1_epi8((char)(2 << (2 * c)));
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m_lo), m_lo), fifth));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m_hi), m_hi), fifth));
+    }
+}
+
+/* Q6_K: levels 0..63 of values 128 n + 32 g .. + 31, g = 0..3. */
+KTARGET static inline void KNAME(q6_levels)(const uint8_t *b, int n, __m256i *q) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *ql = b + 64 * n;
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(3)), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(12)), 2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, _mm256_set1_epi8(48)));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), _mm256_set1_epi8(48)));
+}
+
+/* Q6_K: the int16 scales of values 128 n + 32 g .. + 31 (16 lanes: the first 16 values' scale, then the next's). */
+KTARGET static inline __m256i KNAME(q6_scales)(const int8_t *sc, int n, int g) {
+    int j = 8 * n + 2 * g;
+    return _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+}
+
+/* Q4_1/Q5_0/Q5_1: the 32 unsigned levels of a block; IQ4_NL: its 32 signed table values. */
+KTARGET static inline __m256i KNAME(legacy_levels)(const int fmt, const uint8_t *b) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *qs = fmt == F_IQ4_NL ? b + 2 : fmt == F_Q4_1 ? b + 4 : fmt == F_Q5_0 ? b + 6 : b + 8;
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+    if (fmt == F_IQ4_NL) {
+        __m128i table = _mm_loadu_si128((const __m128i *)IQ4_TABLE);
+        return _mm256_shuffle_epi8(_mm256_set_m128i(table, table), u);
+    }
+    if (fmt == F_Q5_0 || fmt == F_Q5_1) {             /* byte l takes bit l of the 32 fifth bits */
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+        uint32_t bits;
+        memcpy(&bits, b + (fmt == F_Q5_0 ? 2 : 4), 4);
+        __m256i spread_bits = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+        __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread_bits, bit), bit);
+        u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    return u;
+}
+
+/* A legacy block's m' in w = d u + m': m (Q4_1, Q5_1), -16 d (Q5_0), 0 (IQ4_NL). */
+KTARGET static inline float KNAME(legacy_offset)(const int fmt, const uint8_t *b, float d) {
+    return fmt == F_Q4_1 || fmt == F_Q5_1 ? _cvtsh_ss(read_u16(b + 2)) : fmt == F_Q5_0 ? -16.0f * d : 0.0f;
+}
+
+/* The unpacked forms of unpack_super / unpack_legacy, from the decoders above (Q4_K, Q5_K, Q6_K, legacy). */
+KTARGET static inline void KNAME(unpack_super)(const int fmt, const uint8_t *b, ksuper_t *o) {
+    if (fmt == F_Q6_K) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        o->d = o->dmin = _cvtsh_ss(read_u16(b + 208));
+        _mm256_storeu_si256((__m256i *)o->mn, _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)), 5));
+        for (int n = 0; n < 2; n++) {
+            __m256i q[4];
+            KNAME(q6_levels)(b, n, q);
+            for (int g = 0; g < 4; g++) {
+                _mm256_storeu_si256((__m256i *)(o->q + 128 * n + 32 * g), q[g]);
+                _mm256_storeu_si256((__m256i *)(o->scx + 16 * (4 * n + g)), KNAME(q6_scales)(sc, n, g));
+            }
+        }
+        return;
+    }
+    if (fmt != F_Q4_K && fmt != F_Q5_K) {
+        unpack_super(fmt, b, o);
+        return;
+    }
+    uint8_t sm[16];
+    kq_scales_mins(b + 4, sm);
+    o->d = _cvtsh_ss(read_u16(b));
+    o->dmin = _cvtsh_ss(read_u16(b + 2));
+    __m128i mins = _mm_loadl_epi64((const __m128i *)(sm + 8));
+    _mm256_storeu_si256((__m256i *)o->mn, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins)));
+    for (int c = 0; c < 4; c++) {
+        __m256i lo, hi;
+        KNAME(qk_levels)(b, c, fmt == F_Q5_K, &lo, &hi);
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * c), lo);
+        _mm256_storeu_si256((__m256i *)(o->q + 64 * c + 32), hi);
+        _mm256_storeu_si256((__m256i *)(o->scx + 32 * c), _mm256_set1_epi16(sm[2 * c]));
+        _mm256_storeu_si256((__m256i *)(o->scx + 32 * c + 16), _mm256_set1_epi16(sm[2 * c + 1]));
+    }
+}
+
+KTARGET static inline void KNAME(unpack_legacy)(const int fmt, const uint8_t *b, lblock_t *o) {
+    _mm256_storeu_si256((__m256i *)o->q, KNAME(legacy_levels)(fmt, b));
+    o->d = _cvtsh_ss(read_u16(b));
+    o->m = KNAME(legacy_offset)(fmt, b, o->d);
+}
+
+/* q8_K activations, as quantize_q8_k (cvtps2dq rounds half to even like its 2**23 trick). */
+KTARGET static void KNAME(quantize_q8_k)(const float *x, Py_ssize_t M, Py_ssize_t K, int8_t *q, float *d, int16_t *bsums) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (Py_ssize_t m = 0; m < M; m++)
+        for (Py_ssize_t b = 0; b < K / QKK; b++) {
+            const float *src = x + m * K + b * QKK;
+            int8_t *dst = q + m * K + b * QKK;
+            __m256 big = _mm256_setzero_ps();
+            for (int k = 0; k < QKK; k += 8) big = _mm256_max_ps(big, _mm256_and_ps(_mm256_loadu_ps(src + k), magnitude));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            float amax = _mm_cvtss_f32(h);
+            __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            for (int k = 0; k < QKK; k += 32) {
+                __m256i i[4];
+                for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k + 8 * j), inverse));
+                __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+                _mm256_storeu_si256((__m256i *)(dst + k), _mm256_permutevar8x32_epi32(packed, order));
+            }
+            d[m * (K / QKK) + b] = amax / 127.0f;
+            for (int j = 0; j < QKK / 16; j++) {
+                __m128i v = _mm_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(dst + 16 * j)));
+                __m128i w = _mm_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(dst + 16 * j + 8)));
+                __m128i s = _mm_madd_epi16(_mm_add_epi16(v, w), _mm_set1_epi16(1));
+                s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+                s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+                bsums[(m * K + b * QKK) / 16 + j] = (int16_t)_mm_cvtsi128_si32(s);
+            }
+        }
+}
+
+/* ---- AVX2, few activation rows: dot products straight on the stored blocks (no unpacked row) ---- */
+
+/* Q4_K / Q5_K row (nsb super-blocks) . q8_K row. */
+KTARGET static float KNAME(fused_qk_affine)(const uint8_t *b, Py_ssize_t nsb, const int8_t *xq, const float *xd,
+                                            const int16_t *xb, const int five) {
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps();
+    const Py_ssize_t block_bytes = five ? 176 : 144;
+    for (Py_ssize_t sb = 0; sb < nsb; sb++, b += block_bytes, xq += QKK, xb += 16) {
+        uint8_t sm[16];
+        kq_scales_mins(b + 4, sm);
+        float dx = xd[sb];
+        __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
+        __m128i pair_sums = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xb), _mm_loadu_si128((const __m128i *)(xb + 8)));
+        acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, pair_sums)), _mm_set1_ps(_cvtsh_ss(read_u16(b + 2)) * dx),
+                               acc_min);
+        __m256i isum = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            KNAME(qk_levels)(b, c, five, &lo, &hi);
+            __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * c)));
+            __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(sm[2 * c])));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sm[2 * c + 1])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(read_u16(b)) * dx), acc);
+    }
+    __m128 m = _mm_add_ps(acc_min, _mm_movehl_ps(acc_min, acc_min));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return KNAME(hsum)(acc) - _mm_cvtss_f32(m);
+}
+
+/* Q6_K row . q8_K row: levels 0..63 (the -32 comes off with 32 * the scaled 16-level sums). */
+KTARGET static float KNAME(fused_q6_k)(const uint8_t *b, Py_ssize_t nsb, const int8_t *xq, const float *xd,
+                                       const int16_t *xb) {
+    __m256 acc = _mm256_setzero_ps();
+    for (Py_ssize_t sb = 0; sb < nsb; sb++, b += 210, xq += QKK, xb += 16) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i isum = _mm256_mullo_epi32(_mm256_madd_epi16(scales16, _mm256_loadu_si256((const __m256i *)xb)),
+                                          _mm256_set1_epi32(-32));
+        for (int n = 0; n < 2; n++) {
+            __m256i q[4];
+            KNAME(q6_levels)(b, n, q);
+            for (int g = 0; g < 4; g++) {
+                __m256i p = _mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(xq + 128 * n + 32 * g)));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, KNAME(q6_scales)(sc, n, g)));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(read_u16(b + 208)) * xd[sb]), acc);
+    }
+    return KNAME(hsum)(acc);
+}
+
+/* Q4_1 / Q5_0 / Q5_1 / IQ4_NL row (nb blocks) . q8_0 row: w = d u + m' (IQ4_NL: signed values, sign trick). */
+KTARGET static float KNAME(fused_legacy)(const int fmt, const uint8_t *b, Py_ssize_t nb, const int8_t *xq,
+                                         const float *xd, const float *xs) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const Py_ssize_t block_bytes = more_block_bytes(fmt);
+    __m256 acc = _mm256_setzero_ps();
+    float offsets = 0.0f;
+    for (Py_ssize_t k = 0; k < nb; k++, b += block_bytes, xq += QK) {
+        __m256i u = KNAME(legacy_levels)(fmt, b), x = _mm256_loadu_si256((const __m256i *)xq);
+        float d = _cvtsh_ss(read_u16(b)), dx = xd[k];
+        __m256i p = fmt == F_IQ4_NL ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u))
+                                    : _mm256_maddubs_epi16(u, x);
+        offsets += KNAME(legacy_offset)(fmt, b, d) * dx * xs[k];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(d * dx), acc);
+    }
+    return KNAME(hsum)(acc) + offsets;
+}
+
+/* ---- AVX2, more activation rows: two unpacked rows against four activation rows at once ---------- */
+
+/* K rows w[0], w[1] (unsigned levels) . q8_K rows t = 0..3 (levels xq + t K, scales xd + t nsb, sums xb + t K / 16):
+ * out[4 i + t]. */
+KTARGET static void KNAME(ktile)(const ksuper_t *const *w, Py_ssize_t nsb, Py_ssize_t K, const int8_t *xq,
+                                 const float *xd, const int16_t *xb, float *out) {
+    __m256 acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+    for (Py_ssize_t sb = 0; sb < nsb; sb++) {
+        const ksuper_t *w0 = w[0] + sb, *w1 = w[1] + sb;
+        const int8_t *x0 = xq + sb * QKK;
+        __m256i isum[8];
+        for (int k = 0; k < 8; k++) isum[k] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            __m256i u0 = _mm256_loadu_si256((const __m256i *)(w0->q + 32 * c));
+            __m256i u1 = _mm256_loadu_si256((const __m256i *)(w1->q + 32 * c));
+            __m256i s0 = _mm256_loadu_si256((const __m256i *)(w0->scx + 16 * c));
+            __m256i s1 = _mm256_loadu_si256((const __m256i *)(w1->scx + 16 * c));
+            for (int t = 0; t < 4; t++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(x0 + t * K + 32 * c));
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x), s0));
+                isum[4 + t] = _mm256_add_epi32(isum[4 + t], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x), s1));
+            }
+        }
+        for (int i = 0; i < 2; i++) {
+            const ksuper_t *ws = i ? w1 : w0;
+            __m256i mn = _mm256_loadu_si256((const __m256i *)ws->mn);
+            for (int t = 0; t < 4; t++) {
+                float dx = xd[t * nsb + sb];
+                __m256i msum = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + t * (K / 16) + 16 * sb)));
+                __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[4 * i + t]), _mm256_set1_ps(ws->d * dx), acc[4 * i + t]);
+                acc[4 * i + t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(ws->dmin * dx), a);
+            }
+        }
+    }
+    for (int k = 0; k < 8; k++) out[k] = KNAME(hsum)(acc[k]);
+}
+
+/* Legacy rows w[0], w[1] (unsigned levels) . q8_0 rows t = 0..3 (levels xq + t nb QK, scales and sums + t nb). */
+KTARGET static void KNAME(ltile)(const lblock_t *const *w, Py_ssize_t nb, const int8_t *xq, const float *xd,
+                                 const float *xs, float *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[8];
+    float offsets[8] = {0};
+    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        const lblock_t *w0 = w[0] + b, *w1 = w[1] + b;
+        __m256i u0 = _mm256_loadu_si256((const __m256i *)w0->q), u1 = _mm256_loadu_si256((const __m256i *)w1->q);
+        for (int t = 0; t < 4; t++) {
+            Py_ssize_t at = t * nb + b;
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + at * QK));
+            float dx = xd[at];
+            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x), ones);
+            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x), ones);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(w0->d * dx), acc[t]);
+            acc[4 + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(w1->d * dx), acc[4 + t]);
+            offsets[t] += w0->m * dx * xs[at];
+            offsets[4 + t] += w1->m * dx * xs[at];
+        }
+    }
+    for (int k = 0; k < 8; k++) out[k] = KNAME(hsum)(acc[k]) + offsets[k];
+}
+#endif
+
 /* Rows [r0, r1) of a weight in one of the formats above F_I4: each row unpacked once, then dotted with
  * every activation row. `a`: q8_K activations (q, d, bsums) for the K types, q8_0 ones (q, d, s) else. */
+#if KSIMD
+#define KUNPACK_SUPER KNAME(unpack_super)
+#define KUNPACK_LEGACY KNAME(unpack_legacy)
+#else
+#define KUNPACK_SUPER unpack_super
+#define KUNPACK_LEGACY unpack_legacy
+#endif
 KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize_t r0, Py_ssize_t r1) {
-    const int fmt = w->fmt, k_type = is_k_format(fmt), signed_levels = fmt == F_IQ4_XS;
+    const int fmt = w->fmt, k_type = is_k_format(fmt), signed_levels = fmt == F_IQ4_XS || fmt == F_IQ4_NL;
     const Py_ssize_t nblocks = k_type ? w->K / QKK : w->nb, block_bytes = more_block_bytes(fmt);
-    void *buffer = malloc((size_t)nblocks * (k_type ? sizeof(ksuper_t) : sizeof(lblock_t)));
-    if (buffer == NULL) {                 /* no memory for one row: NaN outputs rather than a crash */
+    const size_t unpacked_bytes = (size_t)nblocks * (k_type ? sizeof(ksuper_t) : sizeof(lblock_t));
+#if KSIMD
+    if (a->M <= FUSED_TOKENS && fmt != F_Q2_K && fmt != F_Q3_K && fmt != F_IQ4_XS) {
+        for (Py_ssize_t r = r0; r < r1; r++) {
+            const uint8_t *row = w->w + r * w->w_stride;
+            float bias = w->bias ? w->bias[r] : 0.0f;
+            for (Py_ssize_t m = 0; m < a->M; m++) {
+                float dot;
+                if (fmt == F_Q4_K || fmt == F_Q5_K)
+                    dot = KNAME(fused_qk_affine)(row, nblocks, a->q + m * w->K, a->d + m * nblocks,
+                                                 a->bsums + m * (w->K / 16), fmt == F_Q5_K);
+                else if (fmt == F_Q6_K)
+                    dot = KNAME(fused_q6_k)(row, nblocks, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16));
+                else
+                    dot = KNAME(fused_legacy)(fmt, row, nblocks, a->q + m * nblocks * QK, a->d + m * nblocks,
+                                              a->s + m * nblocks);
+                a->y[m * w->N + r] = bias + dot;
+            }
+        }
+        return;
+    }
+    const int pairs = !signed_levels;              /* the 2 x 4 tiles take unsigned levels */
+#else
+    const int pairs = 0;
+#endif
+    uint8_t *buffer = malloc(2 * unpacked_bytes);
+    if (buffer == NULL) {                 /* no memory for two rows: NaN outputs rather than a crash */
         for (Py_ssize_t r = r0; r < r1; r++)
             for (Py_ssize_t m = 0; m < a->M; m++) a->y[m * w->N + r] = NAN;
         return;
     }
-    for (Py_ssize_t r = r0; r < r1; r++) {
-        const uint8_t *row = w->w + r * w->w_stride;
-        float bias = w->bias ? w->bias[r] : 0.0f;
-        if (k_type) {
-            ksuper_t *unpacked = buffer;
-            for (Py_ssize_t b = 0; b < nblocks; b++) unpack_super(fmt, row + b * block_bytes, unpacked + b);
-            for (Py_ssize_t m = 0; m < a->M; m++)
-                a->y[m * w->N + r] = bias + KNAME(kdot)(signed_levels, unpacked, nblocks, a->q + m * w->K,
-                                                        a->d + m * nblocks, a->bsums + m * (w->K / 16));
-        } else {
-            lblock_t *unpacked = buffer;
-            for (Py_ssize_t b = 0; b < nblocks; b++) unpack_legacy(fmt, row + b * block_bytes, unpacked + b);
-            for (Py_ssize_t m = 0; m < a->M; m++)
-                a->y[m * w->N + r] = bias + KNAME(ldot)(unpacked, nblocks, a->q + m * nblocks * QK, a->d + m * nblocks,
-                                                        a->s + m * nblocks);
+    for (Py_ssize_t r = r0; r < r1; r += 1 + pairs) {
+        int n = pairs && r + 1 < r1 ? 2 : 1;             /* rows unpacked together */
+        for (int i = 0; i < n; i++) {
+            const uint8_t *row = w->w + (r + i) * w->w_stride;
+            for (Py_ssize_t b = 0; b < nblocks; b++) {
+                if (k_type) KUNPACK_SUPER(fmt, row + b * block_bytes, (ksuper_t *)(buffer + i * unpacked_bytes) + b);
+                else KUNPACK_LEGACY(fmt, row + b * block_bytes, (lblock_t *)(buffer + i * unpacked_bytes) + b);
+            }
+        }
+        Py_ssize_t m = 0;
+#if KSIMD
+        if (n == 2) {
+            for (; m + 4 <= a->M; m += 4) {
+                float out[8];
+                if (k_type) {
+                    const ksuper_t *rows[2] = {(const ksuper_t *)buffer, (const ksuper_t *)(buffer + unpacked_bytes)};
+                    KNAME(ktile)(rows, nblocks, w->K, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), out);
+                } else {
+                    const lblock_t *rows[2] = {(const lblock_t *)buffer, (const lblock_t *)(buffer + unpacked_bytes)};
+                    KNAME(ltile)(rows, nblocks, a->q + m * nblocks * QK, a->d + m * nblocks, a->s + m * nblocks, out);
+                }
+                for (int i = 0; i < 2; i++)
+                    for (int t = 0; t < 4; t++)
+                        a->y[(m + t) * w->N + r + i] = out[4 * i + t] + (w->bias ? w->bias[r + i] : 0.0f);
+            }
+        }
+#endif
+        for (int i = 0; i < n; i++) {
+            float bias = w->bias ? w->bias[r + i] : 0.0f;
+            for (Py_ssize_t t = m; t < a->M; t++) {
+                float dot = k_type
+                    ? KNAME(kdot)(signed_levels, (const ksuper_t *)(buffer + i * unpacked_bytes), nblocks, a->q + t * w->K,
+                                  a->d + t * nblocks, a->bsums + t * (w->K / 16))
+                    : KNAME(ldot)(signed_levels, (const lblock_t *)(buffer + i * unpacked_bytes), nblocks,
+                                  a->q + t * nblocks * QK, a->d + t * nblocks, a->s + t * nblocks);
+                a->y[t * w->N + r + i] = bias + dot;
+            }
         }
     }
     free(buffer);
 }
+#undef KUNPACK_SUPER
+#undef KUNPACK_LEGACY
