@@ -8,6 +8,8 @@ and the SIMD kernels agree with the generic one up to float summation order.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +20,7 @@ from modelkit.errors import ConfigError
 from modelkit.models import build
 from modelkit.models.tinylm import example_inputs
 from modelkit.quantizers import _modules, fast_linear, gguf_blocks, int4, int8
-from modelkit.quantizers.gguf_arrays import Q4_0Config, Q8_0Config
+from modelkit.quantizers.gguf_arrays import Q4_0Config, Q4_K_MConfig, Q8_0Config
 
 # max |kernel - reference| / max |reference|, pinned at about 1.5x the worst measured on 2026-11-25
 # over the shapes below (0.0088, random weights and inputs): int8 activations in blocks of 32.
@@ -59,8 +61,13 @@ CASES = [(n, s) for n in CONFIGS for s in SHAPES if _quantized(n, *s) is not Non
 def test_kernels_match_the_reference_path(name, shape):
     layer = _quantized(name, *shape)
     assert layer.packed() is not None, "this layout has a kernel"
-    for batch in BATCHES:
-        x = torch.randn(batch, shape[1], generator=torch.Generator().manual_seed(batch))
+    _every_kernel_matches(layer, BATCHES, RTOL, (name, shape))
+
+
+def _every_kernel_matches(layer: nn.Module, batches: tuple[int, ...], rtol: float, label: object) -> None:
+    """Every kernel of ISAS within rtol of the reference path, and within ISA_RTOL of the generic one."""
+    for batch in batches:
+        x = torch.randn(batch, layer.weight_shape[1], generator=torch.Generator().manual_seed(batch))
         with torch.no_grad(), fast_linear.use_isa(None):
             reference = layer(x)
         outputs = {}
@@ -69,8 +76,8 @@ def test_kernels_match_the_reference_path(name, shape):
                 outputs[isa] = layer(x)
         scale = float(reference.abs().max())
         for isa, y in outputs.items():
-            assert float((y - reference).abs().max()) <= RTOL * scale, (name, shape, batch, isa)
-            assert float((y - outputs["generic"]).abs().max()) <= ISA_RTOL * scale, (name, shape, batch, isa)
+            assert float((y - reference).abs().max()) <= rtol * scale, (label, batch, isa)
+            assert float((y - outputs["generic"]).abs().max()) <= ISA_RTOL * scale, (label, batch, isa)
 
 
 def test_the_portable_kernel_is_always_built_and_can_be_forced():
@@ -97,9 +104,10 @@ def test_conv2d_runs_as_a_product_with_its_patches(name):
 
 
 def test_layouts_without_a_kernel_keep_the_reference_path():
-    from modelkit.quantizers.gguf_arrays import Q4_1Config
-
-    layer = gguf_blocks.apply(nn.Sequential(nn.Linear(64, 8)), Q4_1Config())[0]
+    """GPT-2's transposed blocks (the blocks run down the columns) have no kernel."""
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    stored = gguf_blocks.quantized_tensor(weight.T.contiguous(), "q8_0")
+    layer = _modules.QuantizedLinear(replace(stored, shape=(32, 64), params={**stored.params, "transposed": True}))
     x = torch.randn(2, 64)
     assert layer.packed() is None
     with torch.no_grad():
@@ -108,9 +116,52 @@ def test_layouts_without_a_kernel_keep_the_reference_path():
             assert torch.equal(fast, layer(x))
 
 
+# ---- the other GGUF block types (_matmul_kernels_kquants.h) -----------------------------------------
+
+# max |kernel - reference| / max |reference| for the block types below, pinned at about 1.5x the worst
+# measured on 2026-11-25 over GGUF_SHAPES x GGUF_BATCHES x every kernel (0.0076, q5_0; the K types, whose
+# activations are int8 in blocks of 256 (q8_K), measured 0.0068-0.0072).
+GGUF_RTOL = 0.0115
+GGUF_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+# (rows, columns): odd rows (the AVX2 kernels pair rows); whole blocks of the type (K types: 256)
+GGUF_SHAPES = {32: (13, 96), 256: (11, 512)}
+# 1 and 3: the AVX2 kernels' dot products on the stored blocks; 6 and 64: unpacked rows in 2 x 4 tiles, 6 with
+# a tail of 2 activation rows
+GGUF_BATCHES = (1, 3, 6, 64)
+
+
+@pytest.fixture(scope="module")
+def gguf_layers():
+    from modelkit.quantizers.gguf_arrays import block_weights
+
+    layers = {}
+    for type_name in GGUF_TYPES:
+        rows, cols = GGUF_SHAPES[block_weights(type_name)]
+        generator = torch.Generator().manual_seed(rows * cols)
+        weight, bias = torch.randn(rows, cols, generator=generator), torch.randn(rows, generator=generator)
+        layers[type_name] = _modules.QuantizedLinear(gguf_blocks.quantized_tensor(weight, type_name), bias)
+    return layers
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_block_kernels_match_the_reference_path(gguf_layers, type_name):
+    layer = gguf_layers[type_name]
+    assert layer.packed() is not None, "this block type has a kernel"
+    _every_kernel_matches(layer, GGUF_BATCHES, GGUF_RTOL, type_name)
+
+
+def test_k_types_take_whole_super_blocks_only():
+    """A K type's rows must be whole 256-weight super-blocks (rows that are not are stored as the fallback type)."""
+    stored = gguf_blocks.quantized_tensor(torch.randn(4, 256), "q4_k")
+    parts = {"qdata": stored.parts["qdata"].load()}
+    assert fast_linear.packed_form("gguf", stored.params, (4, 256), parts) is not None
+    assert fast_linear.packed_form("gguf", stored.params, (8, 128), parts) is None
+
+
 @pytest.fixture(scope="module")
 def tinylm_files(tmp_path_factory):
-    """A small tinylm quantized to int8 (safetensors) and q4_0 (GGUF), written through modelkit."""
+    """A small tinylm quantized to int8 (safetensors) and q4_0 (GGUF), written through modelkit; and one with
+    whole 256-weight rows as llama-quantize's Q4_K_M (Q4_K and Q6_K blocks)."""
     config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": 64}
     model = build("tinylm", config, seed=0).eval()
@@ -120,10 +171,13 @@ def tinylm_files(tmp_path_factory):
         path = out / f"m{suffix}"
         modelkit.save(Checkpoint.from_module(module.apply(model, cfg)), path)
         files[suffix] = path
+    wide = build("tinylm", {**config, "hidden_size": 256, "intermediate_size": 512}, seed=0).eval()
+    files["q4_k_m.gguf"] = out / "m-q4_k_m.gguf"
+    modelkit.save(Checkpoint.from_module(gguf_blocks.apply(wide, Q4_K_MConfig())), files["q4_k_m.gguf"])
     return files
 
 
-@pytest.mark.parametrize("suffix", [".safetensors", ".gguf"])
+@pytest.mark.parametrize("suffix", [".safetensors", ".gguf", "q4_k_m.gguf"])
 def test_a_loaded_quantized_model_holds_no_float_copy(tinylm_files, suffix, monkeypatch):
     """Resident tensors of load_module's model <= 1.15x the file; its layers compute through the kernels."""
     path = tinylm_files[suffix]
@@ -140,6 +194,8 @@ def test_a_loaded_quantized_model_holds_no_float_copy(tinylm_files, suffix, monk
     assert sum(tensors.values()) <= 1.15 * path.stat().st_size
     quantized = [m for m in model.modules() if isinstance(m, _modules.QuantizedLinear)]
     assert quantized and len(calls) == len(quantized)           # every quantized Linear ran a kernel
+    if suffix == "q4_k_m.gguf":
+        assert {"Q4_K", "Q6_K"} <= {m.params["ggml_type"] for m in quantized}
 
 
 def test_embedding_dequantizes_only_the_rows_it_looks_up():
