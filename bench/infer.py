@@ -1,6 +1,6 @@
 """Inference speed of quantized models: float against each scheme, and against other runtimes (issue 16).
 
-    .venv/bin/python bench/infer.py [--threads 2] [--only probe,tinylm,llama,anchors] [--json out.json]
+    .venv/bin/python bench/infer.py [--threads 2] [--only probe,tinylm,llama,anchors] [--schemes q4_k,...] [--json out.json]
     PYTHONPATH=/work/llama/site .venv/bin/python bench/infer.py      # with llama.cpp (llama-cpp-python)
 
 Every figure is a ratio to a baseline timed in the same process, just before it (float32 on the same
@@ -13,8 +13,8 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    12 layers, 12 heads / 4 KV heads, MLP 2048, vocabulary 32000, random weights): forward latency
    on 16-token windows at batch 1 and 64 for float and every scheme (quantized layers as load_module
    builds them); for llama-100m also `generate` prompt processing (64 tokens) and decode tokens/s.
-   Goals: int8 / int8-dynamic <= 0.6x float at batch 1, int4 / gptq layout / q4_0 / q4_k <= 0.5x, every
-   scheme <= 1.0x at batch 64.
+   Goals: int8 / int8-dynamic <= 0.6x float at batch 1, int4 / gptq layout / q4_0 / q4_k / q4_k_m <= 0.5x,
+   q5_k / q6_k <= 0.6x, every scheme <= 1.0x at batch 64 (`--schemes q4_k,q6_k` picks some).
 3. anchors, on the same weights: torchao int8 weight-only (torchao 0.18's int4 weight-only has no
    float32 CPU path: reported as unavailable); onnxruntime on modelkit's ONNX files (QDQ int8, int4);
    llama.cpp (llama-cpp-python, the same thread count) on the very GGUF files modelkit writes for a
@@ -49,8 +49,9 @@ from modelkit.models import build
 RESULTS: dict[str, Any] = {"rows": [], "bars": []}
 LLAMA_100M = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
               "num_attention_heads": 12, "num_key_value_heads": 4, "max_position_embeddings": 512}
-SCHEMES = ("int8", "int8-dynamic", "int4", "q8_0", "q4_0", "q4_k")
-GOAL_BATCH1 = {"int8": 0.6, "int8-dynamic": 0.6, "int4": 0.5, "q4_0": 0.5, "q4_k": 0.5, "q8_0": 0.6}
+SCHEMES = ("int8", "int8-dynamic", "int4", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m")
+GOAL_BATCH1 = {"int8": 0.6, "int8-dynamic": 0.6, "int4": 0.5, "q4_0": 0.5, "q4_k": 0.5, "q8_0": 0.6, "q5_k": 0.6,
+               "q6_k": 0.6, "q4_k_m": 0.5}
 
 
 def bar(name: str, value: float, goal: float, higher: bool = False) -> None:
@@ -172,7 +173,7 @@ def generate_rates(model: nn.Module, vocab: int, *, prompt: int = 64, new: int =
     return best
 
 
-def models(only: set[str]) -> None:
+def models(only: set[str], scheme_names: tuple[str, ...] = SCHEMES) -> None:
     print("\n2. forward latency (16-token windows) and generate, each scheme against float32 on the same model")
     cases = []
     if "tinylm" in only:
@@ -185,7 +186,7 @@ def models(only: set[str]) -> None:
         rates = generate_rates(model, vocab) if has_generate else None
         row(name, scheme="float32", batch1_ms=base[1], batch64_ms=base[64],
             **({"prompt_tok_s": rates[0], "decode_tok_s": rates[1]} if rates else {}))
-        for scheme in SCHEMES:
+        for scheme in scheme_names:
             q = quantized(model, scheme)
             gc.collect()
             again = {b: forward_ms(model, vocab, b, 3 if heavy and b > 1 else 10) for b in (1, 64)} if heavy else base
@@ -303,13 +304,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", default="probe,tinylm,llama,anchors")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help="the schemes of part 2, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     only = set(args.only.split(","))
     print(f"torch {torch.__version__}, {args.threads} threads; ratios are within this run (the machine may be loaded)")
     if "probe" in only:
         probe()
-    models(only)
+    models(only, tuple(args.schemes.split(",")))
     if "anchors" in only:
         torchao_anchor()
         onnx_anchor()

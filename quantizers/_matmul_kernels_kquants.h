@@ -577,29 +577,30 @@ KTARGET static void KNAME(ktile)(const ksuper_t *const *w, Py_ssize_t nsb, Py_ss
     for (int k = 0; k < 8; k++) out[k] = KNAME(hsum)(acc[k]);
 }
 
-/* Legacy rows w[0], w[1] (unsigned levels) . q8_0 rows t = 0..3 (levels xq + t nb QK, scales and sums + t nb). */
+/* Legacy rows w[0], w[1] (unsigned levels) . q8_0 rows t = 0..3 (levels xq + t nb QK, scales and sums + t nb):
+ * out[4 i + t]. The eight integer dot products of a block reduce to one register (lane 4 i + t, reduce8 of
+ * _matmul_kernels_x86.h), scaled in one multiply-add. */
 KTARGET static void KNAME(ltile)(const lblock_t *const *w, Py_ssize_t nb, const int8_t *xq, const float *xd,
                                  const float *xs, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[8];
-    float offsets[8] = {0};
-    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++) {
         const lblock_t *w0 = w[0] + b, *w1 = w[1] + b;
         __m256i u0 = _mm256_loadu_si256((const __m256i *)w0->q), u1 = _mm256_loadu_si256((const __m256i *)w1->q);
+        __m256i p[8];
         for (int t = 0; t < 4; t++) {
-            Py_ssize_t at = t * nb + b;
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + at * QK));
-            float dx = xd[at];
-            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x), ones);
-            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x), ones);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(w0->d * dx), acc[t]);
-            acc[4 + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(w1->d * dx), acc[4 + t]);
-            offsets[t] += w0->m * dx * xs[at];
-            offsets[4 + t] += w1->m * dx * xs[at];
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (t * nb + b) * QK));
+            p[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x), ones);
+            p[4 + t] = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x), ones);
         }
+        __m128 dx = _mm_setr_ps(xd[b], xd[nb + b], xd[2 * nb + b], xd[3 * nb + b]);
+        __m128 dxs = _mm_mul_ps(dx, _mm_setr_ps(xs[b], xs[nb + b], xs[2 * nb + b], xs[3 * nb + b]));
+        __m256 d = _mm256_set_m128(_mm_set1_ps(w1->d), _mm_set1_ps(w0->d));
+        __m256 m = _mm256_set_m128(_mm_set1_ps(w1->m), _mm_set1_ps(w0->m));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(KNAME(reduce8)(p)), _mm256_mul_ps(d, _mm256_set_m128(dx, dx)), acc);
+        acc = _mm256_fmadd_ps(m, _mm256_set_m128(dxs, dxs), acc);
     }
-    for (int k = 0; k < 8; k++) out[k] = KNAME(hsum)(acc[k]) + offsets[k];
+    _mm256_storeu_ps(out, acc);
 }
 #endif
 
