@@ -1,6 +1,6 @@
 """Inference speed of quantized models: float against each scheme, and against other runtimes (issue 16).
 
-    .venv/bin/python bench/infer.py [--threads 2] [--only probe,tinylm,llama,anchors] [--schemes q4_k,...] [--json out.json]
+    .venv/bin/python bench/infer.py [--threads 2] [--only probe,tinylm,llama,anchors,memory] [--schemes q4_k,...] [--json out.json]
     PYTHONPATH=/work/llama/site .venv/bin/python bench/infer.py      # with llama.cpp (llama-cpp-python)
 
 Every figure is a ratio to a baseline timed in the same process, just before it (float32 on the same
@@ -20,7 +20,9 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    llama.cpp (llama-cpp-python, the same thread count) on the very GGUF files modelkit writes for a
    tinylm with the 100M body (hidden 768, 12 layers; its byte vocabulary, as llama.cpp reads tinylm),
    decode tokens/s against modelkit's layers loaded from those files and run with transformers' KV cache.
-   Goal: >= 0.5x llama.cpp for q8_0 and q4_0.
+   Goal: >= 0.5x llama.cpp for q8_0 and q4_0 (q4_k_m reported beside them).
+4. memory: resident memory (RSS growth in a fresh process) of load_module's model from modelkit's GGUF
+   files of that tinylm (q4_k_m, q6_k, q4_0, q8_0) against the file's size. Goal: <= 1.15x.
 
 Bars are reported, never asserted: the exit code is 0 either way.
 """
@@ -269,7 +271,7 @@ def llama_cpp_anchor(threads: int) -> None:
     body = {k: v for k, v in LLAMA_100M.items() if k != "vocab_size"}
     model = build("tinylm", body, seed=0).eval()
     with tempfile.TemporaryDirectory() as tmp:
-        for scheme in ("q8_0", "q4_0"):
+        for scheme in ("q8_0", "q4_0", "q4_k_m"):
             path = Path(tmp) / f"{scheme}.gguf"
             modelkit.save(Checkpoint.from_module(quantized(model, scheme)), path)
             # modelkit: the layers load_module builds from this file, in transformers' Llama (KV cache)
@@ -299,10 +301,59 @@ def llama_cpp_anchor(threads: int) -> None:
             bar(f"{scheme} decode tokens/s, modelkit / llama.cpp", ours_decode / best_decode, 0.5, higher=True)
 
 
+# ------------------------------------------------------------------------------------ 4. memory
+
+_RSS_PROBE = """
+import gc, sys, torch, modelkit
+def rss():
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+ids = torch.randint(0, 256, (1, 16))
+with torch.no_grad():
+    modelkit.load_module(sys.argv[2])(ids)          # warm up: the modules a GGUF load imports, one forward
+gc.collect()
+before = rss()
+model = modelkit.load_module(sys.argv[1])
+gc.collect()
+loaded = rss()
+with torch.no_grad():
+    model(ids)
+gc.collect()
+print(loaded - before, rss() - before)
+"""
+
+
+def memory() -> None:
+    """Resident memory of load_module's model, in a fresh process, against the GGUF file's size."""
+    import subprocess
+
+    import modelkit
+    from modelkit.checkpoint import Checkpoint
+
+    print("\n4. resident memory (RSS growth) of load_module's model from modelkit's GGUF files, tinylm with the 100M body")
+    body = {k: v for k, v in LLAMA_100M.items() if k != "vocab_size"}
+    model = build("tinylm", body, seed=0).eval()
+    tiny = build("tinylm", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4},
+                 seed=0).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        warm = Path(tmp) / "tiny.gguf"
+        modelkit.save(Checkpoint.from_module(quantized(tiny, "q4_0")), warm)
+        for scheme in ("q4_k_m", "q6_k", "q4_0", "q8_0"):
+            path = Path(tmp) / f"{scheme}.gguf"
+            modelkit.save(Checkpoint.from_module(quantized(model, scheme)), path)
+            out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(path), str(warm)], capture_output=True,
+                                 text=True, check=True).stdout.split()
+            size = path.stat().st_size
+            loaded, ran = int(out[-2]) / size, int(out[-1]) / size
+            row("memory", scheme=scheme, file_mib=size / 2**20, rss_after_load_vs_file=round(loaded, 3),
+                rss_after_forward_vs_file=round(ran, 3))
+            bar(f"{scheme} resident memory after load / file size", loaded, 1.15)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", default="probe,tinylm,llama,anchors")
+    parser.add_argument("--only", default="probe,tinylm,llama,anchors,memory",
+                        help="parts, comma-separated: probe, tinylm, llama, anchors (or torchao, onnx, llamacpp), memory")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="the schemes of part 2, comma-separated")
     args = parser.parse_args()
@@ -312,10 +363,14 @@ def main() -> None:
     if "probe" in only:
         probe()
     models(only, tuple(args.schemes.split(",")))
-    if "anchors" in only:
+    if only & {"anchors", "torchao"}:
         torchao_anchor()
+    if only & {"anchors", "onnx"}:
         onnx_anchor()
+    if only & {"anchors", "llamacpp"}:
         llama_cpp_anchor(args.threads)
+    if "memory" in only:
+        memory()
     if args.json:
         args.json.write_text(json.dumps(RESULTS, indent=2))
     met = sum(b["met"] for b in RESULTS["bars"])
