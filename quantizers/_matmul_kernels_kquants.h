@@ -137,21 +137,31 @@ static inline void unpack_q6_k(const uint8_t *b, ksuper_t *o) {
 /* Q2_K (84 B: 16 scale bytes (low nibble scale, high nibble minimum), 64 bytes of 2-bit levels, d, dmin)
  * and Q3_K (110 B: 32 bytes of third bits, 64 bytes of 2-bit levels, 12 bytes of sixteen 6-bit scales, d).
  * Value 128 n + 32 s + 16 h + l: bits 2s of byte 32 n + 16 h + l; 16-level group 8 n + 2 s + h. */
-static inline void unpack_q2_q3_k(const uint8_t *b, ksuper_t *o, int three) {
-    const uint8_t *qs = three ? b + 32 : b + 16;
+/* Their d, dmin, minimums (o) and the 16 scales (scale). */
+static inline void q2_q3_scales(const uint8_t *b, ksuper_t *o, int three, int *scale) {
     if (three) {
         const uint8_t *s = b + 96;
         o->d = o->dmin = half_to_float(read_u16(b + 108));
         for (int j = 0; j < 16; j++) {
             int low = j < 8 ? s[j] & 0xF : s[j - 8] >> 4, high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-            int scale = (low | high << 4) - 32;
-            put_scales(o, j, scale, 4 * scale);
+            scale[j] = (low | high << 4) - 32;
+            o->mn[j] = (int16_t)(4 * scale[j]);
         }
     } else {
         o->d = half_to_float(read_u16(b + 80));
         o->dmin = half_to_float(read_u16(b + 82));
-        for (int j = 0; j < 16; j++) put_scales(o, j, b[j] & 0xF, b[j] >> 4);
+        for (int j = 0; j < 16; j++) {
+            scale[j] = b[j] & 0xF;
+            o->mn[j] = (int16_t)(b[j] >> 4);
+        }
     }
+}
+
+static inline void unpack_q2_q3_k(const uint8_t *b, ksuper_t *o, int three) {
+    const uint8_t *qs = three ? b + 32 : b + 16;
+    int scale[16];
+    q2_q3_scales(b, o, three, scale);
+    for (int j = 0; j < 16; j++) put_scales(o, j, scale[j], o->mn[j]);
     for (int n = 0; n < 2; n++)
         for (int s = 0; s < 4; s++) {
             uint8_t *q = o->q + 128 * n + 32 * s;
@@ -166,14 +176,16 @@ static inline void unpack_q2_q3_k(const uint8_t *b, ksuper_t *o, int three) {
 
 /* IQ4_XS (136 B: d, 16 bits of high scale bits, 4 bytes of low scale nibbles, 128 index bytes):
  * block of 32 ib: scale ((low nibble ib) | (2 high bits ib) << 4) - 32, indices low nibbles then high. */
+static inline int iq4_xs_scale(const uint8_t *b, int ib) {
+    return (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((read_u16(b + 2) >> (2 * ib)) & 3) << 4)) - 32;
+}
+
 static inline void unpack_iq4_xs(const uint8_t *b, ksuper_t *o) {
-    uint16_t high = read_u16(b + 2);
     o->d = half_to_float(read_u16(b));
     o->dmin = 0.0f;
     for (int ib = 0; ib < 8; ib++) {
-        int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((high >> (2 * ib)) & 3) << 4);
-        put_scales(o, 2 * ib, ls - 32, 0);
-        put_scales(o, 2 * ib + 1, ls - 32, 0);
+        put_scales(o, 2 * ib, iq4_xs_scale(b, ib), 0);
+        put_scales(o, 2 * ib + 1, iq4_xs_scale(b, ib), 0);
         const uint8_t *qs = b + 8 + 16 * ib;
         int8_t *q = (int8_t *)o->q + 32 * ib;
         for (int l = 0; l < 16; l++) {
@@ -408,8 +420,40 @@ KTARGET static inline void KNAME(unpack_super)(const int fmt, const uint8_t *b, 
         }
         return;
     }
-    if (fmt != F_Q4_K && fmt != F_Q5_K) {
-        unpack_super(fmt, b, o);
+    if (fmt == F_Q2_K || fmt == F_Q3_K) {
+        const int three = fmt == F_Q3_K;
+        const uint8_t *qs = three ? b + 32 : b + 16;
+        int scale[16];
+        q2_q3_scales(b, o, three, scale);
+        __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        for (int n = 0; n < 2; n++) {
+            __m256i src = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+            for (int c = 0; c < 4; c++) {               /* values 128 n + 32 c: bits 2c; groups 8 n + 2 c, + 1 */
+                __m256i q = _mm256_and_si256(_mm256_srli_epi16(src, 2 * c), _mm256_set1_epi8(3));
+                if (three) {
+                    __m256i bit = _mm256_set1_epi8((char)(1 << (4 * n + c)));
+                    q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit),
+                                                            _mm256_set1_epi8(4)));
+                }
+                int j = 8 * n + 2 * c;
+                _mm256_storeu_si256((__m256i *)(o->q + 128 * n + 32 * c), q);
+                _mm256_storeu_si256((__m256i *)(o->scx + 16 * (4 * n + c)),
+                                    _mm256_set_m128i(_mm_set1_epi16((short)scale[j + 1]), _mm_set1_epi16((short)scale[j])));
+            }
+        }
+        return;
+    }
+    if (fmt == F_IQ4_XS) {
+        const __m128i table = _mm_loadu_si128((const __m128i *)IQ4_TABLE);
+        o->d = _cvtsh_ss(read_u16(b));
+        o->dmin = 0.0f;
+        _mm256_storeu_si256((__m256i *)o->mn, _mm256_setzero_si256());
+        for (int ib = 0; ib < 8; ib++) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * ib));
+            __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+            _mm256_storeu_si256((__m256i *)(o->q + 32 * ib), _mm256_shuffle_epi8(_mm256_set_m128i(table, table), idx));
+            _mm256_storeu_si256((__m256i *)(o->scx + 16 * ib), _mm256_set1_epi16((short)iq4_xs_scale(b, ib)));
+        }
         return;
     }
     uint8_t sm[16];
@@ -541,10 +585,14 @@ KTARGET static float KNAME(fused_legacy)(const int fmt, const uint8_t *b, Py_ssi
 
 /* ---- AVX2, more activation rows: two unpacked rows against four activation rows at once ---------- */
 
-/* K rows w[0], w[1] (unsigned levels) . q8_K rows t = 0..3 (levels xq + t K, scales xd + t nsb, sums xb + t K / 16):
- * out[4 i + t]. */
-KTARGET static void KNAME(ktile)(const ksuper_t *const *w, Py_ssize_t nsb, Py_ssize_t K, const int8_t *xq,
-                                 const float *xd, const int16_t *xb, float *out) {
+/* vpmaddubsw of levels u (signed_levels: int8, by |u| and x carrying u's sign; else unsigned) and x. */
+KTARGET static inline __m256i KNAME(levels_times)(const int signed_levels, __m256i u, __m256i abs_u, __m256i x) {
+    return signed_levels ? _mm256_maddubs_epi16(abs_u, _mm256_sign_epi8(x, u)) : _mm256_maddubs_epi16(u, x);
+}
+
+/* K rows w[0], w[1] . q8_K rows t = 0..3 (levels xq + t K, scales xd + t nsb, sums xb + t K / 16): out[4 i + t]. */
+KTARGET static void KNAME(ktile)(const int signed_levels, const ksuper_t *const *w, Py_ssize_t nsb, Py_ssize_t K,
+                                 const int8_t *xq, const float *xd, const int16_t *xb, float *out) {
     __m256 acc[8];
     for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
     for (Py_ssize_t sb = 0; sb < nsb; sb++) {
@@ -557,10 +605,12 @@ KTARGET static void KNAME(ktile)(const ksuper_t *const *w, Py_ssize_t nsb, Py_ss
             __m256i u1 = _mm256_loadu_si256((const __m256i *)(w1->q + 32 * c));
             __m256i s0 = _mm256_loadu_si256((const __m256i *)(w0->scx + 16 * c));
             __m256i s1 = _mm256_loadu_si256((const __m256i *)(w1->scx + 16 * c));
+            __m256i a0 = signed_levels ? _mm256_abs_epi8(u0) : u0, a1 = signed_levels ? _mm256_abs_epi8(u1) : u1;
             for (int t = 0; t < 4; t++) {
                 __m256i x = _mm256_loadu_si256((const __m256i *)(x0 + t * K + 32 * c));
-                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x), s0));
-                isum[4 + t] = _mm256_add_epi32(isum[4 + t], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x), s1));
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u0, a0, x), s0));
+                isum[4 + t] = _mm256_add_epi32(isum[4 + t],
+                                               _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u1, a1, x), s1));
             }
         }
         for (int i = 0; i < 2; i++) {
@@ -577,21 +627,22 @@ KTARGET static void KNAME(ktile)(const ksuper_t *const *w, Py_ssize_t nsb, Py_ss
     for (int k = 0; k < 8; k++) out[k] = KNAME(hsum)(acc[k]);
 }
 
-/* Legacy rows w[0], w[1] (unsigned levels) . q8_0 rows t = 0..3 (levels xq + t nb QK, scales and sums + t nb):
+/* Legacy rows w[0], w[1] . q8_0 rows t = 0..3 (levels xq + t nb QK, scales and sums + t nb):
  * out[4 i + t]. The eight integer dot products of a block reduce to one register (lane 4 i + t, reduce8 of
  * _matmul_kernels_x86.h), scaled in one multiply-add. */
-KTARGET static void KNAME(ltile)(const lblock_t *const *w, Py_ssize_t nb, const int8_t *xq, const float *xd,
-                                 const float *xs, float *out) {
+KTARGET static void KNAME(ltile)(const int signed_levels, const lblock_t *const *w, Py_ssize_t nb, const int8_t *xq,
+                                 const float *xd, const float *xs, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++) {
         const lblock_t *w0 = w[0] + b, *w1 = w[1] + b;
         __m256i u0 = _mm256_loadu_si256((const __m256i *)w0->q), u1 = _mm256_loadu_si256((const __m256i *)w1->q);
+        __m256i a0 = signed_levels ? _mm256_abs_epi8(u0) : u0, a1 = signed_levels ? _mm256_abs_epi8(u1) : u1;
         __m256i p[8];
         for (int t = 0; t < 4; t++) {
             __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (t * nb + b) * QK));
-            p[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x), ones);
-            p[4 + t] = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x), ones);
+            p[t] = _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u0, a0, x), ones);
+            p[4 + t] = _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u1, a1, x), ones);
         }
         __m128 dx = _mm_setr_ps(xd[b], xd[nb + b], xd[2 * nb + b], xd[3 * nb + b]);
         __m128 dxs = _mm_mul_ps(dx, _mm_setr_ps(xs[b], xs[nb + b], xs[2 * nb + b], xs[3 * nb + b]));
@@ -637,7 +688,7 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
         }
         return;
     }
-    const int pairs = !signed_levels;              /* the 2 x 4 tiles take unsigned levels */
+    const int pairs = 1;                          /* two rows at a time for the 2 x 4 tiles */
 #else
     const int pairs = 0;
 #endif
@@ -663,10 +714,10 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
                 float out[8];
                 if (k_type) {
                     const ksuper_t *rows[2] = {(const ksuper_t *)buffer, (const ksuper_t *)(buffer + unpacked_bytes)};
-                    KNAME(ktile)(rows, nblocks, w->K, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), out);
+                    KNAME(ktile)(signed_levels, rows, nblocks, w->K, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), out);
                 } else {
                     const lblock_t *rows[2] = {(const lblock_t *)buffer, (const lblock_t *)(buffer + unpacked_bytes)};
-                    KNAME(ltile)(rows, nblocks, a->q + m * nblocks * QK, a->d + m * nblocks, a->s + m * nblocks, out);
+                    KNAME(ltile)(signed_levels, rows, nblocks, a->q + m * nblocks * QK, a->d + m * nblocks, a->s + m * nblocks, out);
                 }
                 for (int i = 0; i < 2; i++)
                     for (int t = 0; t < 4; t++)
