@@ -95,7 +95,7 @@ def _ratio(call: tuple[Callable[..., Any], tuple[Any, ...]], base: float, repeat
 
 def probe() -> None:
     from modelkit.quantizers import fast_linear, gguf_blocks, int4, int8
-    from modelkit.quantizers.gguf_arrays import Q4_0Config, Q8_0Config
+    from modelkit.quantizers.gguf_arrays import Q4_0Config, Q4_KConfig, Q5_KConfig, Q6_KConfig, Q8_0Config
 
     print("\n1. one layer: torch's CPU kernels and modelkit's against fp32 linear (ratio of latency)")
     for name, (n, k) in SHAPES.items():
@@ -103,7 +103,11 @@ def probe() -> None:
         ours = {"modelkit int8": int8.apply(nn.Sequential(layer), int8.Int8Config())[0],
                 "modelkit int4": int4.apply(nn.Sequential(layer), int4.Int4Config())[0],
                 "modelkit q8_0": gguf_blocks.apply(nn.Sequential(layer), Q8_0Config())[0],
-                "modelkit q4_0": gguf_blocks.apply(nn.Sequential(layer), Q4_0Config())[0]}
+                "modelkit q4_0": gguf_blocks.apply(nn.Sequential(layer), Q4_0Config())[0],
+                # K types where the rows are whole super-blocks (llama shapes), else llama.cpp's fallback (tinylm)
+                "modelkit q4_k": gguf_blocks.apply(nn.Sequential(layer), Q4_KConfig())[0],
+                "modelkit q5_k": gguf_blocks.apply(nn.Sequential(layer), Q5_KConfig())[0],
+                "modelkit q6_k": gguf_blocks.apply(nn.Sequential(layer), Q6_KConfig())[0]}
         wq = torch.randint(-127, 127, (n, k), dtype=torch.int8)
         scales = torch.rand(n)
         packed4 = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 15, (n, k), dtype=torch.int32), 1)
