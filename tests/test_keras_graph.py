@@ -1,0 +1,90 @@
+"""Keras models that TF.js and Keras wrote convert to ONNX and TorchScript without --arch: the topology is built
+as a torch module (modelkit/models/keras_graph.py) and onnxruntime gives the outputs TF.js / Keras gave.
+
+The fixtures are the programs' own files and predictions, checked in with their generators:
+fixtures/tfjs/make_keras_models.mjs (TensorFlow.js 4.22: a Sequential CNN, a functional model with two inputs and
+two outputs, an Embedding text model) and fixtures/tfjs/make_keras3_model.py (Keras 3: a functional model saved as
+k.json + k.weights.h5). No node or Keras is needed here."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import modelkit
+from modelkit.errors import ConfigError
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "tfjs" / "keras_models"
+MODELS = {"seq_cnn": "model.json", "functional": "model.json", "text": "model.json", "keras3": "k.json"}
+TOLERANCE = 1e-4            # the issue's bar; measured 2026-11-25: 1.2e-07 at most (functional), TF.js and Keras alike
+
+
+def _recorded(name: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    record = json.loads((FIXTURES / name / "predictions.json").read_text())
+    inputs = [np.asarray(x["data"], dtype=np.int32 if x["dtype"] == "int32" else np.float32).reshape(x["shape"])
+              for x in record["inputs"]]
+    return inputs, [np.asarray(y["data"], dtype=np.float32).reshape(y["shape"]) for y in record["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def onnx_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("keras-graph")
+    reports = {name: modelkit.convert(FIXTURES / name / file, folder / f"{name}.onnx") for name, file in MODELS.items()}
+    return folder, reports
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_onnxruntime_gives_the_writers_outputs(onnx_files, name):
+    import onnxruntime as ort
+
+    folder, reports = onnx_files
+    assert reports[name].verify["passed"] and reports[name].verify["max_abs_err"] < TOLERANCE
+    session = ort.InferenceSession(str(folder / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+    inputs, expected = _recorded(name)
+    feeds = {i.name: x for i, x in zip(session.get_inputs(), inputs, strict=True)}
+    outputs = session.run(None, feeds)
+    assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.shape == want.shape and np.abs(got - want).max() < TOLERANCE
+
+
+def test_torchscript_of_a_functional_model_with_two_inputs_and_outputs(tmp_path):
+    import torch
+
+    report = modelkit.convert(FIXTURES / "functional" / "model.json", tmp_path / "f.pt", to="torchscript")
+    assert report.verify["passed"]
+    module = torch.jit.load(str(tmp_path / "f.pt"))
+    inputs, expected = _recorded("functional")
+    with torch.no_grad():
+        outputs = module(*(torch.from_numpy(x) for x in inputs))
+    assert all(np.abs(got.numpy() - want).max() < TOLERANCE for got, want in zip(outputs, expected, strict=True))
+
+
+def test_a_layer_modelkit_does_not_build_is_named_with_the_file(tmp_path):
+    folder = tmp_path / "lstm"
+    shutil.copytree(FIXTURES / "text", folder)
+    document = json.loads((folder / "model.json").read_text())
+    document["modelTopology"]["config"]["layers"][3]["class_name"] = "LSTM"
+    (folder / "model.json").write_text(json.dumps(document))
+    with pytest.raises(ConfigError, match=r"model\.json: layer 'dense_Dense\d+' is a LSTM, which modelkit does not build"):
+        modelkit.convert(folder / "model.json", tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+    report = modelkit.convert(folder / "model.json", tmp_path / "m.safetensors")      # the weights still convert
+    assert report.verify["method"] == "bit-exact"
+
+
+def test_the_topology_travels_with_the_weights(tmp_path):
+    """A TF.js model converted to safetensors keeps its topology as its ArchSpec, so that file builds too."""
+    modelkit.convert(FIXTURES / "text" / "model.json", tmp_path / "t.safetensors")
+    ckpt = modelkit.load(tmp_path / "t.safetensors")
+    assert ckpt.arch.name == "keras" and ckpt.arch.config["topology"]["class_name"] == "Sequential"
+    module = modelkit.checkpoint.instantiate(ckpt)
+    import torch
+
+    inputs, expected = _recorded("text")
+    with torch.no_grad():
+        got = module(torch.from_numpy(inputs[0]))
+    assert np.abs(got.numpy() - expected[0]).max() < TOLERANCE
