@@ -88,3 +88,17 @@ def test_the_topology_travels_with_the_weights(tmp_path):
     with torch.no_grad():
         got = module(torch.from_numpy(inputs[0]))
     assert np.abs(got.numpy() - expected[0]).max() < TOLERANCE
+
+
+def test_tfjs_itself_when_installed_writes_the_fixtures_again(tfjs_modules, tmp_path):
+    """The live judge: TF.js runs the generator again and writes the same files and predictions, so the
+    fixtures above are TF.js's own (the generator is seeded; TF.js's CPU backend is deterministic)."""
+    import os
+    import subprocess
+
+    script = FIXTURES.parent / "make_keras_models.mjs"
+    subprocess.run(["node", str(script), str(tmp_path)], check=True, capture_output=True, text=True,
+                   env={**os.environ, "TFJS_MODULES": str(tfjs_modules)}, timeout=120)
+    for name in ("seq_cnn", "functional", "text"):
+        for file in ("model.json", "weights.bin", "predictions.json"):
+            assert (tmp_path / name / file).read_bytes() == (FIXTURES / name / file).read_bytes(), f"{name}/{file}"

@@ -61,17 +61,12 @@ def test_we_write_the_files_tfjs_ran_and_torch_agrees_with_its_outputs(written, 
 
 
 @pytest.mark.parametrize("name", ["cnn-shards", "user", "cnn-uint8"])
-def test_tfjs_itself_when_installed_gives_the_recorded_outputs(written, name, tmp_path):
+def test_tfjs_itself_when_installed_gives_the_recorded_outputs(written, name, tmp_path, tfjs_modules):
     """The live judge, as the llama.cpp verdicts are kept: no npm install in the tests; with TFJS_MODULES
-    naming an install of @tensorflow/tfjs (bench/tfjs_judge.py says how), TF.js runs our files again."""
-    import os
-    import shutil
+    naming an install of @tensorflow/tfjs (bench/tfjs_judge.py says how; .ci/run makes one), TF.js runs our
+    files again."""
     import subprocess
 
-    modules = os.environ.get("TFJS_MODULES")
-    if shutil.which("node") is None or not modules or not (Path(modules) / "@tensorflow" / "tfjs").is_dir():
-        pytest.skip("TensorFlow.js not installed: set TFJS_MODULES to the node_modules of "
-                    "`npm install @tensorflow/tfjs@4.22.0` to run it; the recorded verdicts are checked above")
     case = next(c for c in RECORD["cases"] if c["name"] == name)
     given = tmp_path / "inputs.json"
     given.write_text(json.dumps(case["inputs"]))
