@@ -109,3 +109,31 @@ def test_tfjs_itself_when_installed_writes_the_fixtures_again(tfjs_modules, tmp_
     for name in ("seq_cnn", "functional", "text"):
         for file in ("model.json", "weights.bin", "predictions.json"):
             assert (tmp_path / name / file).read_bytes() == (FIXTURES / name / file).read_bytes(), f"{name}/{file}"
+
+
+def _sequential(*layers):
+    return {"class_name": "Sequential", "config": {"name": "s", "layers": list(layers)}}
+
+
+@pytest.mark.parametrize(("topology", "message"), [
+    (_sequential({"class_name": "Dense", "config": {"name": "d", "units": 2}}),
+     "the first layer, 'd' (Dense), declares no input shape"),
+    (_sequential({"class_name": "Dense", "config": {"name": "d", "units": 2, "batch_input_shape": [None, 3]}},
+                 {"class_name": "Activation", "config": {"name": "a", "activation": "hard_sigmoid"}}),
+     "layer 'a' (Activation): activation 'hard_sigmoid' is not one modelkit builds"),
+    (_sequential({"class_name": "InputLayer", "config": {"name": "x", "batch_input_shape": [None, 4, 4, 1]}},
+                 {"class_name": "Conv2D", "config": {"name": "c", "filters": 2, "kernel_size": [3, 3],
+                                                     "padding": "causal"}}),
+     "layer 'c' (Conv2D): padding 'causal'"),
+    ({"class_name": "Model", "config": {"name": "m", "input_layers": [["x", 0, 0]], "output_layers": [["d", 0, 0]],
+                                        "layers": [{"class_name": "InputLayer", "name": "x", "inbound_nodes": [],
+                                                    "config": {"name": "x", "batch_input_shape": [None, 3]}},
+                                                   {"class_name": "Dense", "name": "d", "config": {"units": 2},
+                                                    "inbound_nodes": [[["x", 0, 0, {}]], [["x", 0, 0, {}]]]}]}},
+     "layer 'd' (Dense) is called 2 times"),
+])
+def test_what_is_not_built_is_refused_in_one_line(topology, message):
+    from modelkit.models import build
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build("keras", {"topology": topology})

@@ -402,19 +402,21 @@ def _layer_entry(entry: Any, index: int) -> tuple[str, str, dict[str, Any], Any]
     return name, entry["class_name"], config, entry.get("inbound_nodes", [])
 
 
-def _input_of(name: str, config: dict[str, Any]) -> tuple[str, tuple, str]:
+def _input_of(name: str, config: dict[str, Any], where: str | None = None) -> tuple[str, tuple, str]:
     shape = config.get("batch_input_shape", config.get("batch_shape"))
     if shape is None and config.get("input_shape") is not None:
         shape = [None, *config["input_shape"]]
     if not isinstance(shape, list) or not shape or not all(d is None or isinstance(d, int) and d > 0 for d in shape):
-        raise ConfigError(f"input {name!r} declares no shape (batch_input_shape / batch_shape)")
+        raise ConfigError(f"{where or f'input {name!r}'} declares no input shape (batch_input_shape / batch_shape), "
+                          "so the model's input is unknown")
     dtype = config.get("dtype", "float32")
     return name, tuple(shape), dtype if isinstance(dtype, str) else "float32"
 
 
 def _sequential(layers: list[tuple[str, str, dict, Any]]):
     first_name, first_cls, first_config, _ = layers[0]
-    inputs = [_input_of("input" if first_cls != "InputLayer" else first_name, first_config)]
+    inputs = [_input_of("input", first_config, f"the first layer, {first_name!r} ({first_cls}),")
+              if first_cls != "InputLayer" else _input_of(first_name, first_config)]
     previous = inputs[0][0]
     nodes = []
     for name, cls, config, _ in layers[1:] if first_cls == "InputLayer" else layers:
