@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -84,8 +85,9 @@ def _warm(path: Path) -> None:
                 pass
 
 
-def _run(command: list[str], *, env: dict[str, str] | None = None) -> tuple[float, int]:
-    """(wall seconds, peak RssAnon bytes) of one process."""
+def _run(command: list[str], *, env: dict[str, str] | None = None) -> tuple[float, int, float]:
+    """(wall seconds, peak RssAnon bytes, CPU seconds: user + system, its children's included) of one process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     peak = [0]
@@ -108,7 +110,8 @@ def _run(command: list[str], *, env: dict[str, str] | None = None) -> tuple[floa
     sampler.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed: {err.decode()[-500:]}")
-    return seconds, peak[0]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return seconds, peak[0], after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def _clear(*paths: Path) -> None:
@@ -129,27 +132,31 @@ def best(command: list[str], *, source: Path, cleanup: Path | None = None, runs:
 
 
 def paired(baseline: list[str], commands: list[list[str]], *, source: Path, outputs: tuple[Path, ...],
-           runs: int) -> tuple[list[float], list[list[float]], list[int]]:
+           runs: int) -> tuple[list[float], list[list[float]], list[int], list[float]]:
     """`runs` rounds (the baseline, then each command, their order reversed every other round) after a
     warm-up round, each run from the same state: outputs deleted, everything synced, source in the page
-    cache. Returns the baseline's seconds, each command's seconds, and each command's peak anonymous memory."""
+    cache. Returns the baseline's seconds, each command's seconds, each command's peak anonymous memory, and
+    the median CPU seconds of the baseline and of each command."""
     base: list[float] = []
     ours: list[list[float]] = [[] for _ in commands]
     peaks = [0] * len(commands)
+    cpu: list[list[float]] = [[] for _ in range(len(commands) + 1)]
     for attempt in range(runs + 1):
         order = list(range(len(commands)))[::-1 if attempt % 2 else 1]     # no command always right after the copy
-        results = [(0.0, 0)] * (len(commands) + 1)
+        results = [(0.0, 0, 0.0)] * (len(commands) + 1)
         for slot in (0, *(i + 1 for i in order)):
             _clear(*outputs)
             os.sync()
             _warm(source)
             results[slot] = _run((baseline, *commands)[slot])
+            if attempt:
+                cpu[slot].append(results[slot][2])
         if attempt:
             base.append(results[0][0])
-            for i, (seconds, peak) in enumerate(results[1:]):
+            for i, (seconds, peak, _) in enumerate(results[1:]):
                 ours[i].append(seconds)
                 peaks[i] = max(peaks[i], peak)
-    return base, ours, peaks
+    return base, ours, peaks, [statistics.median(c) for c in cpu]
 
 
 def import_seconds(args: list[str], runs: int = 3) -> tuple[float, bool]:
@@ -173,7 +180,8 @@ def import_seconds(args: list[str], runs: int = 3) -> tuple[float, bool]:
 def convert_figures(paths: dict[str, Path], folder: Path, pythons: list[str], runs: int) -> None:
     print(f"\nconvert (whole process vs an fsynced copy of its source; {runs} rounds of copy, then each "
           f"interpreter's conversion; bars {CONVERT_BAR_RATIO}x, {MEMORY_BAR_MIB} MiB anonymous)")
-    print(f"  {'':<24} {'median pair ratio':>18}   {'best':>7} {'best copy':>9} {'ratio':>6}   peak")
+    print(f"  {'':<24} {'median pair ratio':>18}   {'best':>7} {'best copy':>9} {'ratio':>6}   {'peak':>10}   "
+          f"median CPU s (copy's)")
     copy = folder / "copy.bin"
     copies: list[float] = []
     for label, src, dst, extra in (("safetensors -> gguf", "safetensors", "x.gguf", []),
@@ -183,7 +191,7 @@ def convert_figures(paths: dict[str, Path], folder: Path, pythons: list[str], ru
         target = folder / dst
         commands = [[python, "-m", "modelkit", "convert", str(paths[src]), str(target), *extra, "-q"]
                     for python in pythons]
-        base, ours, peaks = paired(["sh", "-c", f"cp '{paths[src]}' '{copy}' && sync '{copy}'"], commands,
+        base, ours, peaks, cpu = paired(["sh", "-c", f"cp '{paths[src]}' '{copy}' && sync '{copy}'"], commands,
                                    source=paths[src], outputs=(copy, target), runs=runs)
         copies += base
         for number, (seconds, peak) in enumerate(zip(ours, peaks, strict=True), start=1):
@@ -192,7 +200,8 @@ def convert_figures(paths: dict[str, Path], folder: Path, pythons: list[str], ru
             verdict = "met" if median <= CONVERT_BAR_RATIO and mib <= MEMORY_BAR_MIB else "MISSED"
             shown = label if len(pythons) == 1 else f"{label} [{number}]"
             print(f"  {shown:<28} {median:5.2f}x ({min(ratios):.2f}-{max(ratios):.2f})  {min(seconds):6.3f} s "
-                  f"{min(base):6.3f} s {min(seconds) / min(base):5.2f}x  {mib:6.1f} MiB  {verdict}")
+                  f"{min(base):6.3f} s {min(seconds) / min(base):5.2f}x  {mib:6.1f} MiB  {verdict:<6}  "
+                  f"{cpu[number]:.2f} ({cpu[0]:.2f})")
     _clear(copy)
     print(f"  copy + fsync: median {statistics.median(copies):.3f} s, best {min(copies):.3f} s")
     if len(pythons) > 1:
