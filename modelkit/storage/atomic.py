@@ -145,7 +145,7 @@ def writing_back(folder: Path) -> Iterator[None]:
                         except FileNotFoundError:
                             continue                   # gone again (the writer's own temporary file)
                 for fd in opened.values():
-                    os.fdatasync(fd)
+                    getattr(os, "fdatasync", os.fsync)(fd)       # macOS has no fdatasync
         except OSError as e:
             failure.append(e)
         finally:
