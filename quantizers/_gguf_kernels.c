@@ -76,6 +76,12 @@ static inline void put_half(uint8_t *dst, float f) {
 #endif
 #include "_gguf_kernels_kquants.h"
 #include "_gguf_kernels_imatrix.h"
+#ifdef HAVE_AVX2_KERNELS
+#include "_gguf_kernels_kquants_avx2.h"
+#define KQ_AVX2(name) quantize_##name##_avx2, quantize_##name##_weighted_avx2
+#else
+#define KQ_AVX2(name) NULL, NULL
+#endif
 
 typedef void (*kquantize_t)(const float *, uint8_t *);
 typedef void (*kweighted_t)(const float *, uint8_t *, const float *);
@@ -83,17 +89,18 @@ typedef void (*kdequantize_t)(const uint8_t *, float *);
 
 /* The types quantized a block at a time (K-quant super-blocks of 256, IQ4 blocks): name, weights
  * per block, bytes per block, quantizer, quantizer under importance weights (one per value of the
- * block), dequantizer. */
+ * block), dequantizer, and the AVX2 quantizers (the same bytes; NULL where there are none). */
 static const struct {
     const char *name; int block, type_size; kquantize_t quantize; kweighted_t weighted; kdequantize_t dequantize;
+    kquantize_t quantize_avx2; kweighted_t weighted_avx2;
 } KTYPES[] = {
-    {"q2_k", SUPER, 84, quantize_q2_k, quantize_q2_k_weighted, dequantize_q2_k},
-    {"q3_k", SUPER, 110, quantize_q3_k, quantize_q3_k_weighted, dequantize_q3_k},
-    {"q4_k", SUPER, 144, quantize_q4_k, quantize_q4_k_weighted, dequantize_q4_k},
-    {"q5_k", SUPER, 176, quantize_q5_k, quantize_q5_k_weighted, dequantize_q5_k},
-    {"q6_k", SUPER, 210, quantize_q6_k, quantize_q6_k_weighted, dequantize_q6_k},
-    {"iq4_nl", 32, 18, quantize_iq4_nl, quantize_iq4_nl_weighted, dequantize_iq4_nl},
-    {"iq4_xs", SUPER, 136, quantize_iq4_xs, quantize_iq4_xs_weighted, dequantize_iq4_xs},
+    {"q2_k", SUPER, 84, quantize_q2_k, quantize_q2_k_weighted, dequantize_q2_k, KQ_AVX2(q2_k)},
+    {"q3_k", SUPER, 110, quantize_q3_k, quantize_q3_k_weighted, dequantize_q3_k, KQ_AVX2(q3_k)},
+    {"q4_k", SUPER, 144, quantize_q4_k, quantize_q4_k_weighted, dequantize_q4_k, KQ_AVX2(q4_k)},
+    {"q5_k", SUPER, 176, quantize_q5_k, quantize_q5_k_weighted, dequantize_q5_k, KQ_AVX2(q5_k)},
+    {"q6_k", SUPER, 210, quantize_q6_k, quantize_q6_k_weighted, dequantize_q6_k, KQ_AVX2(q6_k)},
+    {"iq4_nl", 32, 18, quantize_iq4_nl, quantize_iq4_nl_weighted, dequantize_iq4_nl, NULL, NULL},
+    {"iq4_xs", SUPER, 136, quantize_iq4_xs, quantize_iq4_xs_weighted, dequantize_iq4_xs, NULL, NULL},
 };
 
 /* Whether any of the n values is NaN or infinite. */
@@ -195,18 +202,28 @@ static int find_ktype(const char *name) {
 }
 
 PyDoc_STRVAR(kquantize_doc,
-"kquantize(type_name, src, dst, weights=None) -> int\n\n"
+"kquantize(type_name, src, dst, weights=None, isa=None) -> int\n\n"
 "Quantize the float32 values in `src` (whole blocks: 256 values, 32 for iq4_nl) to blocks in `dst`\n"
 "(exactly the bytes they need): q2_k .. q6_k, iq4_nl, iq4_xs. `weights`: None, or a float32 buffer\n"
 "of one importance per column of a row (its length is the row's); `src` then holds whole rows.\n"
-"Returns -1, or the index of the first block holding NaN or infinity (dst is then incomplete).\n"
-"Releases the GIL.");
+"`isa`: None (the best of ISAS), \"avx2\" or \"generic\"; every one writes the same bytes (a type\n"
+"without AVX2 kernels runs the generic ones). Returns -1, or the index of the first block holding\n"
+"NaN or infinity (dst is then incomplete). Releases the GIL.");
 
 static PyObject *kquantize(PyObject *self, PyObject *args) {
-    const char *name;
+    const char *name, *isa = NULL;
     Py_buffer src, dst, weights = {0};
     PyObject *weights_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "sy*w*|O", &name, &src, &dst, &weights_obj)) return NULL;
+    if (!PyArg_ParseTuple(args, "sy*w*|Oz", &name, &src, &dst, &weights_obj, &isa)) return NULL;
+    int avx2 = has_avx2;
+    if (isa && strcmp(isa, "generic") == 0) {
+        avx2 = 0;
+    } else if (isa && !(strcmp(isa, "avx2") == 0 && has_avx2)) {
+        PyErr_Format(PyExc_ValueError, "no %s kernels on this CPU", isa);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
     if (weights_obj != Py_None && PyObject_GetBuffer(weights_obj, &weights, PyBUF_SIMPLE) < 0) {
         PyBuffer_Release(&src);
         PyBuffer_Release(&dst);
@@ -228,12 +245,14 @@ static PyObject *kquantize(PyObject *self, PyObject *args) {
         Py_ssize_t bad = -1;
         const float *x = (const float *)src.buf, *qw = (const float *)weights.buf;
         uint8_t *y = (uint8_t *)dst.buf;
+        kquantize_t plain = avx2 && KTYPES[t].quantize_avx2 ? KTYPES[t].quantize_avx2 : KTYPES[t].quantize;
+        kweighted_t weighted = avx2 && KTYPES[t].weighted_avx2 ? KTYPES[t].weighted_avx2 : KTYPES[t].weighted;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t b = 0; b < n; b++) {
             const float *xb = x + b * block;
             if (non_finite(xb, block)) { bad = b; break; }
-            if (qw) KTYPES[t].weighted(xb, y + b * KTYPES[t].type_size, qw + (b * block) % row);
-            else KTYPES[t].quantize(xb, y + b * KTYPES[t].type_size);
+            if (qw) weighted(xb, y + b * KTYPES[t].type_size, qw + (b * block) % row);
+            else plain(xb, y + b * KTYPES[t].type_size);
         }
         Py_END_ALLOW_THREADS
         result = PyLong_FromSsize_t(bad);

@@ -172,13 +172,13 @@ static inline void scale_min_put(int j, uint8_t *q, uint8_t ls, uint8_t lm) {
     }
 }
 
-static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five);
+static void qk_affine_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins, int five);
 
 /* Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 nibble bytes) and Q5_K (176 bytes: the same
  * plus 32 bytes of fifth bits before the nibbles): eight sub-blocks of 32, each scale * L - min. */
 static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
-    uint8_t L[SUPER], *scales = y + 4;
-    float mins[8], fits[8], w[32], max_scale = 0, max_min = 0;
+    uint8_t L[SUPER];
+    float mins[8], fits[8], w[32];
     for (int j = 0; j < 8; j++) {
         const float *xs = x + 32 * j;
         float sum_x2 = 0;
@@ -187,6 +187,18 @@ static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
         for (int l = 0; l < 32; l++) w[l] = av_x + fabsf(xs[l]);
         fits[j] = five ? fit_affine(32, 31, xs, w, L + 32 * j, &mins[j], -0.5f, 0.1f, 15, 0)
                        : fit_affine(32, 15, xs, w, L + 32 * j, &mins[j], -1.f, 0.1f, 20, 0);
+    }
+    qk_affine_scales(x, y, L, fits, mins, five);
+}
+
+static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five);
+
+/* Q4_K/Q5_K from the sub-blocks' fitted scales, minimums (negated) and levels: 6-bit codes under d
+ * and dmin, then qk_affine_finish. */
+static void qk_affine_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins, int five) {
+    uint8_t *scales = y + 4;
+    float max_scale = 0, max_min = 0;
+    for (int j = 0; j < 8; j++) {
         if (fits[j] > max_scale) max_scale = fits[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -229,10 +241,18 @@ static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five) {
 
 /* Q6_K (210 bytes: 128 low-nibble bytes, 64 high-bit-pair bytes, 16 int8 scales, d): sixteen
  * sub-blocks of 16, symmetric, levels -32..31. */
+static void q6_k_finish(const float *x, uint8_t *y, int8_t *L, const float *fits);
+
 static void quantize_q6_k_weighted(const float *x, uint8_t *y, const float *qw) {
     int8_t L[SUPER];
     float fits[16];
     for (int b = 0; b < 16; b++) fits[b] = fit_signed(16, 32, x + 16 * b, qw ? qw + 16 * b : NULL, L + 16 * b);
+    q6_k_finish(x, y, L, fits);
+}
+
+/* Q6_K from the sub-blocks' fitted scales and levels: the int8 scales under d, the levels
+ * requantized at the stored scales, packed. */
+static void q6_k_finish(const float *x, uint8_t *y, int8_t *L, const float *fits) {
     const float max_scale = largest(16, fits);
     memset(y, 0, 210);
     if (fabsf(max_scale) < TINY) return;        /* all zeros, d = +0 */
@@ -300,14 +320,27 @@ static void put_crumbs(uint8_t *qs, const uint8_t *L) {
             qs[l] = (uint8_t)(L[j + l] | L[j + l + 32] << 2 | L[j + l + 64] << 4 | L[j + l + 96] << 6);
 }
 
+static void q2_k_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins);
+
 /* Q2_K (84 bytes: 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit levels,
  * d, dmin): sixteen sub-blocks of 16, each scale * L - min with L in 0..3, fit by absolute error. */
 static void quantize_q2_k(const float *x, uint8_t *y) {
-    uint8_t L[SUPER], *scales = y;
-    float mins[16], fits[16], w[16], max_scale = 0, max_min = 0;
+    uint8_t L[SUPER];
+    float mins[16], fits[16], w[16];
     for (int j = 0; j < 16; j++) {
         for (int l = 0; l < 16; l++) w[l] = fabsf(x[16 * j + l]);
         fits[j] = fit_affine(16, 3, x + 16 * j, w, L + 16 * j, &mins[j], -0.5f, 0.1f, 15, 1);
+    }
+    q2_k_scales(x, y, L, fits, mins);
+}
+
+static void q2_k_finish(const float *x, uint8_t *y, uint8_t *L);
+
+/* Q2_K from the sub-blocks' fitted scales, minimums (negated) and levels: 4-bit codes under d and dmin. */
+static void q2_k_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins) {
+    uint8_t *scales = y;
+    float max_scale = 0, max_min = 0;
+    for (int j = 0; j < 16; j++) {
         if (fits[j] > max_scale) max_scale = fits[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -322,11 +355,16 @@ static void quantize_q2_k(const float *x, uint8_t *y) {
         for (int j = 0; j < 16; j++) scales[j] |= (uint8_t)(round_int(iscale * mins[j]) << 4);
     }
     put_half(y + 82, max_min > 0 ? max_min / 15.f : 0.f);
+    q2_k_finish(x, y, L);
+}
+
+/* Q2_K with d, dmin and the scale bytes written: levels requantized at the stored scales, packed. */
+static void q2_k_finish(const float *x, uint8_t *y, uint8_t *L) {
     float d_all = half_value(y + 80), m_all = half_value(y + 82);
     for (int j = 0; j < 16; j++) {
-        const float d = d_all * (scales[j] & 0xF);
+        const float d = d_all * (y[j] & 0xF);
         if (!d) continue;
-        const float dm = m_all * (scales[j] >> 4);
+        const float dm = m_all * (y[j] >> 4);
         for (int i = 0; i < 16; i++) L[16 * j + i] = (uint8_t)clamp_int(round_int((x[16 * j + i] + dm) / d), 0, 3);
     }
     put_crumbs(y + 16, L);
@@ -334,13 +372,20 @@ static void quantize_q2_k(const float *x, uint8_t *y) {
 
 static void q3_k_finish(const float *x, uint8_t *y, int8_t *L);
 
+static void q3_k_scales(const float *x, uint8_t *y, int8_t *L, const float *fits);
+
 /* Q3_K (110 bytes: 32 bytes of third bits, 64 bytes of 2-bit levels, 12 bytes of sixteen 6-bit
  * scales, d): sixteen sub-blocks of 16, symmetric, levels -4..3. */
 static void quantize_q3_k(const float *x, uint8_t *y) {
     int8_t L[SUPER];
-    uint8_t *scales = y + 96;
     float fits[16];
     for (int j = 0; j < 16; j++) fits[j] = fit_signed_greedy(16, 4, x + 16 * j, L + 16 * j);
+    q3_k_scales(x, y, L, fits);
+}
+
+/* Q3_K from the sub-blocks' fitted scales and levels: 6-bit codes under d, then q3_k_finish. */
+static void q3_k_scales(const float *x, uint8_t *y, int8_t *L, const float *fits) {
+    uint8_t *scales = y + 96;
     const float max_scale = largest(16, fits);
     memset(scales, 0, 12);
     if (max_scale) {
