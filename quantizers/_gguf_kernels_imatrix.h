@@ -145,8 +145,7 @@ static void q3_k_weighted_scales(const float *x, uint8_t *y, int8_t *L, const fl
     q3_k_finish(x, y, L);
 }
 
-static void qk_affine_weighted_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins,
-                                      const float *sw, int five);
+static void qk_affine_weighted_scales(uint8_t *y, const float *fits, const float *mins, const float *sw, int five);
 
 /* Q4_K, Q5_K: sub-block scales and minimums by fit_affine under the weights (squared error),
  * their 6-bit codes by fit_positive. */
@@ -158,11 +157,12 @@ static void quantize_qk_affine_weighted(const float *x, uint8_t *y, const float 
         sw[j] = importance(32, x + 32 * j, qw + 32 * j, sigma2, weight);
         fits[j] = fit_affine(32, five ? 31 : 15, x + 32 * j, weight, L + 32 * j, &mins[j], -0.9f, 0.05f, 36, 0);
     }
-    qk_affine_weighted_scales(x, y, L, fits, mins, sw, five);
+    qk_affine_weighted_scales(y, fits, mins, sw, five);
+    qk_affine_finish(x, y, L, five);
 }
 
-static void qk_affine_weighted_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins,
-                                      const float *sw, int five) {
+/* Q4_K/Q5_K's d, dmin and scale codes under an importance matrix (sw: each sub-block's summed weights). */
+static void qk_affine_weighted_scales(uint8_t *y, const float *fits, const float *mins, const float *sw, int five) {
     uint8_t Ls[8], Lm[8];
     float d_block = fit_positive(8, 63, fits, Ls, sw), m_block = fit_positive(8, 63, mins, Lm, sw);
     for (int j = 0; j < 8; j++) {
@@ -182,7 +182,6 @@ static void qk_affine_weighted_scales(const float *x, uint8_t *y, uint8_t *L, co
     }
     put_half(y, d_block);
     put_half(y + 2, m_block);
-    qk_affine_finish(x, y, L, five);
 }
 
 static void quantize_q4_k_weighted(const float *x, uint8_t *y, const float *qw) { quantize_qk_affine_weighted(x, y, qw, 0); }

@@ -172,7 +172,8 @@ static inline void scale_min_put(int j, uint8_t *q, uint8_t ls, uint8_t lm) {
     }
 }
 
-static void qk_affine_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins, int five);
+static void qk_affine_scales(uint8_t *y, const float *fits, const float *mins);
+static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five);
 
 /* Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 nibble bytes) and Q5_K (176 bytes: the same
  * plus 32 bytes of fifth bits before the nibbles): eight sub-blocks of 32, each scale * L - min. */
@@ -188,14 +189,13 @@ static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
         fits[j] = five ? fit_affine(32, 31, xs, w, L + 32 * j, &mins[j], -0.5f, 0.1f, 15, 0)
                        : fit_affine(32, 15, xs, w, L + 32 * j, &mins[j], -1.f, 0.1f, 20, 0);
     }
-    qk_affine_scales(x, y, L, fits, mins, five);
+    qk_affine_scales(y, fits, mins);
+    qk_affine_finish(x, y, L, five);
 }
 
-static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five);
-
-/* Q4_K/Q5_K from the sub-blocks' fitted scales, minimums (negated) and levels: 6-bit codes under d
- * and dmin, then qk_affine_finish. */
-static void qk_affine_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins, int five) {
+/* Q4_K/Q5_K's d, dmin and 6-bit scale and minimum codes from the sub-blocks' fitted scales and
+ * minimums (negated). */
+static void qk_affine_scales(uint8_t *y, const float *fits, const float *mins) {
     uint8_t *scales = y + 4;
     float max_scale = 0, max_min = 0;
     for (int j = 0; j < 8; j++) {
@@ -211,7 +211,6 @@ static void qk_affine_scales(const float *x, uint8_t *y, uint8_t *L, const float
     }
     put_half(y, max_scale / 63.f);
     put_half(y + 2, max_min / 63.f);
-    qk_affine_finish(x, y, L, five);
 }
 
 /* Q4_K/Q5_K with d, dmin and the scale bytes written: levels requantized at the stored scales, packed. */
@@ -250,12 +249,12 @@ static void quantize_q6_k_weighted(const float *x, uint8_t *y, const float *qw) 
     q6_k_finish(x, y, L, fits);
 }
 
-/* Q6_K from the sub-blocks' fitted scales and levels: the int8 scales under d, the levels
- * requantized at the stored scales, packed. */
-static void q6_k_finish(const float *x, uint8_t *y, int8_t *L, const float *fits) {
+/* Q6_K's int8 sub-block scales and d (y + 192, y + 208) from the fitted scales, the rest of y zeroed.
+ * Returns 0 for an all-zero super-block (y is then complete: all zeros), else 1 with *d_all = d as stored. */
+static int q6_k_scales(uint8_t *y, const float *fits, float *d_all) {
     const float max_scale = largest(16, fits);
     memset(y, 0, 210);
-    if (fabsf(max_scale) < TINY) return;        /* all zeros, d = +0 */
+    if (fabsf(max_scale) < TINY) return 0;      /* all zeros, d = +0 */
     int8_t *scales = (int8_t *)(y + 192);
     float iscale = -128.f / max_scale;
     put_half(y + 208, 1 / iscale);
@@ -263,7 +262,16 @@ static void q6_k_finish(const float *x, uint8_t *y, int8_t *L, const float *fits
         int s = round_int(iscale * fits[b]);
         scales[b] = (int8_t)(s < 127 ? s : 127);
     }
-    float d_all = half_value(y + 208);
+    *d_all = half_value(y + 208);
+    return 1;
+}
+
+/* Q6_K from the sub-blocks' fitted scales and levels: the int8 scales under d, the levels
+ * requantized at the stored scales (a sub-block whose scale is 0 keeps its fitted levels), packed. */
+static void q6_k_finish(const float *x, uint8_t *y, int8_t *L, const float *fits) {
+    float d_all;
+    if (!q6_k_scales(y, fits, &d_all)) return;
+    const int8_t *scales = (const int8_t *)(y + 192);
     for (int b = 0; b < 16; b++) {
         float d = d_all * scales[b];
         if (!d) continue;

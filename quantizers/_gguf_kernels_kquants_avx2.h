@@ -45,21 +45,22 @@ AVX2 static inline void load_lanes(const float *p, int stride, int n, __m256 *v)
     }
 }
 
-/* The inverse for levels: L[stride * b + i] = v[i] lane b (as a byte). */
+/* The low bytes of the 8 lanes of v (levels -128..255) to dst[0..7]. */
+AVX2 static inline void store_bytes8(__m256i v, uint8_t *dst) {
+    __m256i q = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    uint32_t lo = (uint32_t)_mm256_extract_epi32(q, 0), hi = (uint32_t)_mm256_extract_epi32(q, 4);
+    memcpy(dst, &lo, 4);
+    memcpy(dst + 4, &hi, 4);
+}
+
+/* The inverse of load_lanes for levels: L[stride * b + i] = v[i] lane b (as a byte). */
 AVX2 static inline void store_lanes(const __m256i *v, int stride, int n, uint8_t *L) {
     for (int k = 0; k < n; k += 8) {
         __m256 r[8];
         for (int i = 0; i < 8; i++) r[i] = _mm256_castsi256_ps(v[k + i]);
         transpose8(r);
-        for (int b = 0; b < 8; b++) {
-            /* eight 32-bit levels (-128..255) to their low bytes */
-            __m256i q = _mm256_shuffle_epi8(_mm256_castps_si256(r[b]),
-                                             _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                              0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-            uint32_t lo = (uint32_t)_mm256_extract_epi32(q, 0), hi = (uint32_t)_mm256_extract_epi32(q, 4);
-            memcpy(L + stride * b + k, &lo, 4);
-            memcpy(L + stride * b + k + 4, &hi, 4);
-        }
+        for (int b = 0; b < 8; b++) store_bytes8(_mm256_castps_si256(r[b]), L + stride * b + k);
     }
 }
 
@@ -247,6 +248,39 @@ AVX2 static inline __m256 importance_lanes(int n, const __m256 *X, const __m256 
 }
 
 /* ---- Q6_K: 16 sub-blocks of 16, two groups of 8 lanes. ---- */
+
+/* q6_k_finish: the requantization at the stored scales 8 values at a time, the packing 32 bytes at a time. */
+AVX2 static void q6_k_finish_avx2(const float *x, uint8_t *y, int8_t *L, const float *fits) {
+    float d_all;
+    if (!q6_k_scales(y, fits, &d_all)) return;
+    const int8_t *scales = (const int8_t *)(y + 192);
+    uint8_t *levels = (uint8_t *)L;
+    for (int b = 0; b < 16; b++) {
+        const float d = d_all * scales[b];
+        if (!d) continue;
+        for (int h = 0; h < 16; h += 8) {
+            __m256i l = clamp_lanes(round_lanes(_mm256_div_ps(_mm256_loadu_ps(x + 16 * b + h), F8(d))), -32, 31);
+            store_bytes8(_mm256_add_epi32(l, I8(32)), levels + 16 * b + h);
+        }
+    }
+    const __m256i nibble = _mm256_set1_epi8(0xF), pair = _mm256_set1_epi8(3);
+    for (int j = 0; j < 2; j++) {               /* levels 0..63: low nibbles in ql, the two high bits in qh */
+        const uint8_t *q = levels + 128 * j;
+        __m256i a = _mm256_loadu_si256((const __m256i *)q), b = _mm256_loadu_si256((const __m256i *)(q + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(q + 64)), e = _mm256_loadu_si256((const __m256i *)(q + 96));
+        __m256i ql0 = _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_slli_epi16(_mm256_and_si256(c, nibble), 4));
+        __m256i ql1 = _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_slli_epi16(_mm256_and_si256(e, nibble), 4));
+        __m256i qh = _mm256_or_si256(
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), pair),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), pair), 2)),
+            _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), pair), 4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(e, 4), pair), 6)));
+        _mm256_storeu_si256((__m256i *)(y + 64 * j), ql0);
+        _mm256_storeu_si256((__m256i *)(y + 64 * j + 32), ql1);
+        _mm256_storeu_si256((__m256i *)(y + 128 + 32 * j), qh);
+    }
+}
+
 AVX2 static void quantize_q6_k_weighted_avx2(const float *x, uint8_t *y, const float *qw) {
     int8_t L[SUPER];
     float fits[16];
@@ -259,12 +293,42 @@ AVX2 static void quantize_q6_k_weighted_avx2(const float *x, uint8_t *y, const f
         _mm256_storeu_ps(fits + 8 * g, fit_signed_lanes(16, 32, X, W, Lv));
         store_lanes(Lv, 16, 16, (uint8_t *)L + 128 * g);
     }
-    q6_k_finish(x, y, L, fits);
+    q6_k_finish_avx2(x, y, L, fits);
 }
 
 AVX2 static void quantize_q6_k_avx2(const float *x, uint8_t *y) { quantize_q6_k_weighted_avx2(x, y, NULL); }
 
 /* ---- Q4_K, Q5_K: 8 sub-blocks of 32, one group. ---- */
+
+/* qk_affine_finish: the requantization at the stored scales 8 values at a time, the packing 32 bytes at a time. */
+AVX2 static void qk_affine_finish_avx2(const float *x, uint8_t *y, uint8_t *L, int five) {
+    const int nmax = five ? 31 : 15;
+    const uint8_t *scales = y + 4;
+    float d_all = half_value(y), m_all = half_value(y + 2);
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        scale_min_get(j, scales, &sc, &m);
+        const float d = d_all * sc;
+        if (!d) continue;
+        const __m256 dm = F8(m_all * m);
+        for (int h = 0; h < 32; h += 8) {
+            __m256 f = _mm256_div_ps(_mm256_add_ps(_mm256_loadu_ps(x + 32 * j + h), dm), F8(d));
+            store_bytes8(clamp_lanes(round_lanes(f), 0, nmax), L + 32 * j + h);
+        }
+    }
+    const __m256i nibble = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+    uint8_t *ql = five ? y + 48 : y + 16;
+    __m256i qh = _mm256_setzero_si256();        /* Q5_K: bit 2p of qh[j] the fifth bit of L[64p + j], 2p + 1 of L[64p + 32 + j] */
+    for (int p = 0; p < 4; p++) {
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(L + 64 * p)), hi = _mm256_loadu_si256((const __m256i *)(L + 64 * p + 32));
+        _mm256_storeu_si256((__m256i *)(ql + 32 * p),
+                            _mm256_or_si256(_mm256_and_si256(lo, nibble), _mm256_slli_epi16(_mm256_and_si256(hi, nibble), 4)));
+        __m256i bits = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), one),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 4), one), 1));
+        qh = _mm256_or_si256(qh, _mm256_sll_epi16(bits, _mm_cvtsi32_si128(2 * p)));
+    }
+    if (five) _mm256_storeu_si256((__m256i *)(y + 16), qh);
+}
 AVX2 static void quantize_qk_affine_avx2(const float *x, uint8_t *y, const float *qw, int five) {
     uint8_t L[SUPER];
     float fits[8], mins[8], sw[8];
@@ -289,8 +353,9 @@ AVX2 static void quantize_qk_affine_avx2(const float *x, uint8_t *y, const float
     _mm256_storeu_ps(fits, scale);
     _mm256_storeu_ps(mins, neg_min);
     store_lanes(Lv, 32, 32, L);
-    if (qw) qk_affine_weighted_scales(x, y, L, fits, mins, sw, five);
-    else qk_affine_scales(x, y, L, fits, mins, five);
+    if (qw) qk_affine_weighted_scales(y, fits, mins, sw, five);
+    else qk_affine_scales(y, fits, mins);
+    qk_affine_finish_avx2(x, y, L, five);
 }
 
 AVX2 static void quantize_q4_k_avx2(const float *x, uint8_t *y) { quantize_qk_affine_avx2(x, y, NULL, 0); }
