@@ -213,17 +213,21 @@ static void qk_affine_scales(uint8_t *y, const float *fits, const float *mins) {
     put_half(y + 2, max_min / 63.f);
 }
 
+/* Sub-block j's stored scale d * code (returned) and minimum dmin * code (*dm) in a Q4_K/Q5_K block y. */
+static inline float qk_affine_stored(const uint8_t *y, int j, float *dm) {
+    uint8_t sc, m;
+    scale_min_get(j, y + 4, &sc, &m);
+    *dm = half_value(y + 2) * m;
+    return half_value(y) * sc;
+}
+
 /* Q4_K/Q5_K with d, dmin and the scale bytes written: levels requantized at the stored scales, packed. */
 static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five) {
     const int nmax = five ? 31 : 15;
-    const uint8_t *scales = y + 4;
-    float d_all = half_value(y), m_all = half_value(y + 2);
     for (int j = 0; j < 8; j++) {
-        uint8_t sc, m;
-        scale_min_get(j, scales, &sc, &m);
-        const float d = d_all * sc;
+        float dm;
+        const float d = qk_affine_stored(y, j, &dm);
         if (!d) continue;
-        const float dm = m_all * m;
         for (int i = 0; i < 32; i++) L[32 * j + i] = (uint8_t)clamp_int(round_int((x[32 * j + i] + dm) / d), 0, nmax);
     }
     uint8_t *qh = y + 16, *ql = five ? y + 48 : y + 16;

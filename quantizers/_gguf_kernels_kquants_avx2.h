@@ -303,16 +303,12 @@ AVX2 static void quantize_q6_k_avx2(const float *x, uint8_t *y) { quantize_q6_k_
 /* qk_affine_finish: the requantization at the stored scales 8 values at a time, the packing 32 bytes at a time. */
 AVX2 static void qk_affine_finish_avx2(const float *x, uint8_t *y, uint8_t *L, int five) {
     const int nmax = five ? 31 : 15;
-    const uint8_t *scales = y + 4;
-    float d_all = half_value(y), m_all = half_value(y + 2);
     for (int j = 0; j < 8; j++) {
-        uint8_t sc, m;
-        scale_min_get(j, scales, &sc, &m);
-        const float d = d_all * sc;
+        float dm;
+        const float d = qk_affine_stored(y, j, &dm);
         if (!d) continue;
-        const __m256 dm = F8(m_all * m);
         for (int h = 0; h < 32; h += 8) {
-            __m256 f = _mm256_div_ps(_mm256_add_ps(_mm256_loadu_ps(x + 32 * j + h), dm), F8(d));
+            __m256 f = _mm256_div_ps(_mm256_add_ps(_mm256_loadu_ps(x + 32 * j + h), F8(dm)), F8(d));
             store_bytes8(clamp_lanes(round_lanes(f), 0, nmax), L + 32 * j + h);
         }
     }
