@@ -131,3 +131,23 @@ def test_avx2_writes_the_portable_bytes(adversarial, type_name):
 def test_types_without_avx2_quantizers_run_the_portable_ones(adversarial, type_name):
     rows, _ = adversarial
     assert np.array_equal(_quantize(type_name, rows, ISAS[0]), _quantize(type_name, rows, "generic"))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_float16_sources_are_widened_exactly_in_the_kernels(adversarial, isa):
+    """kquantize(..., half=True) on float16 gives the bytes of the float32 it widens to; a block holding
+    infinity is reported by its index, under both."""
+    rows, random = adversarial
+    halves = np.concatenate([np.clip(rows, -6e4, 6e4).astype(np.float16), random[:, :256].astype(np.float16),
+                             np.array([[6e-8, -6e-8, 1e-5, -0.0, 65504.0, -65504.0, 0.0, 3e-6] * 32], np.float16)])
+    for type_name in (*TYPES, "iq4_nl", "iq4_xs"):
+        block, size = gguf_arrays.KERNEL_TYPES[type_name]
+        out = np.empty(halves.size // block * size, dtype=np.uint8)
+        for importance in (None, _importances()["decades"]):
+            assert kernels.kquantize(type_name, halves.reshape(-1), out, importance, isa, True) == -1
+            expected = _quantize(type_name, halves.astype(np.float32), isa, importance)
+            assert np.array_equal(out.reshape(expected.shape), expected), (type_name, importance is None)
+    broken = halves.copy()
+    broken[3, 40] = np.inf
+    out = np.empty(broken.size // 256 * 210, dtype=np.uint8)
+    assert kernels.kquantize("q6_k", broken.reshape(-1), out, None, isa, True) == 3
