@@ -89,8 +89,7 @@ static inline float importance(int n, const float *x, const float *qw, float sig
     return sum;
 }
 
-static void q2_k_weighted_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins,
-                                 const float *sw);
+static void q2_k_weighted_scales(uint8_t *y, const float *fits, const float *mins, const float *sw);
 
 /* Q2_K: sub-block scales and minimums by fit_affine under the weights (squared error), their 4-bit
  * codes by fit_positive. */
@@ -102,20 +101,19 @@ static void quantize_q2_k_weighted(const float *x, uint8_t *y, const float *qw) 
         sw[j] = importance(16, x + 16 * j, qw + 16 * j, sigma2, weight);
         fits[j] = fit_affine(16, 3, x + 16 * j, weight, L + 16 * j, &mins[j], -0.9f, 0.05f, 36, 0);
     }
-    q2_k_weighted_scales(x, y, L, fits, mins, sw);
+    q2_k_weighted_scales(y, fits, mins, sw);
+    q2_k_finish(x, y, L);
 }
 
-/* Q2_K from the fits under an importance matrix (sw: each sub-block's summed weights). */
-static void q2_k_weighted_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins,
-                                 const float *sw) {
+/* Q2_K's d, dmin and 4-bit codes under an importance matrix (sw: each sub-block's summed weights). */
+static void q2_k_weighted_scales(uint8_t *y, const float *fits, const float *mins, const float *sw) {
     uint8_t Ls[16], Lm[16];
     put_half(y + 80, fit_positive(16, 15, fits, Ls, sw));
     put_half(y + 82, fit_positive(16, 15, mins, Lm, sw));
     for (int j = 0; j < 16; j++) y[j] = (uint8_t)(Ls[j] | Lm[j] << 4);
-    q2_k_finish(x, y, L);
 }
 
-static void q3_k_weighted_scales(const float *x, uint8_t *y, int8_t *L, const float *fits, const float *sw);
+static void q3_k_weighted_scales(uint8_t *y, const float *fits, const float *sw);
 
 /* Q3_K: sub-block scales by fit_signed under the weights, their 6-bit codes by fit_signed under
  * the sub-blocks' summed weights. */
@@ -127,10 +125,11 @@ static void quantize_q3_k_weighted(const float *x, uint8_t *y, const float *qw) 
         sw[j] = importance(16, x + 16 * j, qw + 16 * j, sigma2, weight);
         fits[j] = fit_signed(16, 4, x + 16 * j, weight, L + 16 * j);
     }
-    q3_k_weighted_scales(x, y, L, fits, sw);
+    q3_k_weighted_scales(y, fits, sw);
+    q3_k_finish(x, y, L);
 }
 
-static void q3_k_weighted_scales(const float *x, uint8_t *y, int8_t *L, const float *fits, const float *sw) {
+static void q3_k_weighted_scales(uint8_t *y, const float *fits, const float *sw) {
     int8_t Ls[16];
     uint8_t *scales = y + 96;
     memset(scales, 0, 12);
@@ -142,7 +141,6 @@ static void q3_k_weighted_scales(const float *x, uint8_t *y, int8_t *L, const fl
         scales[j % 4 + 8] |= (uint8_t)((l >> 4) << (2 * (j / 4)));
     }
     put_half(y + 108, d_block);
-    q3_k_finish(x, y, L);
 }
 
 static void qk_affine_weighted_scales(uint8_t *y, const float *fits, const float *mins, const float *sw, int five);

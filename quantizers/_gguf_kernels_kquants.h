@@ -332,7 +332,8 @@ static void put_crumbs(uint8_t *qs, const uint8_t *L) {
             qs[l] = (uint8_t)(L[j + l] | L[j + l + 32] << 2 | L[j + l + 64] << 4 | L[j + l + 96] << 6);
 }
 
-static void q2_k_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins);
+static void q2_k_scales(uint8_t *y, const float *fits, const float *mins);
+static void q2_k_finish(const float *x, uint8_t *y, uint8_t *L);
 
 /* Q2_K (84 bytes: 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit levels,
  * d, dmin): sixteen sub-blocks of 16, each scale * L - min with L in 0..3, fit by absolute error. */
@@ -343,13 +344,12 @@ static void quantize_q2_k(const float *x, uint8_t *y) {
         for (int l = 0; l < 16; l++) w[l] = fabsf(x[16 * j + l]);
         fits[j] = fit_affine(16, 3, x + 16 * j, w, L + 16 * j, &mins[j], -0.5f, 0.1f, 15, 1);
     }
-    q2_k_scales(x, y, L, fits, mins);
+    q2_k_scales(y, fits, mins);
+    q2_k_finish(x, y, L);
 }
 
-static void q2_k_finish(const float *x, uint8_t *y, uint8_t *L);
-
-/* Q2_K from the sub-blocks' fitted scales, minimums (negated) and levels: 4-bit codes under d and dmin. */
-static void q2_k_scales(const float *x, uint8_t *y, uint8_t *L, const float *fits, const float *mins) {
+/* Q2_K's d, dmin and 4-bit scale and minimum codes from the sub-blocks' fitted scales and minimums (negated). */
+static void q2_k_scales(uint8_t *y, const float *fits, const float *mins) {
     uint8_t *scales = y;
     float max_scale = 0, max_min = 0;
     for (int j = 0; j < 16; j++) {
@@ -367,7 +367,6 @@ static void q2_k_scales(const float *x, uint8_t *y, uint8_t *L, const float *fit
         for (int j = 0; j < 16; j++) scales[j] |= (uint8_t)(round_int(iscale * mins[j]) << 4);
     }
     put_half(y + 82, max_min > 0 ? max_min / 15.f : 0.f);
-    q2_k_finish(x, y, L);
 }
 
 /* Q2_K with d, dmin and the scale bytes written: levels requantized at the stored scales, packed. */
@@ -384,7 +383,7 @@ static void q2_k_finish(const float *x, uint8_t *y, uint8_t *L) {
 
 static void q3_k_finish(const float *x, uint8_t *y, int8_t *L);
 
-static void q3_k_scales(const float *x, uint8_t *y, int8_t *L, const float *fits);
+static void q3_k_scales(uint8_t *y, const float *fits);
 
 /* Q3_K (110 bytes: 32 bytes of third bits, 64 bytes of 2-bit levels, 12 bytes of sixteen 6-bit
  * scales, d): sixteen sub-blocks of 16, symmetric, levels -4..3. */
@@ -392,11 +391,12 @@ static void quantize_q3_k(const float *x, uint8_t *y) {
     int8_t L[SUPER];
     float fits[16];
     for (int j = 0; j < 16; j++) fits[j] = fit_signed_greedy(16, 4, x + 16 * j, L + 16 * j);
-    q3_k_scales(x, y, L, fits);
+    q3_k_scales(y, fits);
+    q3_k_finish(x, y, L);
 }
 
-/* Q3_K from the sub-blocks' fitted scales and levels: 6-bit codes under d, then q3_k_finish. */
-static void q3_k_scales(const float *x, uint8_t *y, int8_t *L, const float *fits) {
+/* Q3_K's d and 6-bit scale codes from the sub-blocks' fitted scales. */
+static void q3_k_scales(uint8_t *y, const float *fits) {
     uint8_t *scales = y + 96;
     const float max_scale = largest(16, fits);
     memset(scales, 0, 12);
@@ -412,17 +412,20 @@ static void q3_k_scales(const float *x, uint8_t *y, int8_t *L, const float *fits
     } else {
         put_half(y + 108, 0.f);
     }
-    q3_k_finish(x, y, L);
 }
 
 /* Q3_K with d and the scale bytes written: levels requantized at the stored scales, packed. */
+/* Sub-block j's signed 6-bit scale code (-32..31) from Q3_K's 12 scale bytes. */
+static inline int q3_k_code(const uint8_t *scales, int j) {
+    int low = j < 8 ? scales[j] & 0xF : scales[j - 8] >> 4, high = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+    return (low | high << 4) - 32;
+}
+
 static void q3_k_finish(const float *x, uint8_t *y, int8_t *L) {
-    uint8_t *hmask = y, *scales = y + 96;
+    uint8_t *hmask = y;
     float d_all = half_value(y + 108);
     for (int j = 0; j < 16; j++) {
-        int low = j < 8 ? scales[j] & 0xF : scales[j - 8] >> 4;
-        int sc = (low | ((scales[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32;
-        float d = d_all * sc;
+        float d = d_all * q3_k_code(y + 96, j);
         if (!d) continue;
         for (int i = 0; i < 16; i++) L[16 * j + i] = (int8_t)(clamp_int(round_int(x[16 * j + i] / d), -4, 3) + 4);
     }
@@ -450,10 +453,7 @@ static void dequantize_q3_k(const uint8_t *b, float *y) {   /* 110 bytes: hmask[
     const uint8_t *hm = b, *q = b + 32, *s = b + 96;
     float d_all = half_value(b + 108);
     int8_t scales[16];
-    for (int j = 0; j < 16; j++) {
-        int low = j < 8 ? s[j] & 0xF : s[j - 8] >> 4, high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-        scales[j] = (int8_t)((low | high << 4) - 32);
-    }
+    for (int j = 0; j < 16; j++) scales[j] = (int8_t)q3_k_code(s, j);
     uint8_t m = 1;
     for (int n = 0, is = 0; n < SUPER; n += 128, q += 32)
         for (int shift = 0; shift < 8; shift += 2, m <<= 1)

@@ -359,7 +359,31 @@ AVX2 static void quantize_q5_k_avx2(const float *x, uint8_t *y) { quantize_qk_af
 AVX2 static void quantize_q4_k_weighted_avx2(const float *x, uint8_t *y, const float *qw) { quantize_qk_affine_avx2(x, y, qw, 0); }
 AVX2 static void quantize_q5_k_weighted_avx2(const float *x, uint8_t *y, const float *qw) { quantize_qk_affine_avx2(x, y, qw, 1); }
 
+/* put_crumbs for levels 0..3, 32 bytes at a time. */
+AVX2 static inline void put_crumbs_avx2(uint8_t *qs, const uint8_t *L) {
+    for (int j = 0; j < 2; j++, L += 128, qs += 32) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)L), b = _mm256_loadu_si256((const __m256i *)(L + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(L + 64)), e = _mm256_loadu_si256((const __m256i *)(L + 96));
+        _mm256_storeu_si256((__m256i *)qs, _mm256_or_si256(_mm256_or_si256(a, _mm256_slli_epi16(b, 2)),
+                                                           _mm256_or_si256(_mm256_slli_epi16(c, 4), _mm256_slli_epi16(e, 6))));
+    }
+}
+
 /* ---- Q2_K: 16 sub-blocks of 16, two groups. ---- */
+
+/* q2_k_finish: the requantization at the stored scales 8 values at a time, the packing 32 bytes at a time. */
+AVX2 static void q2_k_finish_avx2(const float *x, uint8_t *y, uint8_t *L) {
+    float d_all = half_value(y + 80), m_all = half_value(y + 82);
+    for (int j = 0; j < 16; j++) {
+        const float d = d_all * (y[j] & 0xF), dm = m_all * (y[j] >> 4);
+        if (!d) continue;
+        for (int h = 0; h < 16; h += 8) {
+            __m256 f = _mm256_div_ps(_mm256_add_ps(_mm256_loadu_ps(x + 16 * j + h), F8(dm)), F8(d));
+            store_bytes8(clamp_lanes(round_lanes(f), 0, 3), L + 16 * j + h);
+        }
+    }
+    put_crumbs_avx2(y + 16, L);
+}
 AVX2 static void quantize_q2_k_weighted_avx2(const float *x, uint8_t *y, const float *qw) {
     uint8_t L[SUPER];
     float fits[16], mins[16], sw[16];
@@ -381,13 +405,38 @@ AVX2 static void quantize_q2_k_weighted_avx2(const float *x, uint8_t *y, const f
         _mm256_storeu_ps(mins + 8 * g, neg_min);
         store_lanes(Lv, 16, 16, L + 128 * g);
     }
-    if (qw) q2_k_weighted_scales(x, y, L, fits, mins, sw);
-    else q2_k_scales(x, y, L, fits, mins);
+    if (qw) q2_k_weighted_scales(y, fits, mins, sw);
+    else q2_k_scales(y, fits, mins);
+    q2_k_finish_avx2(x, y, L);
 }
 
 AVX2 static void quantize_q2_k_avx2(const float *x, uint8_t *y) { quantize_q2_k_weighted_avx2(x, y, NULL); }
 
 /* ---- Q3_K: 16 sub-blocks of 16, two groups. ---- */
+
+/* q3_k_finish: the requantization at the stored scales 8 values at a time; the third bits and the
+ * packing 32 bytes at a time. */
+AVX2 static void q3_k_finish_avx2(const float *x, uint8_t *y, int8_t *L) {
+    uint8_t *levels = (uint8_t *)L;
+    float d_all = half_value(y + 108);
+    for (int j = 0; j < 16; j++) {
+        const float d = d_all * q3_k_code(y + 96, j);
+        if (!d) continue;
+        for (int h = 0; h < 16; h += 8) {
+            __m256i l = clamp_lanes(round_lanes(_mm256_div_ps(_mm256_loadu_ps(x + 16 * j + h), F8(d))), -4, 3);
+            store_bytes8(_mm256_add_epi32(l, I8(4)), levels + 16 * j + h);
+        }
+    }
+    const __m256i one = _mm256_set1_epi8(1), two_bits = _mm256_set1_epi8(3);
+    __m256i hmask = _mm256_setzero_si256();     /* bit k of hmask[m]: the third bit of level 32k + m (0..7) */
+    for (int k = 0; k < 8; k++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(levels + 32 * k));
+        hmask = _mm256_or_si256(hmask, _mm256_sll_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 2), one), _mm_cvtsi32_si128(k)));
+        _mm256_storeu_si256((__m256i *)(levels + 32 * k), _mm256_and_si256(v, two_bits));
+    }
+    _mm256_storeu_si256((__m256i *)y, hmask);
+    put_crumbs_avx2(y + 32, levels);
+}
 AVX2 static void quantize_q3_k_weighted_avx2(const float *x, uint8_t *y, const float *qw) {
     int8_t L[SUPER];
     float fits[16], sw[16];
@@ -406,8 +455,9 @@ AVX2 static void quantize_q3_k_weighted_avx2(const float *x, uint8_t *y, const f
         }
         store_lanes(Lv, 16, 16, (uint8_t *)L + 128 * g);
     }
-    if (qw) q3_k_weighted_scales(x, y, L, fits, sw);
-    else q3_k_scales(x, y, L, fits);
+    if (qw) q3_k_weighted_scales(y, fits, sw);
+    else q3_k_scales(y, fits);
+    q3_k_finish_avx2(x, y, L);
 }
 
 AVX2 static void quantize_q3_k_avx2(const float *x, uint8_t *y) { quantize_q3_k_weighted_avx2(x, y, NULL); }
