@@ -367,7 +367,8 @@ def quantize_kquants(values: np.ndarray, type_name: str, *, threads: int | None 
     """Quantize a float array to K-quant super-blocks (q2_k .. q6_k) or IQ4 blocks (iq4_nl, iq4_xs) along its
     last dimension: the bytes llama.cpp's `ggml_quantize_chunk` writes (under `importance`, one float per
     column, when given), as uint8 (rows, bytes per row). float16 input is widened to float32 (exactly) by
-    the worker threads as they go.
+    the kernels, a block at a time, in the worker threads. The kernels are the best of KERNEL_ISAS (avx2 where
+    the CPU has it, otherwise the portable ones; the same bytes).
 
     Raises:
         ConfigError: the last dimension is not whole blocks, the importance does not fit, or the array holds
