@@ -6,8 +6,9 @@
  * 1, 2 ... of the lane's sub-block; no reduction is reordered; divisions stay divisions; no FMA: the
  * functions are compiled for "avx2" only and the file with -ffp-contract=off). Branches of the scalar
  * searches become per-lane masks; a lane whose scalar search would have stopped early runs on with an
- * unchanged state, which changes nothing. What follows the sub-block fits (the super-block's scales,
- * the requantization at the stored scales, the packing) is the portable code, shared.
+ * unchanged state, which changes nothing. The super-block's scales (a few scalar steps) are the
+ * portable code, shared; the requantization at the stored scales and the packing are element-wise (no
+ * reductions), 8 values or 32 bytes at a time.
  * Included by _gguf_kernels.c after the portable headers and _gguf_kernels_avx2.h (AVX2, immintrin).
  * tests/test_kquants_isa.py checks both against each other and against llama.cpp's golden bytes.
  */
@@ -87,7 +88,7 @@ AVX2 static inline __m256 largest_lanes(int n, const __m256 *X) {
     return max;
 }
 
-/* signed_levels() per lane: the levels T (unclipped order: clamp to -nmax..nmax-1) and the sums. */
+/* signed_levels() per lane: the levels T (-nmax..nmax-1, not offset) and the sums sum(w x l), sum(w l l). */
 AVX2 static inline void signed_levels_lanes(int n, int nmax, const __m256 *X, const __m256 *W, const __m256 *WX,
                                             __m256 iscale, __m256i *T, __m256 *sumlx, __m256 *suml2) {
     __m256 slx = _mm256_setzero_ps(), sl2 = _mm256_setzero_ps();
