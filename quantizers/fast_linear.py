@@ -166,6 +166,8 @@ def matmul(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None, *,
     if isa is None:
         raise ConfigError("the packed-weight kernels are not available (modelkit was built without a C compiler)")
     K, N = packed.cols, packed.rows
+    if x.shape[-1:] != (K,):
+        raise ConfigError(f"an input of shape {tuple(x.shape)} to a quantized layer of {K} input features")
     # Called once per layer per token: no reshapes, one allocation (the output, shaped as x).
     flat = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
     M = flat.numel() // K

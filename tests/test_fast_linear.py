@@ -183,6 +183,17 @@ def test_threads_share_rows_without_changing_a_bit():
     assert all(torch.equal(r, alone) for r in results)
 
 
+def test_inputs_keep_their_leading_shape_and_a_wrong_width_is_refused():
+    layer = _quantized("q8_0", 13, 64)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y = layer(x)
+        assert y.shape == (2, 3, 13) and torch.equal(y[1], layer(x[1]))
+        assert layer(x[0, 0]).shape == (13,)
+        with pytest.raises(ConfigError, match="64 input features"):
+            fast_linear.matmul(torch.randn(2, 128), layer.packed())
+
+
 def test_threads_share_only_products_large_enough_to_repay_them(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert fast_linear.threads_for(16, 512, 192) == 1          # tinylm's largest product at 16 tokens
