@@ -12,7 +12,8 @@ KERNELS = Extension(
     "modelkit.quantizers._gguf_kernels",
     sources=["quantizers/_gguf_kernels.c"],
     depends=["quantizers/_gguf_kernels_generic.h", "quantizers/_gguf_kernels_avx2.h",
-             "quantizers/_gguf_kernels_kquants.h", "quantizers/_gguf_kernels_imatrix.h"],
+             "quantizers/_gguf_kernels_kquants.h", "quantizers/_gguf_kernels_imatrix.h",
+             "quantizers/_gguf_kernels_kquants_avx2.h"],
     # Byte-identical to gguf-py needs IEEE float32 as written: no fused multiply-add (GCC fuses
     # by default where the CPU has FMA), no fast-math reassociation.
     extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"],

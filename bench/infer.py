@@ -19,7 +19,8 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    float32 CPU path: reported as unavailable); onnxruntime on modelkit's ONNX files (QDQ int8, int4);
    llama.cpp (llama-cpp-python, the same thread count) on the very GGUF files modelkit writes for a
    tinylm with the 100M body (hidden 768, 12 layers; its byte vocabulary, as llama.cpp reads tinylm),
-   decode tokens/s against modelkit's layers loaded from those files and run with transformers' KV cache.
+   decode tokens/s against `modelkit generate` on those files (tinylm with serve's static key/value
+   cache), and against modelkit's layers from those files run in transformers' generate (its KV cache).
    Goal: >= 0.5x llama.cpp for q8_0 and q4_0 (q4_k_m reported beside them).
 4. memory: resident memory (RSS growth in a fresh process) of load_module's model from modelkit's GGUF
    files of that tinylm (q4_k_m, q6_k, q4_0, q8_0) against the file's size. Goal: <= 1.15x.
@@ -262,6 +263,19 @@ def onnx_anchor() -> None:
                     modelkit_vs_ort=round(t_ours / t_ort, 2))
 
 
+def own_generate_rates(model: nn.Module, *, prompt: int = 64, new: int = 32) -> tuple[float, float]:
+    """(prompt tokens/s, decode tokens/s) of `modelkit generate` on a tinylm (pipeline.generate.generate_bytes:
+    serve's key/value cache), best of two."""
+    from modelkit.pipeline.generate import generate_bytes
+
+    text = bytes(range(1, prompt + 1)).decode("ascii")
+    best = (0.0, 0.0)
+    for _ in range(2):
+        g = generate_bytes(model, text, max_new_tokens=new)
+        best = (max(best[0], prompt / g.prompt_seconds), max(best[1], (new - 1) / g.decode_seconds))
+    return best
+
+
 def llama_cpp_anchor(threads: int) -> None:
     print(f"\n3c. llama.cpp on the GGUF files modelkit writes (tinylm with the 100M body), {threads} threads")
     try:
@@ -287,6 +301,7 @@ def llama_cpp_anchor(threads: int) -> None:
                 if type(module).__name__.startswith("Quantized"):
                     hf.set_submodule(name, module)
             ours_prompt, ours_decode = generate_rates(hf, 256)
+            own_prompt, own_decode = own_generate_rates(loaded)
             llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=256, verbose=False)
             prompt = list(range(1, 65))
             best_prompt = best_decode = 0.0
@@ -301,8 +316,11 @@ def llama_cpp_anchor(threads: int) -> None:
                 best_prompt, best_decode = max(best_prompt, 64 / (t1 - t0)), max(best_decode, 31 / (t2 - t1))
             del llm
             row("llama.cpp", scheme=scheme, llama_cpp_prompt_tok_s=best_prompt, llama_cpp_decode_tok_s=best_decode,
-                modelkit_prompt_tok_s=ours_prompt, modelkit_decode_tok_s=ours_decode)
-            bar(f"{scheme} decode tokens/s, modelkit / llama.cpp", ours_decode / best_decode, 0.5, higher=True)
+                modelkit_prompt_tok_s=own_prompt, modelkit_decode_tok_s=own_decode,
+                hf_generate_prompt_tok_s=ours_prompt, hf_generate_decode_tok_s=ours_decode)
+            bar(f"{scheme} decode tokens/s, modelkit generate / llama.cpp", own_decode / best_decode, 0.5, higher=True)
+            bar(f"{scheme} decode tokens/s, modelkit layers in transformers' generate / llama.cpp",
+                ours_decode / best_decode, 0.5, higher=True)
 
 
 # ------------------------------------------------------------------------------------ 4. memory

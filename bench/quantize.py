@@ -21,7 +21,10 @@ Prints, each next to its baseline measured in the same run:
    against llama.cpp's own quantizer (`llama_model_quantize` in-process through ctypes: llama-quantize's
    code; llama-cpp-python importable, e.g. PYTHONPATH=/path/to/llama_cpp/site) with the same thread count,
    each in a fresh process: wall time and ratio (bar >= 1.0x, goal 2x), peak anonymous memory above the
-   process after imports (bar < 300 MiB), every tensor's type and bytes equal to llama.cpp's.
+   process after imports (bar < 300 MiB), every tensor's type and bytes equal to llama.cpp's. Then each
+   K type's kernel on one thread (CPU time, best of 3, which load disturbs little): modelkit's avx2 and
+   generic against llama.cpp's `ggml_quantize_chunk` on the same rows, without and with an importance
+   matrix, bytes compared.
 
 Reference models come from `--runs` when a trained model with the default config and recipe is
 there (`modelkit demo` writes them); otherwise they are trained here with the default recipes.
@@ -30,6 +33,7 @@ Bars are reported, never asserted: the exit code is 0 either way.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -455,6 +459,51 @@ def recipe_speed(size_mib: int, runs: int, folder: Path) -> None:
     RESULTS["recipes"] = figures
 
 
+def kernel_speed(rows: int = 256, cols: int = 2048) -> None:
+    """Each K type's quantizer on one thread: modelkit's implementations against llama.cpp's ggml_quantize_chunk
+    (CPU time of the calling thread, best of 3), bytes compared."""
+    import numpy as np
+
+    from modelkit.quantizers import gguf_arrays
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures" / "llama_cpp"))
+    from make_golden_imatrix import TYPES  # ggml's type ids
+    from make_golden_kquants import ggml_library
+
+    lib = ggml_library()
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+    importance = rng.uniform(0.1, 2.0, cols).astype(np.float32)
+    figures: dict[str, Any] = {}
+
+    def best(run: Any, *args: Any) -> float:
+        times = []
+        for _ in range(3):
+            started = time.thread_time()
+            run(*args)
+            times.append(time.thread_time() - started)
+        return min(times)
+
+    for name in gguf_arrays.K_QUANTIZED:
+        type_id, _, size = TYPES[name]
+        for weights in (None, importance):
+            theirs = np.zeros(rows * cols // 256 * size, dtype=np.uint8)
+            pointer = None if weights is None else weights.ctypes.data
+            seconds = {"llama.cpp": best(lib.ggml_quantize_chunk, type_id, x.ctypes.data, theirs.ctypes.data, 0, rows,
+                                         cols, pointer)}
+            same = True
+            for isa in gguf_arrays.KERNEL_ISAS:
+                ours = np.empty_like(theirs)
+                seconds[isa] = best(gguf_arrays._gguf_kernels.kquantize, name, x.reshape(-1), ours, weights, isa)
+                same = same and bool(np.array_equal(ours, theirs))
+            label = f"{name}{' + imatrix' if weights is not None else ''}"
+            figures[label] = {**seconds, "same_bytes": same}
+            print(f"  {label:15s} " + "  ".join(f"{k} {v * 1e3:6.1f} ms ({seconds['llama.cpp'] / v:.2f}x)"
+                                                 for k, v in seconds.items() if k != "llama.cpp")
+                  + f"  llama.cpp {seconds['llama.cpp'] * 1e3:6.1f} ms  same bytes: {same}", flush=True)
+    RESULTS["kernels"] = figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="runs", help="folder with trained reference models (modelkit demo's)")
@@ -484,6 +533,10 @@ def main() -> int:
         print("\n== llama.cpp's recipes: modelkit against llama.cpp's quantizer", flush=True)
         with tempfile.TemporaryDirectory() as folder:
             recipe_speed(args.size_mib, args.repeat, Path(folder))
+        if importlib.util.find_spec("llama_cpp") is not None:
+            print("\n== K-quant kernels, one thread: modelkit against llama.cpp's ggml_quantize_chunk "
+                  "(256 x 2048 float32; CPU time, best of 3)", flush=True)
+            kernel_speed()
         if args.recipes_only:
             met = sum(b["met"] for b in RESULTS["bars"])
             print(f"\n{met} of {len(RESULTS['bars'])} bars met", flush=True)

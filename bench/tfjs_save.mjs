@@ -2,14 +2,9 @@
 // weights.bin), and prints its predictions: the fixture that modelkit's tfjs reader is judged against.
 //
 //   TFJS_MODULES=/work/tfjs-judge/node_modules node bench/tfjs_save.mjs OUT_DIR inputs.json [small|mlp]
-import { mkdirSync, readFileSync, writeFileSync } from "node:fs";
-import { join } from "node:path";
-import { createRequire } from "node:module";
+import { readFileSync } from "node:fs";
+import { saveLayersModel, tf } from "./tfjs_io.mjs";
 
-const require = createRequire(process.env.TFJS_MODULES ? join(process.env.TFJS_MODULES, "x.js") : import.meta.url);
-const tf = require("@tensorflow/tfjs");
-
-// shape "small": Dense 4->8 relu, Dense 8->3 tanh; "mlp": the zoo mlp's Keras layout (Dense 2->30->20->2, relu).
 const [out, inputsPath, shape = "small"] = process.argv.slice(2);
 await tf.setBackend("cpu");
 const dense = (units, activation, seed, extra = {}) => tf.layers.dense({
@@ -19,17 +14,7 @@ const layers = shape === "mlp"
   ? [dense(30, "relu", 1, { inputShape: [2] }), dense(20, "relu", 3), dense(2, "linear", 5)]
   : [dense(8, "relu", 1, { inputShape: [4] }), dense(3, "tanh", 3)];
 const model = tf.sequential({ layers });
-mkdirSync(out, { recursive: true });
-await model.save({
-  async save(artifacts) {
-    writeFileSync(join(out, "weights.bin"), Buffer.from(artifacts.weightData));
-    writeFileSync(join(out, "model.json"), JSON.stringify({
-      modelTopology: artifacts.modelTopology, format: artifacts.format, generatedBy: artifacts.generatedBy,
-      convertedBy: artifacts.convertedBy, weightsManifest: [{ paths: ["./weights.bin"], weights: artifacts.weightSpecs }],
-    }));
-    return { modelArtifactsInfo: { dateSaved: new Date(), modelTopologyType: "JSON" } };
-  },
-});
+await saveLayersModel(model, out);
 const inputs = JSON.parse(readFileSync(inputsPath, "utf8"));
 const y = model.predict(tf.tensor(inputs.data, inputs.shape));
 process.stdout.write(JSON.stringify({ version: tf.version.tfjs, shape: y.shape, outputs: Array.from(await y.data()) }) + "\n");

@@ -49,6 +49,7 @@ from modelkit.errors import FormatError, ModelkitError, ParseError, UnsupportedC
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import KERAS_JSON_ATTR, KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
 from modelkit.models.keras_plan import KerasPlan, keras_plan
+from modelkit.models.plugin import KERAS_TOPOLOGY_MODEL
 from modelkit.parse import hdf5 as hdf5_header
 from modelkit.parse import keras as keras_json
 from modelkit.parse.detect import KERAS_WEIGHTS, keras_weights
@@ -83,7 +84,14 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     """Names, dtypes, shapes and metadata now; each dataset is read when its tensor is loaded. A Keras
     architecture JSON (`m.json`, scanned first) reads as the `m.weights.h5` beside it."""
     if path.suffix == ".json":
-        return read(_architecture_weights(path, options), options)
+        ckpt = read(_architecture_weights(path, options), options)
+        if ckpt.arch is not None or not all(name.startswith("layers/") for name in ckpt.tensors):
+            return ckpt
+        # Keras's own pair: built from the architecture JSON (models/keras_graph), the weights as Keras 3 names them
+        config = keras_json.model_config(keras_json.load_json(read_capped(path, keras_json.MAX_JSON,
+                                                                          "a Keras architecture")))
+        arch = ArchSpec(KERAS_TOPOLOGY_MODEL, {"topology": config, "weights": "keras3"}) if config is not None else None
+        return Checkpoint(tensors=ckpt.tensors, metadata=ckpt.metadata, arch=arch)
     try:
         size = path.stat().st_size
         with h5py.File(path, "r", locking=False) as f:

@@ -68,6 +68,7 @@ from modelkit.models.keras_plan import (
     torch_shape,
     transpose_into,
 )
+from modelkit.models.plugin import KERAS_TOPOLOGY_MODEL
 from modelkit.parse import keras as keras_json
 from modelkit.parse import tfjs as tfjs_json
 from modelkit.parse.detect import tfjs as detect  # noqa: F401  (the converter's detect)
@@ -144,6 +145,8 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
             offset += weight.nbytes
     metadata, arch = _metadata(file, model.document.get(METADATA_KEY))
     names = metadata.pop(NAMES_KEY, None)
+    if arch is None and names is None and model.config is not None:
+        arch = ArchSpec(KERAS_TOPOLOGY_MODEL, {"topology": model.config})     # built from the file's own topology
     return _torch_names(file, Checkpoint(tensors=tensors, metadata=metadata, arch=arch), names, pieces)
 
 

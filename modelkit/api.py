@@ -143,14 +143,16 @@ def generate(path: PathLike, prompt: str | bytes, *, max_new_bytes: int = 200, t
     same for any causal language model (Hugging Face families included) and times it.
     """
     from modelkit.models.tinylm import TinyLM
-    from modelkit.models.tinylm import generate as _generate
+    from modelkit.pipeline.generate import generate_bytes
 
     model = load_module(path, format=format, trust=trust, key=key, arch=arch)
     if not isinstance(model, TinyLM):
         raise ConfigError(f"{path} holds a {_model_name(model)} model; generate needs a tinylm checkpoint "
                           "(complete() continues Hugging Face language models)")
-    data = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
-    return _generate(model, data, max_new_bytes=max_new_bytes, temperature=temperature, top_k=top_k, seed=seed)
+    if max_new_bytes < 0:
+        raise ConfigError(f"max_new_bytes must be >= 0, got {max_new_bytes}")
+    return generate_bytes(model, prompt, max_new_tokens=max_new_bytes, temperature=temperature, top_k=top_k,
+                          seed=seed).completion
 
 
 def _model_name(model: Any) -> str:

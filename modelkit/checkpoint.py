@@ -169,7 +169,13 @@ def _build(ckpt: Checkpoint, arch: ArchSpec | str | None, source: str, target: s
             f"the file names no architecture; pass --arch NAME (one of {', '.join(models.MODELS)}) "
             "or --arch pkg.module:factory (API: arch=...)",
         )
-    return models.build_from_spec(spec), spec.name
+    info = models.MODELS.get(spec.name)
+    if info is None or not info.topology:
+        return models.build_from_spec(spec), spec.name
+    try:                                # a model built from the file's own topology: its errors name the file
+        return models.build_from_spec(spec), spec.name
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from e
 
 
 def build_factory(reference: str) -> nn.Module:

@@ -76,6 +76,12 @@ static inline void put_half(uint8_t *dst, float f) {
 #endif
 #include "_gguf_kernels_kquants.h"
 #include "_gguf_kernels_imatrix.h"
+#ifdef HAVE_AVX2_KERNELS
+#include "_gguf_kernels_kquants_avx2.h"
+#define KQ_AVX2(name) quantize_##name##_avx2, quantize_##name##_weighted_avx2
+#else
+#define KQ_AVX2(name) NULL, NULL
+#endif
 
 typedef void (*kquantize_t)(const float *, uint8_t *);
 typedef void (*kweighted_t)(const float *, uint8_t *, const float *);
@@ -83,17 +89,18 @@ typedef void (*kdequantize_t)(const uint8_t *, float *);
 
 /* The types quantized a block at a time (K-quant super-blocks of 256, IQ4 blocks): name, weights
  * per block, bytes per block, quantizer, quantizer under importance weights (one per value of the
- * block), dequantizer. */
+ * block), dequantizer, and the AVX2 quantizers (the same bytes; NULL where there are none). */
 static const struct {
     const char *name; int block, type_size; kquantize_t quantize; kweighted_t weighted; kdequantize_t dequantize;
+    kquantize_t quantize_avx2; kweighted_t weighted_avx2;
 } KTYPES[] = {
-    {"q2_k", SUPER, 84, quantize_q2_k, quantize_q2_k_weighted, dequantize_q2_k},
-    {"q3_k", SUPER, 110, quantize_q3_k, quantize_q3_k_weighted, dequantize_q3_k},
-    {"q4_k", SUPER, 144, quantize_q4_k, quantize_q4_k_weighted, dequantize_q4_k},
-    {"q5_k", SUPER, 176, quantize_q5_k, quantize_q5_k_weighted, dequantize_q5_k},
-    {"q6_k", SUPER, 210, quantize_q6_k, quantize_q6_k_weighted, dequantize_q6_k},
-    {"iq4_nl", 32, 18, quantize_iq4_nl, quantize_iq4_nl_weighted, dequantize_iq4_nl},
-    {"iq4_xs", SUPER, 136, quantize_iq4_xs, quantize_iq4_xs_weighted, dequantize_iq4_xs},
+    {"q2_k", SUPER, 84, quantize_q2_k, quantize_q2_k_weighted, dequantize_q2_k, KQ_AVX2(q2_k)},
+    {"q3_k", SUPER, 110, quantize_q3_k, quantize_q3_k_weighted, dequantize_q3_k, KQ_AVX2(q3_k)},
+    {"q4_k", SUPER, 144, quantize_q4_k, quantize_q4_k_weighted, dequantize_q4_k, KQ_AVX2(q4_k)},
+    {"q5_k", SUPER, 176, quantize_q5_k, quantize_q5_k_weighted, dequantize_q5_k, KQ_AVX2(q5_k)},
+    {"q6_k", SUPER, 210, quantize_q6_k, quantize_q6_k_weighted, dequantize_q6_k, KQ_AVX2(q6_k)},
+    {"iq4_nl", 32, 18, quantize_iq4_nl, quantize_iq4_nl_weighted, dequantize_iq4_nl, NULL, NULL},
+    {"iq4_xs", SUPER, 136, quantize_iq4_xs, quantize_iq4_xs_weighted, dequantize_iq4_xs, NULL, NULL},
 };
 
 /* Whether any of the n values is NaN or infinite. */
@@ -121,6 +128,23 @@ static const struct { const char *name; int type_size; kernel_t generic, avx2; }
 };
 
 static int has_avx2;            /* this CPU runs the AVX2 kernels: set once, when the module loads */
+static int has_f16c;            /* ... and converts float16 with F16C */
+
+typedef void (*widen_t)(const uint8_t *, float *, int);
+
+/* n float16 values (little-endian bits) to float32: exact. */
+static void widen_generic(const uint8_t *h, float *f, int n) {
+    for (int i = 0; i < n; i++) f[i] = half_value(h + 2 * i);
+}
+
+#ifdef HAVE_AVX2_KERNELS
+__attribute__((target("avx,f16c"))) static void widen_f16c(const uint8_t *h, float *f, int n) {
+    for (int i = 0; i < n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 2 * i))));
+}
+#define WIDEN_F16C widen_f16c
+#else
+#define WIDEN_F16C widen_generic
+#endif
 
 PyDoc_STRVAR(quantize_doc,
 "quantize(type_name, src, dst, isa) -> int\n\n"
@@ -195,18 +219,29 @@ static int find_ktype(const char *name) {
 }
 
 PyDoc_STRVAR(kquantize_doc,
-"kquantize(type_name, src, dst, weights=None) -> int\n\n"
-"Quantize the float32 values in `src` (whole blocks: 256 values, 32 for iq4_nl) to blocks in `dst`\n"
-"(exactly the bytes they need): q2_k .. q6_k, iq4_nl, iq4_xs. `weights`: None, or a float32 buffer\n"
+"kquantize(type_name, src, dst, weights=None, isa=None, half=False) -> int\n\n"
+"Quantize the float32 values in `src` (float16 with `half`, widened exactly a block at a time;\n"
+"whole blocks: 256 values, 32 for iq4_nl) to blocks in `dst` (exactly the bytes they need): q2_k .. q6_k, iq4_nl, iq4_xs. `weights`: None, or a float32 buffer\n"
 "of one importance per column of a row (its length is the row's); `src` then holds whole rows.\n"
-"Returns -1, or the index of the first block holding NaN or infinity (dst is then incomplete).\n"
-"Releases the GIL.");
+"`isa`: None (the best of ISAS), \"avx2\" or \"generic\"; every one writes the same bytes (a type\n"
+"without AVX2 kernels runs the generic ones). Returns -1, or the index of the first block holding\n"
+"NaN or infinity (dst is then incomplete). Releases the GIL.");
 
 static PyObject *kquantize(PyObject *self, PyObject *args) {
-    const char *name;
+    const char *name, *isa = NULL;
+    int half = 0;
     Py_buffer src, dst, weights = {0};
     PyObject *weights_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "sy*w*|O", &name, &src, &dst, &weights_obj)) return NULL;
+    if (!PyArg_ParseTuple(args, "sy*w*|Ozp", &name, &src, &dst, &weights_obj, &isa, &half)) return NULL;
+    int avx2 = has_avx2;
+    if (isa && strcmp(isa, "generic") == 0) {
+        avx2 = 0;
+    } else if (isa && !(strcmp(isa, "avx2") == 0 && has_avx2)) {
+        PyErr_Format(PyExc_ValueError, "no %s kernels on this CPU", isa);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
     if (weights_obj != Py_None && PyObject_GetBuffer(weights_obj, &weights, PyBUF_SIMPLE) < 0) {
         PyBuffer_Release(&src);
         PyBuffer_Release(&dst);
@@ -214,26 +249,35 @@ static PyObject *kquantize(PyObject *self, PyObject *args) {
     }
     PyObject *result = NULL;
     int t = find_ktype(name);
-    Py_ssize_t block = t < 0 ? 1 : KTYPES[t].block, n = src.len / (block * (Py_ssize_t)sizeof(float));
+    const Py_ssize_t item = half ? 2 : (Py_ssize_t)sizeof(float);
+    Py_ssize_t block = t < 0 ? 1 : KTYPES[t].block, n = src.len / (block * item);
     Py_ssize_t row = weights.buf ? weights.len / (Py_ssize_t)sizeof(float) : block;
     if (t < 0) {
-    } else if (src.len % (block * sizeof(float)) || dst.len != n * KTYPES[t].type_size) {
+    } else if (src.len % (block * item) || dst.len != n * KTYPES[t].type_size) {
         PyErr_Format(PyExc_ValueError, "%s: %zd source bytes are not whole blocks for %zd output bytes",
                      name, src.len, dst.len);
     } else if (weights.buf && (weights.len % sizeof(float) || row == 0 || row % block
-                               || (src.len / (Py_ssize_t)sizeof(float)) % row)) {
+                               || (src.len / item) % row)) {
         PyErr_Format(PyExc_ValueError, "%s: %zd bytes of weights are not one float32 per column of whole rows",
                      name, weights.len);
     } else {
         Py_ssize_t bad = -1;
         const float *x = (const float *)src.buf, *qw = (const float *)weights.buf;
         uint8_t *y = (uint8_t *)dst.buf;
+        kquantize_t plain = avx2 && KTYPES[t].quantize_avx2 ? KTYPES[t].quantize_avx2 : KTYPES[t].quantize;
+        kweighted_t weighted = avx2 && KTYPES[t].weighted_avx2 ? KTYPES[t].weighted_avx2 : KTYPES[t].weighted;
+        widen_t widen = has_f16c ? WIDEN_F16C : widen_generic;
+        float wide[SUPER];
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t b = 0; b < n; b++) {
             const float *xb = x + b * block;
+            if (half) {                         /* float16 source: this block widened (exactly) first */
+                widen((const uint8_t *)src.buf + 2 * b * block, wide, (int)block);
+                xb = wide;
+            }
             if (non_finite(xb, block)) { bad = b; break; }
-            if (qw) KTYPES[t].weighted(xb, y + b * KTYPES[t].type_size, qw + (b * block) % row);
-            else KTYPES[t].quantize(xb, y + b * KTYPES[t].type_size);
+            if (qw) weighted(xb, y + b * KTYPES[t].type_size, qw + (b * block) % row);
+            else plain(xb, y + b * KTYPES[t].type_size);
         }
         Py_END_ALLOW_THREADS
         result = PyLong_FromSsize_t(bad);
@@ -334,6 +378,7 @@ PyMODINIT_FUNC PyInit__gguf_kernels(void) {
 #ifdef HAVE_AVX2_KERNELS
     __builtin_cpu_init();
     has_avx2 = __builtin_cpu_supports("avx2");
+    has_f16c = __builtin_cpu_supports("f16c");
 #endif
     /* ISAS: the instruction sets this CPU runs kernels for, best first. */
     PyObject *isas = has_avx2 ? Py_BuildValue("(ss)", "avx2", "generic") : Py_BuildValue("(s)", "generic");

@@ -89,40 +89,49 @@ static inline float importance(int n, const float *x, const float *qw, float sig
     return sum;
 }
 
+static void q2_k_weighted_scales(uint8_t *y, const float *fits, const float *mins, const float *sw);
+
 /* Q2_K: sub-block scales and minimums by fit_affine under the weights (squared error), their 4-bit
  * codes by fit_positive. */
 static void quantize_q2_k_weighted(const float *x, uint8_t *y, const float *qw) {
-    uint8_t L[SUPER], Ls[16], Lm[16];
+    uint8_t L[SUPER];
     float mins[16], fits[16], sw[16], weight[16];
     const float sigma2 = sum_squares(SUPER, x) / SUPER;
     for (int j = 0; j < 16; j++) {
         sw[j] = importance(16, x + 16 * j, qw + 16 * j, sigma2, weight);
         fits[j] = fit_affine(16, 3, x + 16 * j, weight, L + 16 * j, &mins[j], -0.9f, 0.05f, 36, 0);
     }
+    q2_k_weighted_scales(y, fits, mins, sw);
+    q2_k_finish(x, y, L);
+}
+
+/* Q2_K's d, dmin and 4-bit codes under an importance matrix (sw: each sub-block's summed weights). */
+static void q2_k_weighted_scales(uint8_t *y, const float *fits, const float *mins, const float *sw) {
+    uint8_t Ls[16], Lm[16];
     put_half(y + 80, fit_positive(16, 15, fits, Ls, sw));
     put_half(y + 82, fit_positive(16, 15, mins, Lm, sw));
-    float d_all = half_value(y + 80), m_all = half_value(y + 82);
     for (int j = 0; j < 16; j++) y[j] = (uint8_t)(Ls[j] | Lm[j] << 4);
-    for (int j = 0; j < 16; j++) {
-        const float d = d_all * (y[j] & 0xF);
-        if (!d) continue;
-        const float dm = m_all * (y[j] >> 4);
-        for (int i = 0; i < 16; i++) L[16 * j + i] = (uint8_t)clamp_int(round_int((x[16 * j + i] + dm) / d), 0, 3);
-    }
-    put_crumbs(y + 16, L);
 }
+
+static void q3_k_weighted_scales(uint8_t *y, const float *fits, const float *sw);
 
 /* Q3_K: sub-block scales by fit_signed under the weights, their 6-bit codes by fit_signed under
  * the sub-blocks' summed weights. */
 static void quantize_q3_k_weighted(const float *x, uint8_t *y, const float *qw) {
-    int8_t L[SUPER], Ls[16];
-    uint8_t *scales = y + 96;
+    int8_t L[SUPER];
     float fits[16], sw[16], weight[16];
     const float sigma2 = 2 * sum_squares(SUPER, x) / SUPER;
     for (int j = 0; j < 16; j++) {
         sw[j] = importance(16, x + 16 * j, qw + 16 * j, sigma2, weight);
         fits[j] = fit_signed(16, 4, x + 16 * j, weight, L + 16 * j);
     }
+    q3_k_weighted_scales(y, fits, sw);
+    q3_k_finish(x, y, L);
+}
+
+static void q3_k_weighted_scales(uint8_t *y, const float *fits, const float *sw) {
+    int8_t Ls[16];
+    uint8_t *scales = y + 96;
     memset(scales, 0, 12);
     float d_block = fit_signed(16, 32, fits, sw, Ls);
     for (int j = 0; j < 16; j++) {
@@ -132,19 +141,27 @@ static void quantize_q3_k_weighted(const float *x, uint8_t *y, const float *qw) 
         scales[j % 4 + 8] |= (uint8_t)((l >> 4) << (2 * (j / 4)));
     }
     put_half(y + 108, d_block);
-    q3_k_finish(x, y, L);
 }
+
+static void qk_affine_weighted_scales(uint8_t *y, const float *fits, const float *mins, const float *sw, int five);
 
 /* Q4_K, Q5_K: sub-block scales and minimums by fit_affine under the weights (squared error),
  * their 6-bit codes by fit_positive. */
 static void quantize_qk_affine_weighted(const float *x, uint8_t *y, const float *qw, int five) {
-    uint8_t L[SUPER], Ls[8], Lm[8];
+    uint8_t L[SUPER];
     float mins[8], fits[8], sw[8], weight[32];
     const float sigma2 = 2 * sum_squares(SUPER, x) / SUPER;
     for (int j = 0; j < 8; j++) {
         sw[j] = importance(32, x + 32 * j, qw + 32 * j, sigma2, weight);
         fits[j] = fit_affine(32, five ? 31 : 15, x + 32 * j, weight, L + 32 * j, &mins[j], -0.9f, 0.05f, 36, 0);
     }
+    qk_affine_weighted_scales(y, fits, mins, sw, five);
+    qk_affine_finish(x, y, L, five);
+}
+
+/* Q4_K/Q5_K's d, dmin and scale codes under an importance matrix (sw: each sub-block's summed weights). */
+static void qk_affine_weighted_scales(uint8_t *y, const float *fits, const float *mins, const float *sw, int five) {
+    uint8_t Ls[8], Lm[8];
     float d_block = fit_positive(8, 63, fits, Ls, sw), m_block = fit_positive(8, 63, mins, Lm, sw);
     for (int j = 0; j < 8; j++) {
         uint8_t ls = Ls[j], lm = Lm[j];
@@ -163,7 +180,6 @@ static void quantize_qk_affine_weighted(const float *x, uint8_t *y, const float 
     }
     put_half(y, d_block);
     put_half(y + 2, m_block);
-    qk_affine_finish(x, y, L, five);
 }
 
 static void quantize_q4_k_weighted(const float *x, uint8_t *y, const float *qw) { quantize_qk_affine_weighted(x, y, qw, 0); }

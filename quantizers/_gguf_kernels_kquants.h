@@ -172,13 +172,14 @@ static inline void scale_min_put(int j, uint8_t *q, uint8_t ls, uint8_t lm) {
     }
 }
 
+static void qk_affine_scales(uint8_t *y, const float *fits, const float *mins);
 static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five);
 
 /* Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 nibble bytes) and Q5_K (176 bytes: the same
  * plus 32 bytes of fifth bits before the nibbles): eight sub-blocks of 32, each scale * L - min. */
 static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
-    uint8_t L[SUPER], *scales = y + 4;
-    float mins[8], fits[8], w[32], max_scale = 0, max_min = 0;
+    uint8_t L[SUPER];
+    float mins[8], fits[8], w[32];
     for (int j = 0; j < 8; j++) {
         const float *xs = x + 32 * j;
         float sum_x2 = 0;
@@ -187,6 +188,17 @@ static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
         for (int l = 0; l < 32; l++) w[l] = av_x + fabsf(xs[l]);
         fits[j] = five ? fit_affine(32, 31, xs, w, L + 32 * j, &mins[j], -0.5f, 0.1f, 15, 0)
                        : fit_affine(32, 15, xs, w, L + 32 * j, &mins[j], -1.f, 0.1f, 20, 0);
+    }
+    qk_affine_scales(y, fits, mins);
+    qk_affine_finish(x, y, L, five);
+}
+
+/* Q4_K/Q5_K's d, dmin and 6-bit scale and minimum codes from the sub-blocks' fitted scales and
+ * minimums (negated). */
+static void qk_affine_scales(uint8_t *y, const float *fits, const float *mins) {
+    uint8_t *scales = y + 4;
+    float max_scale = 0, max_min = 0;
+    for (int j = 0; j < 8; j++) {
         if (fits[j] > max_scale) max_scale = fits[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -199,20 +211,23 @@ static void quantize_qk_affine(const float *x, uint8_t *y, int five) {
     }
     put_half(y, max_scale / 63.f);
     put_half(y + 2, max_min / 63.f);
-    qk_affine_finish(x, y, L, five);
+}
+
+/* Sub-block j's stored scale d * code (returned) and minimum dmin * code (*dm) in a Q4_K/Q5_K block y. */
+static inline float qk_affine_stored(const uint8_t *y, int j, float *dm) {
+    uint8_t sc, m;
+    scale_min_get(j, y + 4, &sc, &m);
+    *dm = half_value(y + 2) * m;
+    return half_value(y) * sc;
 }
 
 /* Q4_K/Q5_K with d, dmin and the scale bytes written: levels requantized at the stored scales, packed. */
 static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five) {
     const int nmax = five ? 31 : 15;
-    const uint8_t *scales = y + 4;
-    float d_all = half_value(y), m_all = half_value(y + 2);
     for (int j = 0; j < 8; j++) {
-        uint8_t sc, m;
-        scale_min_get(j, scales, &sc, &m);
-        const float d = d_all * sc;
+        float dm;
+        const float d = qk_affine_stored(y, j, &dm);
         if (!d) continue;
-        const float dm = m_all * m;
         for (int i = 0; i < 32; i++) L[32 * j + i] = (uint8_t)clamp_int(round_int((x[32 * j + i] + dm) / d), 0, nmax);
     }
     uint8_t *qh = y + 16, *ql = five ? y + 48 : y + 16;
@@ -229,13 +244,21 @@ static void qk_affine_finish(const float *x, uint8_t *y, uint8_t *L, int five) {
 
 /* Q6_K (210 bytes: 128 low-nibble bytes, 64 high-bit-pair bytes, 16 int8 scales, d): sixteen
  * sub-blocks of 16, symmetric, levels -32..31. */
+static void q6_k_finish(const float *x, uint8_t *y, int8_t *L, const float *fits);
+
 static void quantize_q6_k_weighted(const float *x, uint8_t *y, const float *qw) {
     int8_t L[SUPER];
     float fits[16];
     for (int b = 0; b < 16; b++) fits[b] = fit_signed(16, 32, x + 16 * b, qw ? qw + 16 * b : NULL, L + 16 * b);
+    q6_k_finish(x, y, L, fits);
+}
+
+/* Q6_K's int8 sub-block scales and d (y + 192, y + 208) from the fitted scales, the rest of y zeroed.
+ * Returns 0 for an all-zero super-block (y is then complete: all zeros), else 1 with *d_all = d as stored. */
+static int q6_k_scales(uint8_t *y, const float *fits, float *d_all) {
     const float max_scale = largest(16, fits);
     memset(y, 0, 210);
-    if (fabsf(max_scale) < TINY) return;        /* all zeros, d = +0 */
+    if (fabsf(max_scale) < TINY) return 0;      /* all zeros, d = +0 */
     int8_t *scales = (int8_t *)(y + 192);
     float iscale = -128.f / max_scale;
     put_half(y + 208, 1 / iscale);
@@ -243,7 +266,16 @@ static void quantize_q6_k_weighted(const float *x, uint8_t *y, const float *qw) 
         int s = round_int(iscale * fits[b]);
         scales[b] = (int8_t)(s < 127 ? s : 127);
     }
-    float d_all = half_value(y + 208);
+    *d_all = half_value(y + 208);
+    return 1;
+}
+
+/* Q6_K from the sub-blocks' fitted scales and levels: the int8 scales under d, the levels
+ * requantized at the stored scales (a sub-block whose scale is 0 keeps its fitted levels), packed. */
+static void q6_k_finish(const float *x, uint8_t *y, int8_t *L, const float *fits) {
+    float d_all;
+    if (!q6_k_scales(y, fits, &d_all)) return;
+    const int8_t *scales = (const int8_t *)(y + 192);
     for (int b = 0; b < 16; b++) {
         float d = d_all * scales[b];
         if (!d) continue;
@@ -300,14 +332,27 @@ static void put_crumbs(uint8_t *qs, const uint8_t *L) {
             qs[l] = (uint8_t)(L[j + l] | L[j + l + 32] << 2 | L[j + l + 64] << 4 | L[j + l + 96] << 6);
 }
 
+static void q2_k_scales(uint8_t *y, const float *fits, const float *mins);
+static void q2_k_finish(const float *x, uint8_t *y, uint8_t *L);
+
 /* Q2_K (84 bytes: 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit levels,
  * d, dmin): sixteen sub-blocks of 16, each scale * L - min with L in 0..3, fit by absolute error. */
 static void quantize_q2_k(const float *x, uint8_t *y) {
-    uint8_t L[SUPER], *scales = y;
-    float mins[16], fits[16], w[16], max_scale = 0, max_min = 0;
+    uint8_t L[SUPER];
+    float mins[16], fits[16], w[16];
     for (int j = 0; j < 16; j++) {
         for (int l = 0; l < 16; l++) w[l] = fabsf(x[16 * j + l]);
         fits[j] = fit_affine(16, 3, x + 16 * j, w, L + 16 * j, &mins[j], -0.5f, 0.1f, 15, 1);
+    }
+    q2_k_scales(y, fits, mins);
+    q2_k_finish(x, y, L);
+}
+
+/* Q2_K's d, dmin and 4-bit scale and minimum codes from the sub-blocks' fitted scales and minimums (negated). */
+static void q2_k_scales(uint8_t *y, const float *fits, const float *mins) {
+    uint8_t *scales = y;
+    float max_scale = 0, max_min = 0;
+    for (int j = 0; j < 16; j++) {
         if (fits[j] > max_scale) max_scale = fits[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
@@ -322,11 +367,15 @@ static void quantize_q2_k(const float *x, uint8_t *y) {
         for (int j = 0; j < 16; j++) scales[j] |= (uint8_t)(round_int(iscale * mins[j]) << 4);
     }
     put_half(y + 82, max_min > 0 ? max_min / 15.f : 0.f);
+}
+
+/* Q2_K with d, dmin and the scale bytes written: levels requantized at the stored scales, packed. */
+static void q2_k_finish(const float *x, uint8_t *y, uint8_t *L) {
     float d_all = half_value(y + 80), m_all = half_value(y + 82);
     for (int j = 0; j < 16; j++) {
-        const float d = d_all * (scales[j] & 0xF);
+        const float d = d_all * (y[j] & 0xF);
         if (!d) continue;
-        const float dm = m_all * (scales[j] >> 4);
+        const float dm = m_all * (y[j] >> 4);
         for (int i = 0; i < 16; i++) L[16 * j + i] = (uint8_t)clamp_int(round_int((x[16 * j + i] + dm) / d), 0, 3);
     }
     put_crumbs(y + 16, L);
@@ -334,13 +383,21 @@ static void quantize_q2_k(const float *x, uint8_t *y) {
 
 static void q3_k_finish(const float *x, uint8_t *y, int8_t *L);
 
+static void q3_k_scales(uint8_t *y, const float *fits);
+
 /* Q3_K (110 bytes: 32 bytes of third bits, 64 bytes of 2-bit levels, 12 bytes of sixteen 6-bit
  * scales, d): sixteen sub-blocks of 16, symmetric, levels -4..3. */
 static void quantize_q3_k(const float *x, uint8_t *y) {
     int8_t L[SUPER];
-    uint8_t *scales = y + 96;
     float fits[16];
     for (int j = 0; j < 16; j++) fits[j] = fit_signed_greedy(16, 4, x + 16 * j, L + 16 * j);
+    q3_k_scales(y, fits);
+    q3_k_finish(x, y, L);
+}
+
+/* Q3_K's d and 6-bit scale codes from the sub-blocks' fitted scales. */
+static void q3_k_scales(uint8_t *y, const float *fits) {
+    uint8_t *scales = y + 96;
     const float max_scale = largest(16, fits);
     memset(scales, 0, 12);
     if (max_scale) {
@@ -355,17 +412,20 @@ static void quantize_q3_k(const float *x, uint8_t *y) {
     } else {
         put_half(y + 108, 0.f);
     }
-    q3_k_finish(x, y, L);
 }
 
 /* Q3_K with d and the scale bytes written: levels requantized at the stored scales, packed. */
+/* Sub-block j's signed 6-bit scale code (-32..31) from Q3_K's 12 scale bytes. */
+static inline int q3_k_code(const uint8_t *scales, int j) {
+    int low = j < 8 ? scales[j] & 0xF : scales[j - 8] >> 4, high = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+    return (low | high << 4) - 32;
+}
+
 static void q3_k_finish(const float *x, uint8_t *y, int8_t *L) {
-    uint8_t *hmask = y, *scales = y + 96;
+    uint8_t *hmask = y;
     float d_all = half_value(y + 108);
     for (int j = 0; j < 16; j++) {
-        int low = j < 8 ? scales[j] & 0xF : scales[j - 8] >> 4;
-        int sc = (low | ((scales[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32;
-        float d = d_all * sc;
+        float d = d_all * q3_k_code(y + 96, j);
         if (!d) continue;
         for (int i = 0; i < 16; i++) L[16 * j + i] = (int8_t)(clamp_int(round_int(x[16 * j + i] / d), -4, 3) + 4);
     }
@@ -393,10 +453,7 @@ static void dequantize_q3_k(const uint8_t *b, float *y) {   /* 110 bytes: hmask[
     const uint8_t *hm = b, *q = b + 32, *s = b + 96;
     float d_all = half_value(b + 108);
     int8_t scales[16];
-    for (int j = 0; j < 16; j++) {
-        int low = j < 8 ? s[j] & 0xF : s[j - 8] >> 4, high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-        scales[j] = (int8_t)((low | high << 4) - 32);
-    }
+    for (int j = 0; j < 16; j++) scales[j] = (int8_t)q3_k_code(s, j);
     uint8_t m = 1;
     for (int n = 0, is = 0; n < SUPER; n += 128, q += 32)
         for (int shift = 0; shift < 8; shift += 2, m <<= 1)

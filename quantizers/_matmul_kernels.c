@@ -45,6 +45,9 @@
 #define QK 32           /* weights per block, activations per block scale */
 #define ROWS 8          /* output rows computed together (one 8-lane register of results) */
 #define TOKENS 8        /* activation rows sharing one load of a weight block */
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 2 /* decode: prefetch the weight rows this many tiles ahead */
+#endif
 
 enum { F_I8 = 0, F_Q8_0 = 1, F_Q4_0 = 2, F_I4 = 3,
        /* _matmul_kernels_kquants.h: legacy blocks of 32, then the K super-blocks of 256 */

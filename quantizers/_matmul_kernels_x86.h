@@ -157,14 +157,18 @@ KTARGET static inline __m256i KNAME(dots)(const int fmt, const KNAME(block_t) *b
     return KNAME(reduce8)(p);
 }
 
-/* Rows [r, r + ROWS) (clamped copies past N) against activation rows [m0, m0 + T). */
+/* Rows [r, r + ROWS) (clamped copies past N) against activation rows [m0, m0 + T). `ahead` (or NULL):
+ * bytes to bring into the cache meanwhile, `chunk` of them per block (a later tile's rows). */
 KTARGET static inline void KNAME(tile)(const int fmt, const int T, const weight_t *w, const act_t *a,
                                        const uint8_t *const *rowp, const Py_ssize_t *ri, const float *row_zero,
-                                       Py_ssize_t m0, __m256 *acc) {
+                                       Py_ssize_t m0, __m256 *acc, const uint8_t *ahead, Py_ssize_t chunk) {
     const Py_ssize_t nb = w->nb;
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++) {
         KNAME(block_t) blk;
+        if (ahead)
+            for (Py_ssize_t at = b * chunk; at < (b + 1) * chunk; at += 64)
+                _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
         KNAME(load_block)(fmt, w, rowp, ri, row_zero, b, &blk);
         for (int t = 0; t < T; t++) {
             Py_ssize_t at = (m0 + t) * nb + b;
@@ -237,15 +241,20 @@ KTARGET static inline void KNAME(rows_of)(const int fmt, const weight_t *w, cons
             row_zero[i] = fmt == F_I8 && w->zero ? (float)(int8_t)w->zero[ri[i] * w->zero_stride] : 0.0f;
         }
         __m256 vscale = _mm256_loadu_ps(scale), vbias = _mm256_loadu_ps(bias);
+        /* Few activation rows (decode): each weight byte is used once per row, and the rows
+         * PREFETCH_TILES tiles on are requested while this tile computes, so memory latency overlaps. */
+        Py_ssize_t next = r + PREFETCH_TILES * ROWS, rows_ahead = r1 - next < ROWS ? r1 - next : ROWS;
+        const uint8_t *ahead = PREFETCH_TILES > 0 && a->M < TOKENS && rows_ahead > 0 ? w->w + next * w->w_stride : NULL;
+        Py_ssize_t chunk = ahead ? ((rows_ahead * w->w_stride + w->nb - 1) / w->nb + 63) / 64 * 64 : 0;
         for (Py_ssize_t m0 = 0; m0 < a->M;) {
             __m256 acc[TOKENS];
             int T = a->M - m0 >= TOKENS ? TOKENS : 1;
 #if KVNNI
             if (T == TOKENS) KNAME(tile_wide)(fmt, w, a, rowp, ri, row_zero, m0, acc);
 #else
-            if (T == TOKENS) KNAME(tile)(fmt, TOKENS, w, a, rowp, ri, row_zero, m0, acc);
+            if (T == TOKENS) KNAME(tile)(fmt, TOKENS, w, a, rowp, ri, row_zero, m0, acc, NULL, 0);
 #endif
-            else KNAME(tile)(fmt, 1, w, a, rowp, ri, row_zero, m0, acc);
+            else KNAME(tile)(fmt, 1, w, a, rowp, ri, row_zero, m0, acc, m0 == 0 ? ahead : NULL, chunk);
             for (int t = 0; t < T; t++) {
                 float out[ROWS];
                 _mm256_storeu_ps(out, _mm256_fmadd_ps(acc[t], vscale, vbias));

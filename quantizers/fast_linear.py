@@ -12,7 +12,8 @@ transposed blocks, float types) returns None here and its layer dequantizes one 
 Which kernel runs is chosen once, at import: the best of `ISAS` on this CPU ("avx512vnni",
 "avxvnni", "avx2", "generic"), or the one named by MODELKIT_MATMUL_ISA ("off" turns the kernels off).
 `use_isa` switches it for a block of code (the tests run every kernel against the reference).
-Rows of outputs are shared between torch's number of threads (`torch.get_num_threads()`).
+Rows of outputs are shared between torch's number of threads (`torch.get_num_threads()`) where a
+product is large enough (`threads_for`).
 """
 from __future__ import annotations
 
@@ -38,7 +39,11 @@ F_I8, F_Q8_0, F_Q4_0, F_I4 = 0, 1, 2, 3    # _matmul_kernels.c's formats
 GGUF_FORMATS = {"Q8_0": (F_Q8_0, 34, 32), "Q4_0": (F_Q4_0, 18, 32), "Q4_1": (4, 20, 32), "Q5_0": (5, 22, 32),
                 "Q5_1": (6, 24, 32), "IQ4_NL": (7, 18, 32), "Q2_K": (8, 84, 256), "Q3_K": (9, 110, 256),
                 "Q4_K": (10, 144, 256), "Q5_K": (11, 176, 256), "Q6_K": (12, 210, 256), "IQ4_XS": (13, 136, 256)}
-SMALL = 1 << 18                            # multiply-adds below which one thread does the work
+# Threads share a product only where each gets enough work to repay waking it (and sharing a core
+# with torch's own spinning OpenMP threads): 2 Mi multiply-adds (~30 us on one thread) where the
+# weights are reused over 8+ activation rows, 1 Mi weights (~1 MB, ~30 us streamed from memory)
+# for fewer rows (decode). Below, one thread: tinylm's products (<= 1.6 Mi at 16 tokens) never split.
+SMALL_WORK, SMALL_WEIGHTS = 1 << 21, 1 << 20
 
 
 def _chosen(name: str | None) -> str | None:
@@ -144,6 +149,14 @@ def _weight_args(packed: Packed) -> tuple[int, ...]:
     return found
 
 
+def threads_for(M: int, N: int, K: int) -> int:
+    """Threads sharing the output rows of an (M, K) @ (K, N) product: torch's number where the work
+    is large enough (SMALL_WORK, SMALL_WEIGHTS), else one."""
+    if (M * N * K if M >= 8 else N * K) < (SMALL_WORK if M >= 8 else SMALL_WEIGHTS):
+        return 1
+    return torch.get_num_threads()
+
+
 def matmul(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None, *, rowwise: bool = False,
            isa: str | None = None, threads: int | None = None) -> torch.Tensor:
     """x (..., K) @ W.T + bias with the kernels (float32 math; returns x's dtype).
@@ -151,31 +164,28 @@ def matmul(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None, *,
     Args:
         rowwise: One activation scale per row (int8-dynamic's activations) instead of one per 32 values.
         isa: A name of ISAS; default the chosen one.
-        threads: Threads sharing the output rows; default torch's number (one for small products).
+        threads: Threads sharing the output rows; default `threads_for` the product.
     """
     isa = isa or ISA
     if isa is None:
         raise ConfigError("the packed-weight kernels are not available (modelkit was built without a C compiler)")
     K, N = packed.cols, packed.rows
-    flat = x if x.dim() == 2 else x.reshape(-1, K)
-    if flat.dtype != torch.float32 or not flat.is_contiguous():
-        flat = flat.to(torch.float32).contiguous()
-    M = flat.shape[0]
-    y = torch.empty(M, N, dtype=torch.float32)
+    if x.shape[-1:] != (K,):
+        raise ConfigError(f"an input of shape {tuple(x.shape)} to a quantized layer of {K} input features")
+    # Called once per layer per token: no reshapes, one allocation (the output, shaped as x).
+    flat = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    M = flat.numel() // K
+    y = flat.new_empty((*x.shape[:-1], N))
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.detach().to(torch.float32).contiguous()
-    if threads is None:
-        threads = 1 if M * N * K < SMALL else torch.get_num_threads()
-    _kernels.linear(isa, threads, *_weight_args(packed), _address(bias), N, K, flat.data_ptr(), M, y.data_ptr(),
-                    int(rowwise))
-    if x.dim() != 2:
-        y = y.reshape(*x.shape[:-1], N)
+    _kernels.linear(isa, threads or threads_for(M, N, K), *_weight_args(packed), _address(bias), N, K,
+                    flat.data_ptr(), M, y.data_ptr(), int(rowwise))
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def usable(x: torch.Tensor) -> bool:
     """The kernels can take this input: chosen, on CPU, float, no gradient wanted through it, and not
     being traced or compiled into a graph (which would record an opaque call on raw addresses)."""
-    return (ISA is not None and x.device.type == "cpu" and x.is_floating_point()
+    return (ISA is not None and x.is_cpu and x.is_floating_point()
             and not (x.requires_grad and torch.is_grad_enabled())
             and not torch.jit.is_tracing() and not torch.compiler.is_compiling())   # graphs record the reference ops

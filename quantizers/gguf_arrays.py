@@ -362,15 +362,13 @@ def _k_kernels(what: str) -> Any:
     return _gguf_kernels
 
 
-_WIDEN_BLOCKS = 1024         # blocks of float16 widened at a time by one worker (about 1 MiB of float32: in cache)
-
-
 def quantize_kquants(values: np.ndarray, type_name: str, *, threads: int | None = None,
                      importance: np.ndarray | None = None) -> np.ndarray:
     """Quantize a float array to K-quant super-blocks (q2_k .. q6_k) or IQ4 blocks (iq4_nl, iq4_xs) along its
     last dimension: the bytes llama.cpp's `ggml_quantize_chunk` writes (under `importance`, one float per
     column, when given), as uint8 (rows, bytes per row). float16 input is widened to float32 (exactly) by
-    the worker threads as they go.
+    the kernels, a block at a time, in the worker threads. The kernels are the best of KERNEL_ISAS (avx2 where
+    the CPU has it, otherwise the portable ones; the same bytes).
 
     Raises:
         ConfigError: the last dimension is not whole blocks, the importance does not fit, or the array holds
@@ -387,23 +385,14 @@ def quantize_kquants(values: np.ndarray, type_name: str, *, threads: int | None 
                           f"whole {block}-weight {'super-blocks' if block == K_BLOCK else 'blocks'}{stored}")
     weights = None if importance is None else _importance(importance, shape, type_name)
     rows = math.prod(shape[:-1])
-    # float16 is widened by the workers, a slice at a time (no float32 copy of the tensor, no serial pass)
-    flat = np.ascontiguousarray(values, dtype=np.float16 if values.dtype == np.float16 else np.float32).reshape(-1)
+    # float16 is widened by the kernels, a block at a time (no float32 copy of the tensor, no serial pass)
+    half = values.dtype == np.float16
+    flat = np.ascontiguousarray(values, dtype=np.float16 if half else np.float32).reshape(-1)
     out = np.empty(flat.size // block * size, dtype=np.uint8)
-    row_blocks = shape[-1] // block
-    # under an importance matrix every slice starts on a row (the weights are per column)
-    widen = _WIDEN_BLOCKS if weights is None else max(1, _WIDEN_BLOCKS // row_blocks) * row_blocks
 
     def work(start: int, stop: int) -> bool:
-        if flat.dtype == np.float32:
-            return kernels.kquantize(type_name, flat[start * block:stop * block], out[start * size:stop * size],
-                                     weights) < 0
-        for first in range(start, stop, widen):
-            last = min(first + widen, stop)
-            chunk = flat[first * block:last * block].astype(np.float32)
-            if kernels.kquantize(type_name, chunk, out[first * size:last * size], weights) >= 0:
-                return False
-        return True
+        return kernels.kquantize(type_name, flat[start * block:stop * block], out[start * size:stop * size],
+                                 weights, None, half) < 0
 
     # a super-block costs ~40x a 32-weight block: shares of 2**12 super-blocks are worth a thread; under an
     # importance matrix the shares start on rows (the weights are per column)

@@ -231,6 +231,20 @@ def keras(tmp_path_factory):
     return keras
 
 
+@pytest.fixture(scope="session")
+def tfjs_modules() -> Path:
+    """The node_modules of an install of @tensorflow/tfjs 4.22 (TFJS_MODULES; .ci/run installs the pinned one
+    into a cache), for the live TF.js judges; they skip, saying why, without it or without node. No npm
+    install in the tests: the recorded verdicts are checked without node."""
+    import shutil
+
+    modules = os.environ.get("TFJS_MODULES")
+    if shutil.which("node") is None or not modules or not (Path(modules) / "@tensorflow" / "tfjs").is_dir():
+        pytest.skip("TensorFlow.js not installed: set TFJS_MODULES to the node_modules of "
+                    "`npm install @tensorflow/tfjs@4.22.0` (.ci/run does) to run it; the recorded verdicts are checked")
+    return Path(modules)
+
+
 @pytest.fixture
 def from_pretrained(caplog):
     """load(folder, dequantize=False) -> (model in eval mode, loading info, transformers' warnings about missing,

@@ -105,7 +105,7 @@ def test_every_format_module_has_detect_read_write(name):
         assert callable(getattr(module, attribute, None)), f"{name} lacks {attribute}"
 
 
-@pytest.mark.parametrize("name", sorted(n for n, info in MODELS.items() if not info.hf))
+@pytest.mark.parametrize("name", sorted(n for n, info in MODELS.items() if not info.hf and not info.topology))
 def test_every_model_module_has_the_plugin_names(name):
     module = load_model_module(name)
     for attribute in PLUGIN_NAMES:

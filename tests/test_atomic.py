@@ -58,3 +58,53 @@ def test_file_finished_outside_a_folder_output_does_nothing(tmp_path, monkeypatc
     (tmp_path / "loose").write_bytes(b"x")
     atomic.file_finished(tmp_path / "loose")
     assert synced == []
+
+
+def _record_fdatasyncs(monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> list[int]:
+    """Replace os.fdatasync with one that records the size of the file it syncs (or fails with EIO)."""
+    sizes: list[int] = []
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        sizes.append(os.fstat(fd).st_size)
+        if fail:
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(atomic.os, "fdatasync", fdatasync)
+    monkeypatch.setattr(atomic, "_WRITE_BACK_EVERY", 0.001)
+    return sizes
+
+
+def _two_halves(sizes: list[int], *, synced: int = 4096):
+    """A writer that writes half its file, waits until the write-back thread synced `synced` bytes of it
+    (0: tried to sync it at all), writes the rest."""
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as f:
+            f.write(b"a" * 4096)
+            f.flush()
+            for _ in range(500):
+                if sizes and max(sizes) >= synced:
+                    break
+                threading.Event().wait(0.01)
+            f.write(b"b" * 4096)
+    return write
+
+
+def test_a_single_file_is_written_back_while_it_is_still_being_written(tmp_path, monkeypatch):
+    from modelkit.pipeline.write import write_output
+
+    sizes = _record_fdatasyncs(monkeypatch)
+    write_output(tmp_path / "out.bin", _two_halves(sizes), verify=None, force=False)
+    assert 4096 in sizes                             # the first half went to disk before the writer finished
+    assert (tmp_path / "out.bin").read_bytes() == b"a" * 4096 + b"b" * 4096
+
+
+def test_a_failed_write_back_fails_the_write_and_leaves_no_output(tmp_path, monkeypatch):
+    from modelkit.pipeline.write import write_output
+
+    tried = _record_fdatasyncs(monkeypatch, fail=True)
+    with pytest.raises(OSError, match="Input/output error"):
+        write_output(tmp_path / "out.bin", _two_halves(tried, synced=0), verify=None, force=False)
+    assert tried
+    assert not list(tmp_path.iterdir())              # neither the output nor the temporary folder

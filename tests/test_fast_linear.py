@@ -237,3 +237,44 @@ def test_threads_share_rows_without_changing_a_bit():
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda _: fast_linear.matmul(x, packed, layer.bias, threads=2), range(16)))
     assert all(torch.equal(r, alone) for r in results)
+
+
+def test_inputs_keep_their_leading_shape_and_a_wrong_width_is_refused():
+    layer = _quantized("q8_0", 13, 64)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y = layer(x)
+        assert y.shape == (2, 3, 13) and torch.equal(y[1], layer(x[1]))
+        assert layer(x[0, 0]).shape == (13,)
+        with pytest.raises(ConfigError, match="64 input features"):
+            fast_linear.matmul(torch.randn(2, 128), layer.packed())
+
+
+def test_threads_share_only_products_large_enough_to_repay_them(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert fast_linear.threads_for(16, 512, 192) == 1          # tinylm's largest product at 16 tokens
+    assert fast_linear.threads_for(1, 768, 768) == 1           # decode, ~0.6 MB of weights
+    assert fast_linear.threads_for(1, 2048, 768) == 2          # decode, 1.5 Mi weights streamed from memory
+    assert fast_linear.threads_for(64, 512, 192) == 2          # batch: weights reused over many rows
+
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("scheme", ["float", "q8_0", "int4"])
+def test_generate_with_a_kv_cache_gives_the_tokens_of_full_passes(scheme):
+    """`modelkit generate` on tinylm (pipeline.generate.generate_bytes) decodes with serve's key/value cache:
+    the greedy bytes of tinylm.generate's full pass per byte, before and past the 64-byte window."""
+    from modelkit.models.tinylm import generate
+    from modelkit.pipeline.generate import generate_bytes
+
+    model = build("tinylm", TINY, seed=0).eval()
+    if scheme != "float":
+        module, config = CONFIGS[scheme]
+        model = module.apply(model, config)
+    for prompt, new in (("def ", 16), ("x" * 56, 12)):             # the second outgrows the window
+        expected = generate(model, prompt.encode(), max_new_bytes=new)
+        got = generate_bytes(model, prompt, max_new_tokens=new)
+        assert got.completion == expected, (scheme, prompt)
+        assert got.new_tokens == new and got.prompt_seconds > 0 and got.decode_seconds > 0

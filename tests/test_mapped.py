@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,6 +114,22 @@ def test_verification_finds_one_flipped_byte_at_any_alignment(offset):
     assert not _same_bits(a, b)
 
 
+@pytest.mark.parametrize("flipped", [0, 999, 4095])
+def test_verification_shared_out_between_threads_finds_one_flipped_byte(monkeypatch, flipped):
+    import numpy as np
+
+    from modelkit.pipeline import verify
+
+    monkeypatch.setattr(verify, "_CHUNK", 64)          # 8-byte elements: 512-byte chunks, 8 of them
+    monkeypatch.setattr(verify, "_PARALLEL", 1024)
+    monkeypatch.setattr(verify, "_WORKERS", 2)
+    a = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    b = a.copy()
+    assert verify._same_bits(a, b)
+    b[flipped] ^= 0x80
+    assert not verify._same_bits(a, b)
+
+
 def test_hdf5_reserves_contiguous_datasets_and_fills_them_file_to_file(tmp_path):
     """safetensors -> HDF5: every dtype's bytes copied into reserved datasets that h5py reads back."""
     import h5py
@@ -210,3 +227,105 @@ def test_large_spans_copy_exactly_through_the_pipe(tmp_path, at):
         assert written == b"head" + body + b"tail"
     else:                       # written at `at`; the file position stayed after "head"
         assert written[at:at + len(body)] == body and written[:8] == b"headtail"
+
+
+# Each conversion whose tensors go file to file, run torch-free twice in one process: with the kernel's
+# copies (splice, copy_file_range) and with both refused (the read/write fallback).
+_KERNEL_OR_NOT = """
+import errno, json, os, sys
+sys.modules["torch"] = None
+from pathlib import Path
+import modelkit
+
+folder = Path(sys.argv[1])
+conversions = json.loads(sys.argv[2])
+real = {name: getattr(os, name) for name in ("splice", "copy_file_range")}
+calls = {}
+
+def counting(name):
+    def call(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return real[name](*args, **kwargs)
+    return call
+
+def refusing(name):
+    def call(*args, **kwargs):
+        calls[name + " refused"] = calls.get(name + " refused", 0) + 1
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    return call
+
+used = {}
+for mode in ("kernel", "user"):
+    calls.clear()
+    for name in real:
+        setattr(os, name, counting(name) if mode == "kernel" else refusing(name))
+    (folder / mode).mkdir()
+    for src, dst, shard_size in conversions:
+        report = modelkit.convert(folder / src, folder / mode / dst, shard_size=shard_size)
+        assert report.verify["method"] == "bit-exact", report.verify
+    used[mode] = dict(calls)
+print(json.dumps(used))
+"""
+_SPAN_CONVERSIONS = [("w.safetensors", "out.gguf", None), ("w.safetensors", "out.h5", None),
+                     ("w.pth", "out.safetensors", None), ("w.safetensors", "shards", "2MB")]
+
+
+@pytest.fixture(scope="module")
+def kernel_and_user_space(tmp_path_factory):
+    """Sources with tensors over the 1 MiB splice pipe and under it, a bfloat16 one, int64, and in the
+    .pth a strided view (no span: it goes through user space either way); both modes' outputs."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("spans")
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(512, 640, generator=g)                           # 1.25 MiB: spliced
+    state = {"big": base, "bf16": torch.randn(1024, 600, generator=g).to(torch.bfloat16),
+             "half": torch.randn(64, generator=g).half(), "steps": torch.arange(7, dtype=torch.int64),
+             "strided": base[:48, :40].t(), "scalar": torch.tensor(2.5)}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "w.safetensors"))
+    torch.save(state, folder / "w.pth")
+    result = subprocess.run([sys.executable, "-c", _KERNEL_OR_NOT, str(folder), json.dumps(_SPAN_CONVERSIONS)],
+                            capture_output=True, text=True, timeout=120, cwd=folder)
+    assert result.returncode == 0, result.stderr
+    return folder, state, json.loads(result.stdout.splitlines()[-1])
+
+
+def test_the_kernel_copied_and_the_fallback_only_in_user_space(kernel_and_user_space):
+    _, _, used = kernel_and_user_space
+    assert used["kernel"].get("splice", 0) > 0 and used["kernel"].get("copy_file_range", 0) > 0   # big, small spans
+    assert set(used["user"]) == {"splice refused", "copy_file_range refused"}
+
+
+@pytest.mark.parametrize("dst", [c[1] for c in _SPAN_CONVERSIONS])
+def test_kernel_copies_write_the_same_bytes_as_user_space(kernel_and_user_space, dst):
+    folder, state, _ = kernel_and_user_space
+    kernel, user = folder / "kernel" / dst, folder / "user" / dst
+    files = sorted(p.relative_to(kernel) for p in kernel.rglob("*") if p.is_file()) if kernel.is_dir() else [Path()]
+    assert files and files == (sorted(p.relative_to(user) for p in user.rglob("*") if p.is_file())
+                               if user.is_dir() else [Path()])
+    for relative in files:
+        assert (kernel / relative).read_bytes() == (user / relative).read_bytes(), f"{dst}/{relative}"
+
+
+def test_span_copied_outputs_read_back_bit_exact_by_their_own_libraries(kernel_and_user_space):
+    """The judges are the formats' own readers: gguf-py, h5py, safetensors with torch."""
+    import h5py
+    from gguf import GGUFReader
+    from safetensors.torch import load_file
+
+    folder, state, _ = kernel_and_user_space
+    bits = {name: t.contiguous() for name, t in state.items()}
+    back = load_file(str(folder / "kernel" / "out.safetensors"))
+    assert back.keys() == bits.keys() and all(torch.equal(back[n], t) for n, t in bits.items())
+    with h5py.File(folder / "kernel" / "out.h5", "r") as f:
+        group = f["modelkit/tensors"]
+        for name in ("big", "half", "steps"):
+            assert (group[name][()] == bits[name].numpy()).all(), name
+        assert (group["bf16"][()] == bits["bf16"].view(torch.uint16).numpy()).all()
+    gguf = {t.name: t for t in GGUFReader(folder / "kernel" / "out.gguf").tensors}
+    assert gguf["big"].data.tobytes() == bits["big"].numpy().tobytes()
+    assert gguf["bf16"].data.tobytes() == bits["bf16"].view(torch.uint16).numpy().tobytes()

@@ -52,6 +52,10 @@ def weights(tmp_path_factory) -> Path:
                "model.ids": torch.arange(10)}, str(folder / "w.safetensors"), metadata={"format": "pt"})
     torch.save({"model": {"w": torch.randn(8, 32, generator=g).t(), "b": torch.ones(3, dtype=torch.bfloat16)},
                 "epoch": 1}, folder / "ckpt.pt")
+    from modelkit import export
+    from modelkit.models import build
+
+    export(build("mlp", seed=0), folder / "mlp.safetensors")            # a zoo model: its Keras layout for TF.js
     return folder / "w.safetensors"
 
 
@@ -71,6 +75,7 @@ COMMANDS = {
     "to-npz": (["convert", "{w}", "out.npz"], ["out.npz"]),
     "sharded": (["convert", "{w}", "shards", "--shard-size", "10KB"], ["shards"]),
     "bf16": (["convert", "{w}", "half.safetensors", "--dtype", "bf16"], ["half.safetensors"]),
+    "to-tfjs": (["convert", "{m}", "web/model.json"], ["web"]),
     "q4_0": (["quantize", "{w}", "q.gguf", "--scheme", "q4_0"], ["q.gguf"]),
     "from-pth": (["convert", "{p}", "from-pth.safetensors", "--key", "model"], ["from-pth.safetensors"]),
 }
@@ -79,7 +84,7 @@ COMMANDS = {
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_weight_commands_give_the_same_bytes_in_the_slim_install(slim_python, weights, tmp_path, name):
     args, outputs = COMMANDS[name]
-    args = [a.format(w=weights, p=weights.with_name("ckpt.pt")) for a in args]
+    args = [a.format(w=weights, p=weights.with_name("ckpt.pt"), m=weights.with_name("mlp.safetensors")) for a in args]
     digests = []
     for python in (slim_python, Path(sys.executable)):
         folder = tmp_path / python.parent.parent.name

@@ -48,6 +48,10 @@ def inspect(file: str, limit: int | None, source_format: str | None, trust: bool
         _echo_program(info.program)
     if info.model:
         _echo_model(info.model)
+    elif info.arch and isinstance(info.arch.config.get("topology"), dict):      # a file's own Keras topology
+        topology = info.arch.config["topology"]
+        click.echo(f"arch: {info.arch.name} (the file's own Keras {topology.get('class_name')}: converts to ONNX and "
+                   "TorchScript without --arch)")
     elif info.arch:
         click.echo(f"arch: {info.arch.name} {json.dumps(info.arch.config, sort_keys=True)}")
     else:

@@ -20,7 +20,7 @@ def models(as_json: bool) -> None:
       modelkit models --json | jq '.models[] | select(.kind == "hf") | .model_types'
     """
     families = hf_families()
-    rows = [{"name": name, "kind": "hf" if name in families else "zoo", "summary": info.summary,
+    rows = [{"name": name, "kind": "hf" if name in families else "topology" if info.topology else "zoo", "summary": info.summary,
              **({"model_types": list(families[name].model_types), "gguf_architecture": families[name].architecture}
                 if name in families else {})}
             for name, info in MODELS.items()]

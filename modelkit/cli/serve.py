@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 from pathlib import Path
 
@@ -29,6 +30,16 @@ def _model_dir(model_dir: str, name: str | None) -> str:
                                      "folder; give a folder holding one model file, or the model's path as MODEL",
                                      param_hint="--model_dir") from None
     return f"{name}={path}" if name else str(path)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM while the models load: stop now, as the signal would (a container's PID 1 ignores a signal it has no
+    handler for, so `docker stop` would wait its timeout and kill)."""
+    raise SystemExit(128 + signum)
+
+
+def _drained(signum: int, frame: object) -> None:
+    """SIGTERM after uvicorn's graceful shutdown: the requests finished, the process exits 0."""
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -98,6 +109,8 @@ def serve(models: tuple[str, ...], host: str, port: int, model_name: str | None,
     """
     import logging
 
+    previous = signal.signal(signal.SIGTERM, _terminated)          # before the imports and loads that take seconds
+    click.get_current_context().call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
     import uvicorn
 
     from modelkit.pipeline.serve import serve as build
@@ -124,4 +137,8 @@ def serve(models: tuple[str, ...], host: str, port: int, model_name: str | None,
     click.echo(f"serving {' and '.join(routes)} on http://{shown}:{sock.getsockname()[1]}", err=True)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=graceful_timeout)
+    # uvicorn drains on SIGTERM, restores the handler it found and sends the signal again, so the process would
+    # end by it (143 under tini or a shell; a container's PID 1 ignores it and exits 0). The handler it finds is
+    # this no-op: a drained shutdown exits 0 wherever it runs.
+    signal.signal(signal.SIGTERM, _drained)
     uvicorn.Server(config).run(sockets=[sock])

@@ -52,6 +52,7 @@ class ModelInfo:
     module: str        # imported on first use
     summary: str
     hf: bool = False   # a Hugging Face family (declares FAMILY: built by transformers, nothing to train)
+    topology: bool = False   # built from a file's own topology (keras: a TF.js / Keras model config), nothing to train
 
 
 _ZOO = (
@@ -126,7 +127,12 @@ class _Registry(Mapping[str, ModelInfo]):
         return name in self._infos
 
 
-MODELS = _Registry(_ZOO + _FAMILIES)
+# Models whose ArchSpec is a file's own topology (plain data from a closed table of layer classes, never code).
+_TOPOLOGIES = (ModelInfo("keras", "modelkit.models.keras_graph",
+                         "a Keras Sequential or functional model as a TF.js model.json or Keras JSON describes it",
+                         topology=True),)
+
+MODELS = _Registry(_ZOO + _FAMILIES + _TOPOLOGIES)
 
 
 def register_model(name: str, module: str | ModuleType, *, summary: str = "") -> None:
@@ -377,7 +383,7 @@ def _current_directory_first() -> Iterator[None]:
 
 def zoo_models() -> list[str]:
     """Registered models modelkit builds and trains itself (the zoo and plugins), without the Hugging Face families."""
-    return sorted(name for name, info in MODELS.items() if not info.hf)
+    return sorted(name for name, info in MODELS.items() if not info.hf and not info.topology)
 
 
 def hf_family(name: str) -> HFFamily | None:

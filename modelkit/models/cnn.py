@@ -4,23 +4,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from modelkit.errors import ConfigError
-from modelkit.models._data import digits_split
-from modelkit.models._tasks import ClassificationTask, TrainDefaults
 from modelkit.models.plugin import (
     Axis,
     DistillDefaults,
     KerasLayer,
     KerasLayout,
     KerasWeight,
+    NoTorch,
     PruneGroup,
     PruneSlice,
     QualityBar,
 )
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from modelkit.models._data import digits_split
+    from modelkit.models._tasks import ClassificationTask, TrainDefaults
+except ImportError:         # a slim install: the config and Keras layout below work without torch (plugin.NoTorch)
+    torch = F = nn = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +49,7 @@ class CNNConfig:
             )
 
 
-class CNN(nn.Module):
+class CNN(nn.Module if nn is not None else NoTorch):
     """(B, 1, 8, 8) float32 in [0, 1] -> (B, num_classes) logits.
 
     conv1 (3x3, pad 1) -> ReLU -> conv2 (3x3, pad 1) -> ReLU -> 2x2 max-pool -> fc1 -> ReLU -> fc2
@@ -86,8 +91,8 @@ def random_shift(images: torch.Tensor) -> torch.Tensor:
 
 CONFIG = CNNConfig
 MODEL = CNN
-TASK = ClassificationTask(digits_split, augment=random_shift)
-TRAINING = TrainDefaults(epochs=40, batch_size=32, lr=3e-3, weight_decay=1e-4)
+TASK = ClassificationTask(digits_split, augment=random_shift) if torch is not None else None
+TRAINING = TrainDefaults(epochs=40, batch_size=32, lr=3e-3, weight_decay=1e-4) if torch is not None else None
 
 
 def example_inputs(batch_size: int = 4, *, seed: int = 0) -> torch.Tensor:

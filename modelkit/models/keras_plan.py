@@ -182,7 +182,18 @@ def keras_plan(tensors: dict[str, Any] | None, arch: Any, module: Any = None, ex
                 "or --arch module:function, a Sequential of your own)")
     try:
         layout = load_model_module(arch.name).keras_layers(config_from_dict(arch.name, arch.config))
+    except (ConfigError, UnknownModelError) as e:
+        return f"its ArchSpec does not build ({e})"
+    try:
         import torch  # the model's shapes come from building it
+    except ImportError:
+        # a slim install: the layout (plain data) checked against the checkpoint's own shapes, layer to layer
+        if layout is None or tensors is None:
+            return (f"the Keras layout of {arch.name} is checked against the model, which needs torch "
+                    "(pip install 'modelkit[torch]')")
+        expected = layout_shapes(layout, tensors, arch.name)
+        return expected if isinstance(expected, str) else plan(tensors, layout, expected, arch.name)
+    try:
         with torch.device("meta"):                  # shapes only: nothing is allocated
             model = build_from_spec(arch)
         if layout is None:
@@ -193,10 +204,43 @@ def keras_plan(tensors: dict[str, Any] | None, arch: Any, module: Any = None, ex
                     f"{owner} keeps it losslessly")
     except (ConfigError, UnknownModelError) as e:
         return f"its ArchSpec does not build ({e})"
-    except ImportError:
-        return (f"the Keras layout of {arch.name} is checked against the model, which needs torch "
-                "(pip install 'modelkit[torch]')")
     return plan(tensors, layout, {k: tuple(v.shape) for k, v in model.state_dict().items()}, arch.name)
+
+
+def layout_shapes(layout: KerasLayout, tensors: dict[str, Any], label: str) -> dict[str, tuple[int, ...]] | str:
+    """The shapes a layout's tensors must have, taken from the checkpoint and checked layer to layer without
+    building the model (no torch): each layer's input width is the one before's output (the input's channels
+    first), units and filters as the layout declares, a Dense after Flatten as wide as the flattened map;
+    or why not."""
+    expected = {name: tuple(entry.shape) for name, entry in tensors.items()}
+    width = layout.input_shape[-1] if layout.input_shape else None
+    for layer in layout.layers:
+        shapes = {w.keras: expected.get(w.tensor) for w in layer.weights}
+        kernel = next((w for w in layer.weights if w.keras in ("kernel", "embeddings")), None)
+        shape = shapes.get(kernel.keras) if kernel is not None else None
+        if kernel is not None and shape is None:
+            return f"tensor {kernel.tensor!r} of the {label} layout is missing"
+        want: tuple[int | None, ...] | None = None
+        if layer.kind == "dense":
+            takes = math.prod(kernel.flatten) if kernel.transform == "dense_after_flatten" and kernel.flatten else width
+            want, width = (layer.config.get("units"), takes), layer.config.get("units")
+        elif layer.kind in ("conv1d", "conv2d"):
+            groups = layer.config.get("groups", 1)
+            want = (layer.config.get("filters"), None if width is None else width // groups,
+                    *layer.config.get("kernel_size", ()))
+            width = layer.config.get("filters")
+        elif layer.kind == "embedding":
+            want, width = (layer.config.get("input_dim"), layer.config.get("output_dim")), layer.config.get("output_dim")
+        elif layer.kind == "flatten":
+            width = None
+        if want is not None and (len(want) != len(shape) or any(w is not None and w != d for w, d in zip(want, shape, strict=True))):
+            return (f"tensor {kernel.tensor!r} is {list(shape)}, the {label} layout expects "
+                    f"{['?' if w is None else w for w in want]}")
+        for weight in layer.weights:                # biases and normalization variables: one per output feature
+            got = shapes.get(weight.keras)
+            if weight is not kernel and got is not None and width is not None and got != (width,):
+                return f"tensor {weight.tensor!r} is {list(got)}, the {label} layout expects [{width}]"
+    return expected
 
 
 def plan(tensors: dict[str, Any] | None, layout: KerasLayout, expected: dict[str, tuple[int, ...]],

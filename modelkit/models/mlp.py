@@ -4,22 +4,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-from torch import nn
-
 from modelkit.errors import ConfigError
-from modelkit.models._data import spiral_split
-from modelkit.models._tasks import ClassificationTask, TrainDefaults
 from modelkit.models.plugin import (
     Axis,
     DistillDefaults,
     KerasLayer,
     KerasLayout,
     KerasWeight,
+    NoTorch,
     PruneGroup,
     PruneSlice,
     QualityBar,
 )
+
+try:
+    import torch
+    from torch import nn
+
+    from modelkit.models._data import spiral_split
+    from modelkit.models._tasks import ClassificationTask, TrainDefaults
+except ImportError:         # a slim install: the config and Keras layout below work without torch (plugin.NoTorch)
+    torch = nn = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +48,7 @@ class MLPConfig:
             )
 
 
-class MLP(nn.Module):
+class MLP(nn.Module if nn is not None else NoTorch):
     """(B, in_features) float32 -> (B, num_classes) logits. Layers live in `net` (a Sequential)."""
 
     arch: ClassVar[str] = "mlp"
@@ -64,8 +69,8 @@ class MLP(nn.Module):
 
 CONFIG = MLPConfig
 MODEL = MLP
-TASK = ClassificationTask(spiral_split)
-TRAINING = TrainDefaults(epochs=40, batch_size=64, lr=1e-2, weight_decay=1e-4)
+TASK = ClassificationTask(spiral_split) if torch is not None else None
+TRAINING = TrainDefaults(epochs=40, batch_size=64, lr=1e-2, weight_decay=1e-4) if torch is not None else None
 
 
 def example_inputs(batch_size: int = 4, *, seed: int = 0) -> torch.Tensor:

@@ -34,6 +34,19 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+class NoTorch:
+    """The base of a zoo model's class where torch is not installed: the model's module still imports, so its
+    config and Keras layout (plain data: what the TF.js and HDF5 writers need) work on a slim install, and
+    building the model says what to install."""
+
+    arch: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from modelkit.errors import MissingDependencyError
+
+        raise MissingDependencyError(f"building the {self.arch} model needs torch: pip install 'modelkit[torch]'")
+
+
 PLUGIN_NAMES = ("CONFIG", "MODEL", "TASK", "TRAINING", "example_inputs", "keras_layers", "onnx_axes",
                 "prune_groups", "DISTILL", "STUDENT", "QUALITY", "GGUF")
 
@@ -60,12 +73,22 @@ class KerasWeight:
     flatten: tuple[int, int, int] | None = None
 
 
+# The registered model a Keras topology read from a file builds (models/keras_graph.py; its ArchSpec config is
+# {"topology": the Keras model config, "weights": "tfjs" | "keras3"}): what the tfjs and hdf5 readers name.
+KERAS_TOPOLOGY_MODEL = "keras"
+
 # Keras class of each layer kind (KerasLayer.kind is the class in snake case, as Keras names layers).
 KERAS_CLASSES = {"dense": "Dense", "conv1d": "Conv1D", "conv2d": "Conv2D", "max_pooling1d": "MaxPooling1D",
                  "max_pooling2d": "MaxPooling2D", "average_pooling1d": "AveragePooling1D",
                  "average_pooling2d": "AveragePooling2D", "flatten": "Flatten", "dropout": "Dropout",
                  "activation": "Activation", "softmax": "Softmax", "batch_normalization": "BatchNormalization",
-                 "layer_normalization": "LayerNormalization", "embedding": "Embedding"}
+                 "layer_normalization": "LayerNormalization", "embedding": "Embedding",
+                 # read only: the classes a file's topology may use that modelkit builds (models/keras_graph.py)
+                 "input_layer": "InputLayer", "depthwise_conv2d": "DepthwiseConv2D", "reshape": "Reshape",
+                 "global_average_pooling1d": "GlobalAveragePooling1D", "global_average_pooling2d": "GlobalAveragePooling2D",
+                 "global_max_pooling1d": "GlobalMaxPooling1D", "global_max_pooling2d": "GlobalMaxPooling2D",
+                 "relu": "ReLU", "leaky_relu": "LeakyReLU", "add": "Add", "subtract": "Subtract", "multiply": "Multiply",
+                 "average": "Average", "maximum": "Maximum", "minimum": "Minimum", "concatenate": "Concatenate"}
 
 
 @dataclass(frozen=True)

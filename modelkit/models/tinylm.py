@@ -228,17 +228,21 @@ def generate(
     window = model.config.max_position_embeddings
     for _ in range(max_new_bytes):
         context = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
-        logits = model(context)[0, -1].float().cpu()                                    # (vocab,)
-        if temperature == 0:
-            next_id = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.numel():
-                cutoff = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < cutoff, -math.inf)
-            next_id = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
-        ids.append(next_id)
+        ids.append(next_byte(model(context)[0, -1], temperature, top_k, generator))
     return bytes(ids[len(prompt):] if prompt else ids[1:])
+
+
+def next_byte(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> int:
+    """The next token from one row of logits (vocab,): argmax at temperature 0, else a sample of the
+    `top_k` most likely (all when None) drawn with `generator` (on the CPU)."""
+    logits = logits.float().cpu()
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.numel():
+        cutoff = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < cutoff, -math.inf)
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
 CONFIG = TinyLMConfig

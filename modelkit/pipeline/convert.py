@@ -217,6 +217,8 @@ def _module_options(module: nn.Module, given: Any, dynamic: Any, cast: DType | N
     """The writer's options for `module` with the caller's example inputs (tensors or specs) and axes."""
     from modelkit.pipeline.inputs import example_inputs
 
+    if given is None:                   # a module built from a file's topology knows its inputs' shapes
+        given = getattr(module, "input_specs", None)
     example = example_inputs(module, given, dynamic)
     if example is None:
         return WriteOptions(module=module, final_path=final_path)

@@ -47,16 +47,33 @@ def _rate(tokens: int, seconds: float) -> float | None:
     return round(tokens / seconds, 2) if tokens > 0 and seconds > 0 else None
 
 
-def generate_bytes(model: nn.Module, prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
+@torch.no_grad()
+def generate_bytes(model: nn.Module, prompt: str | bytes, *, max_new_tokens: int, temperature: float = 0.0,
                    top_k: int | None = None, seed: int = 0) -> Generation:
-    """tinylm: its bytes are its tokens (modelkit.models.tinylm.generate), timed as a whole."""
-    from modelkit.models.tinylm import generate
+    """tinylm: its bytes are its tokens. The same tokens as modelkit.models.tinylm.generate (a full pass
+    over the window per byte), computed with serve's key/value cache (tinylm_decoder.TinyLMDecoder): one pass
+    over the prompt, then one position per byte; past the model's window, full passes as tinylm's."""
+    from modelkit.models.tinylm import next_byte
+    from modelkit.pipeline.tinylm_decoder import Stream, TinyLMDecoder
 
-    data = prompt.encode("utf-8")
-    started = time.perf_counter()
-    out = generate(model, data, max_new_bytes=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
-    seconds = time.perf_counter() - started
-    return Generation(prompt, out, len(data), len(out), 0.0, seconds, "length", list(out))
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ConfigError(f"temperature must be >= 0, got {temperature}")
+    data = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    seq = Stream(list(data) or [ord("\n")])
+    decoder = TinyLMDecoder(model, slots=1)
+    started = first = time.perf_counter()
+    for i in range(max_new_tokens):
+        logits = decoder.step([seq])[0] if i else decoder.prefill(seq)
+        seq.ids.append(next_byte(logits, temperature, top_k, generator))
+        if not i:
+            first = time.perf_counter()
+    ended = time.perf_counter()
+    out = bytes(seq.ids[len(data) if data else 1:])
+    text = prompt if isinstance(prompt, str) else prompt.decode("utf-8", errors="replace")
+    return Generation(text, out, len(data), len(out), first - started, ended - first, "length", list(out))
 
 
 def prompt_ids(tokenizer: Any, prompt: str, *, chat: bool = False, source: str = "the model") -> list[int]:

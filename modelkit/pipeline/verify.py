@@ -7,7 +7,9 @@
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,11 +51,23 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     x, y = (np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in (a, b))
     if x.size % 8 == 0 and x.ctypes.data % 8 == 0 and y.ctypes.data % 8 == 0:   # 8x fewer elements to compare
         x, y = x.view(np.int64), y.view(np.int64)
+
     # in chunks: array_equal's temporary boolean array stays 1 MiB, not a byte per element of the tensor
-    return all(np.array_equal(x[i:i + _CHUNK], y[i:i + _CHUNK]) for i in range(0, x.size, _CHUNK))
+    def same(i: int) -> bool:
+        return bool(np.array_equal(x[i:i + _CHUNK], y[i:i + _CHUNK]))
+
+    starts = range(0, x.size, _CHUNK)
+    if x.nbytes < _PARALLEL or _WORKERS < 2:
+        return all(map(same, starts))
+    # A large tensor's chunks on several threads (numpy compares without the GIL): reading back a file
+    # just written is mostly the first touch of its pages and of the source's, which threads share out.
+    with ThreadPoolExecutor(_WORKERS, thread_name_prefix="modelkit-verify") as pool:
+        return all(pool.map(same, starts))
 
 
 _CHUNK = 1 << 20
+_PARALLEL = 16 << 20                  # bytes from which a comparison is shared out between threads
+_WORKERS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 def _max_error(want: np.ndarray, got: np.ndarray, entry: Any) -> float:

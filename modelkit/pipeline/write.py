@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from modelkit.checkpoint import Checkpoint, LazyTensor
 from modelkit.formats import FORMATS, ReadOptions, WriteOptions, load_format, output_folder
 from modelkit.pipeline.verify import verify_graph, verify_weights
-from modelkit.storage.atomic import atomic_dir, atomic_path, sync_in_background
+from modelkit.storage.atomic import atomic_dir, atomic_path, sync_in_background, writing_back
 
 if TYPE_CHECKING:
     from torch import nn
@@ -48,7 +48,11 @@ def write_output(target: PathLike, write: Callable[[Path], None], *, verify: Ver
     target = Path(target)
     opener = atomic_dir(target, force=force) if folder else atomic_path(target, force=force, companions=companions)
     with opener as tmp:
-        write(tmp)
+        if folder:
+            write(tmp)                               # its shards are synced as they are finished
+        else:
+            with writing_back(tmp.parent):           # the disk writes while the writer still writes
+                write(tmp)
         result = None
         if verify is not None:
             wait_synced = sync_in_background(tmp if tmp.is_dir() else tmp.parent)   # disk writes while the CPU verifies

@@ -114,6 +114,55 @@ def sync_in_background(path: Path) -> Callable[..., None]:
     return wait
 
 
+_WRITE_BACK_EVERY = 0.05     # seconds between fdatasyncs of a file still being written
+
+
+@contextlib.contextmanager
+def writing_back(folder: Path) -> Iterator[None]:
+    """While the block runs (a writer writing a single-file output into `folder`, its temporary folder),
+    write the files' dirty pages back to disk every _WRITE_BACK_EVERY seconds on another thread.
+
+    Without this, write-back of a large output starts only at the fsync after the writer finished
+    (the kernel's own flusher waits for 10% of memory to be dirty, or 30 s), so the output is written
+    twice in a row: into the page cache, then to disk. `cp` followed by `sync` does the same; folder
+    outputs already overlap the two (finished shards are fsynced while the next is written:
+    `file_finished`), and a single file now does too, from its start. fdatasync only writes pages back:
+    what is in the file, and when it is renamed, stays the writer's and the commit's business (the
+    commit fsyncs every file again). A failed fdatasync is raised when the block ends (the page's error
+    is reported once: a later fsync on a new descriptor may not see it).
+    """
+    stop = threading.Event()
+    failure: list[OSError] = []
+
+    def write_back() -> None:
+        opened: dict[Path, int] = {}
+        try:
+            while not stop.wait(_WRITE_BACK_EVERY):
+                for file in sorted(folder.iterdir()):
+                    if file not in opened and file.is_file():
+                        try:
+                            opened[file] = os.open(file, os.O_RDONLY)
+                        except FileNotFoundError:
+                            continue                   # gone again (the writer's own temporary file)
+                for fd in opened.values():
+                    getattr(os, "fdatasync", os.fsync)(fd)       # macOS has no fdatasync
+        except OSError as e:
+            failure.append(e)
+        finally:
+            for fd in opened.values():
+                os.close(fd)
+
+    thread = threading.Thread(target=write_back, name="modelkit-write-back", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    if failure:
+        raise failure[0]
+
+
 _SYNC_THREADS = 8
 
 

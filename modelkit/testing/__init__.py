@@ -57,21 +57,30 @@ def compare_outputs(
     for entry in inputs:
         args = _as_tuple(entry)
         with torch.no_grad():
-            expected = torch.as_tensor(reference(*args)).float()
-            actual = torch.as_tensor(candidate(*args)).float()
+            expected_all, actual_all = _outputs(reference(*args)), _outputs(candidate(*args))
         count += 1
-        if expected.shape != actual.shape:
-            raise VerificationError(f"{prefix}output shapes differ: {list(expected.shape)} vs {list(actual.shape)}",
+        if len(expected_all) != len(actual_all):
+            raise VerificationError(f"{prefix}{len(expected_all)} outputs vs {len(actual_all)}",
                                     max_abs_err=float("inf"), atol=atol)
-        err = float((expected - actual).abs().max()) if expected.numel() else 0.0
-        largest = float(expected.abs().max()) if expected.numel() else 0.0
-        allowed = atol + rtol * largest
-        if not err <= allowed:
-            raise VerificationError(f"{prefix}outputs differ", max_abs_err=err, atol=allowed)
-        worst = max(worst, err)
-        worst_relative = max(worst_relative, err / max(largest, 1e-12))
+        for expected, actual in zip(expected_all, actual_all, strict=True):
+            if expected.shape != actual.shape:
+                raise VerificationError(f"{prefix}output shapes differ: {list(expected.shape)} vs {list(actual.shape)}",
+                                        max_abs_err=float("inf"), atol=atol)
+            err = float((expected - actual).abs().max()) if expected.numel() else 0.0
+            largest = float(expected.abs().max()) if expected.numel() else 0.0
+            allowed = atol + rtol * largest
+            if not err <= allowed:
+                raise VerificationError(f"{prefix}outputs differ", max_abs_err=err, atol=allowed)
+            worst = max(worst, err)
+            worst_relative = max(worst_relative, err / max(largest, 1e-12))
     return {"method": "outputs", "inputs": count, "max_abs_err": worst, "max_relative_err": worst_relative,
             "atol": atol, "rtol": rtol, "passed": True}
+
+
+def _outputs(result: Any) -> list[torch.Tensor]:
+    """A model's output as float tensors: one, or each of a tuple/list of outputs (a multi-output graph)."""
+    items = result if isinstance(result, (tuple, list)) else [result]
+    return [torch.as_tensor(item).float() for item in items]
 
 
 def assert_same_outputs(

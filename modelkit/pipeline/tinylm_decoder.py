@@ -1,0 +1,138 @@
+"""tinylm with a static key/value cache: the decoder behind `modelkit serve`'s continuous batching
+(pipeline/serve_text.py) and `modelkit generate` on tinylm (pipeline/generate.py).
+
+A cache of (layers, slots, kv_heads, window, head_dim); each sequence holds a slot (running sequences
+keep slots 0..n-1, so a step reads views, not copies). tinylm's `generate` crops the context to the
+model's window and re-runs it; a sequence that outgrows the window does the same here, one full pass
+per token, so the text stays equal.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Cached(Protocol):
+    """What the decoder reads and writes of a sequence (serve's Job, generate's Stream)."""
+
+    ids: list[int]
+    state: Any
+
+
+@dataclass(eq=False)
+class Stream:
+    """One sequence decoded alone: its tokens so far and its cache slot (None: none)."""
+
+    ids: list[int]
+    state: Any = None
+
+
+class TinyLMDecoder:
+    """tinylm with a key/value cache (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, slots: int) -> None:
+        from modelkit.models.tinylm import rotary_tables
+
+        self.model = model.eval()
+        cfg = model.config
+        self.window = cfg.max_position_embeddings
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.device = next(model.parameters()).device
+        self.dtype = model.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device)).dtype
+        shape = (cfg.num_hidden_layers, slots, self.kv_heads, self.window, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cos, self.sin = (t.to(self.dtype) for t in rotary_tables(cfg, self.window, self.device))
+        self.owners: list[Cached] = []       # slot i holds owners[i]'s cache
+
+    def prefill(self, seq: Cached) -> torch.Tensor:
+        """The logits after the prompt; fills a cache slot unless the prompt already fills the window."""
+        if len(seq.ids) >= self.window:
+            return self._full(seq)
+        from modelkit.models.tinylm import apply_rotary
+
+        slot = len(self.owners)
+        self.owners.append(seq)
+        seq.state = slot
+        ids = torch.tensor([seq.ids], device=self.device)
+        T = ids.shape[1]
+        x = self.model.model.embed_tokens(ids)                                           # (1, T, C)
+        cos, sin = self.cos[:T], self.sin[:T]
+        groups = self.heads // self.kv_heads
+        for i, layer in enumerate(self.model.model.layers):
+            attn, h = layer.self_attn, layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, T, self.heads, self.head_dim).transpose(1, 2)     # (1, nh, T, hd)
+            k = attn.k_proj(h).view(1, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (1, nkv, T, hd)
+            v = attn.v_proj(h).view(1, T, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            self.keys[i, slot, :, :T], self.values[i, slot, :, :T] = k[0], v[0]
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, T, -1)
+            x = x + attn.o_proj(y)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(self.model.model.norm(x[:, -1]))[0]                    # (vocab,)
+
+    def _full(self, seq: Cached) -> torch.Tensor:
+        """A full pass over the last window of tokens, as tinylm's generate runs past its window."""
+        self.release(seq)
+        return self.model(torch.tensor([seq.ids[-self.window:]], device=self.device))[0, -1]
+
+    def step(self, seqs: Sequence[Cached]) -> list[torch.Tensor]:
+        """Feed each sequence its last token; the next logits of each, in order."""
+        from modelkit.models.tinylm import apply_rotary
+
+        out: dict[int, torch.Tensor] = {}
+        cached = []
+        for seq in seqs:
+            if seq.state is None or len(seq.ids) > self.window:
+                out[id(seq)] = self._full(seq)
+            else:
+                cached.append(seq)
+        if cached:
+            B = len(cached)
+            slots = torch.tensor([s.state for s in cached], device=self.device)
+            pos = torch.tensor([len(s.ids) - 1 for s in cached], device=self.device)        # the fed token's position
+            width = int(pos.max()) + 1
+            mask = (torch.arange(width, device=self.device)[None, :] <= pos[:, None]).view(B, 1, 1, width)
+            cos, sin = self.cos[pos].view(B, 1, 1, -1), self.sin[pos].view(B, 1, 1, -1)
+            x = self.model.model.embed_tokens(torch.tensor([[s.ids[-1]] for s in cached], device=self.device))
+            groups = self.heads // self.kv_heads
+            contiguous = bool((slots == torch.arange(B, device=self.device)).all())
+            for i, layer in enumerate(self.model.model.layers):
+                attn, h = layer.self_attn, layer.input_layernorm(x)                          # (B, 1, C)
+                q = attn.q_proj(h).view(B, 1, self.heads, self.head_dim).transpose(1, 2)     # (B, nh, 1, hd)
+                k = attn.k_proj(h).view(B, 1, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, 1, hd)
+                v = attn.v_proj(h).view(B, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                self.keys[i, slots, :, pos], self.values[i, slots, :, pos] = k[:, :, 0], v[:, :, 0]
+                if contiguous:      # slots 0..B-1: views of the cache
+                    keys, values = self.keys[i, :B, :, :width], self.values[i, :B, :, :width]
+                else:
+                    keys, values = self.keys[i, slots, :, :width], self.values[i, slots, :, :width]
+                # query heads grouped by the key/value head they share: (B, nkv, groups, hd)
+                y = F.scaled_dot_product_attention(q.reshape(B, self.kv_heads, groups, self.head_dim), keys, values,
+                                                   attn_mask=mask)
+                x = x + attn.o_proj(y.reshape(B, 1, self.heads * self.head_dim))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            logits = self.model.lm_head(self.model.model.norm(x[:, 0]))                      # (B, vocab)
+            for seq, row in zip(cached, logits, strict=True):
+                out[id(seq)] = row
+        return [out[id(s)] for s in seqs]
+
+    def release(self, seq: Cached) -> None:
+        """Free the sequence's slot; the last slot's sequence moves into it, so slots stay 0..n-1."""
+        slot, seq.state = seq.state, None
+        if slot is None:
+            return
+        last = len(self.owners) - 1
+        if slot != last:
+            moved = self.owners[last]
+            self.keys[:, slot], self.values[:, slot] = self.keys[:, last], self.values[:, last]
+            self.owners[slot], moved.state = moved, slot
+        self.owners.pop()
