@@ -44,12 +44,31 @@ def _skip_slow(fmt, small_model) -> None:
         pytest.skip(f"{type(small_model).arch} as {fmt} is slow to write (test_formats.SLOW); mlp and cnn cover the format")
 
 
-def test_round_trip_is_bit_exact(fmt, small_model, tmp_path):
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """written(fmt, small_model) -> (checkpoint, path): the small model with metadata {"note": "hello"} saved
+    once per (format, model) in this module; the round-trip and rebuild tests read the same file (a graph
+    format's exporter takes seconds a model). One xdist group, so one worker holds both tests' files."""
+    cache: dict[tuple[str, str], tuple[Checkpoint, object]] = {}
+
+    def write(fmt: str, model: torch.nn.Module):
+        key = (fmt, type(model).arch)
+        if key not in cache:
+            ckpt = Checkpoint.from_module(model, metadata={"note": "hello"})
+            cache[key] = ckpt, _write(tmp_path_factory.mktemp(f"{fmt}-{key[1]}"), fmt, ckpt)
+        return cache[key]
+    return write
+
+
+written_group = pytest.mark.xdist_group("format-files")
+
+
+@written_group
+def test_round_trip_is_bit_exact(fmt, small_model, tmp_path, written):
     if _refused_without_keras_layout(fmt, small_model, tmp_path):
         return
     _skip_slow(fmt, small_model)
-    ckpt = Checkpoint.from_module(small_model, metadata={"note": "hello"})
-    path = _write(tmp_path, fmt, ckpt)
+    ckpt, path = written(fmt, small_model)
     assert detect_format(path) == fmt
     back = modelkit.load(path)
     assert back.arch == ckpt.arch
@@ -76,11 +95,12 @@ def test_round_trip_keeps_dtypes(fmt, dtype, tmp_path):
     assert back["scalar"].shape == ()
 
 
-def test_load_module_rebuilds_the_model(fmt, small_model, tmp_path):
+@written_group
+def test_load_module_rebuilds_the_model(fmt, small_model, tmp_path, written):
     if _refused_without_keras_layout(fmt, small_model, tmp_path):
         return
     _skip_slow(fmt, small_model)
-    path = _write(tmp_path, fmt, Checkpoint.from_module(small_model))
+    _, path = written(fmt, small_model)
     rebuilt = modelkit.load_module(path)
     from modelkit.models import load_model_module
 

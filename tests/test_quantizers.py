@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -249,6 +252,44 @@ ROUND_TRIPS = [(fmt, scheme) for fmt in sorted(FORMATS_FOR) for scheme in SCHEME
                and (fmt == "gguf" or (scheme not in gguf_arrays.KERNEL_TYPES and scheme not in gguf_recipes.RECIPES))]
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedOnnx:
+    quantized: torch.nn.Module      # the quantized small model (shared: read it, do not change it)
+    path: Path                      # its .onnx, written and verified by save_quantized
+    target: dict[str, Any]          # save_quantized's return values
+    verify: dict[str, Any] | None
+
+
+# The tests that write a quantized ONNX file take it from here: the exporter takes seconds a graph and
+# the same (model, config) file was exported by up to three tests; one group, so one worker holds them.
+onnx_group = pytest.mark.xdist_group("quantized-onnx")
+
+
+@pytest.fixture(scope="module")
+def saved_onnx(tmp_path_factory):
+    """saved_onnx(model_name, small_model, config): save_quantized of the small model to ONNX, once per
+    (model, config) in this module. A test that changes the file works on copy_saved's copy."""
+    from modelkit.pipeline.quantize import save_quantized
+
+    cache: dict[tuple[str, str], SavedOnnx] = {}
+
+    def save(model_name: str, model: torch.nn.Module, config) -> SavedOnnx:
+        key = (model_name, schemes.config_to_json(config))
+        if key not in cache:
+            quantized = schemes.apply(model, config)
+            path = tmp_path_factory.mktemp(f"{model_name}-onnx") / "m.onnx"
+            cache[key] = SavedOnnx(quantized, path, *save_quantized(quantized, path, config=config))
+        return cache[key]
+    return save
+
+
+def copy_saved(saved: SavedOnnx, folder: Path) -> Path:
+    """The saved file (and any external data beside it) copied into `folder`; returns the copy's .onnx."""
+    for file in saved.path.parent.iterdir():
+        shutil.copy2(file, folder / file.name)
+    return folder / saved.path.name
+
+
 def _same_quantized(a: QuantizedTensor, b: QuantizedTensor) -> bool:
     """Same scheme, layout, shape, dtype, params, and every part bit for bit (dtype and shape too)."""
     if (a.scheme, a.layout, a.shape, a.dtype, dict(a.params), set(a.parts)) != (
@@ -261,16 +302,21 @@ def _same_quantized(a: QuantizedTensor, b: QuantizedTensor) -> bool:
     return True
 
 
-@pytest.mark.parametrize(("fmt", "scheme"), ROUND_TRIPS, ids=[f"{f}-{s}" for f, s in ROUND_TRIPS])
+@pytest.mark.parametrize(("fmt", "scheme"), [pytest.param(f, s, id=f"{f}-{s}", marks=[onnx_group] if f == "onnx" else [])
+                                           for f, s in ROUND_TRIPS])
 @pytest.mark.parametrize("model_name", ["cnn", "tinylm"], indirect=True)
-def test_save_load_round_trip(small_model, model_name, tmp_path, scheme, fmt):
+def test_save_load_round_trip(small_model, model_name, tmp_path, scheme, fmt, saved_onnx):
     from modelkit.pipeline.quantize import save_quantized
 
     name = model_name
     config = _config(scheme)
-    quantized = schemes.apply(small_model, config)
-    path = tmp_path / f"m{FORMATS_FOR[fmt]}"
-    target, verify = save_quantized(quantized, path, config=config)
+    if fmt == "onnx":
+        saved = saved_onnx(name, small_model, config)
+        quantized, path, target, verify = saved.quantized, saved.path, saved.target, saved.verify
+    else:
+        quantized = schemes.apply(small_model, config)
+        path = tmp_path / f"m{FORMATS_FOR[fmt]}"
+        target, verify = save_quantized(quantized, path, config=config)
     assert verify["rebuilt_outputs"] == "identical" and target["bytes"] == path.stat().st_size
     loaded = modelkit.load_module(path)
     x = load_model_module(name).example_inputs(3, seed=2)
@@ -376,16 +422,13 @@ ONNX_CONFIGS = {("int8", "per channel"): {}, ("int8", "per tensor asymmetric"): 
 
 @pytest.mark.parametrize("kind", list(ONNX_TYPES), ids=[" ".join(k).strip() for k in ONNX_TYPES])
 @one_model("tinylm")
-def test_onnx_holds_integer_initializers_feeding_dequantize_linear(small_model, tmp_path, kind):
+@onnx_group
+def test_onnx_holds_integer_initializers_feeding_dequantize_linear(small_model, saved_onnx, kind):
     import onnx
     from onnx import TensorProto, helper
 
-    from modelkit.pipeline.quantize import save_quantized
-
-    config = schemes.config_from_dict({"scheme": kind[0], **ONNX_CONFIGS[kind]})
-    quantized = schemes.apply(small_model, config)
-    path = tmp_path / "m.onnx"
-    save_quantized(quantized, path, config=config)
+    saved = saved_onnx("tinylm", small_model, schemes.config_from_dict({"scheme": kind[0], **ONNX_CONFIGS[kind]}))
+    quantized, path = saved.quantized, saved.path
     onnx.checker.check_model(str(path), full_check=True)
     model = onnx.load(str(path))
     assert {o.domain: o.version for o in model.opset_import}[""] == 21
@@ -457,15 +500,13 @@ DEFAULT_ORT_RTOL = 0.03
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "q4_0"])
 @one_model("tinylm")
-def test_onnxruntime_default_session_stays_close(small_model, tmp_path, scheme):
+@onnx_group
+def test_onnxruntime_default_session_stays_close(small_model, saved_onnx, scheme):
     import onnx
     import onnxruntime as ort
 
-    from modelkit.pipeline.quantize import save_quantized
-
-    quantized = schemes.apply(small_model, _config(scheme))
-    path = tmp_path / "m.onnx"
-    save_quantized(quantized, path, config=_config(scheme))
+    saved = saved_onnx("tinylm", small_model, _config(scheme))
+    quantized, path = saved.quantized, saved.path
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -610,14 +651,13 @@ def test_tampered_quantized_metadata_is_a_format_error(small_model, tmp_path, ta
     (lambda r: r.pop("fc1.weight"), "does not describe it"),
 ])
 @one_model("cnn")
-def test_tampered_onnx_quantized_record_is_a_format_error(small_model, tmp_path, tamper, match):
+@onnx_group
+def test_tampered_onnx_quantized_record_is_a_format_error(small_model, tmp_path, saved_onnx, tamper, match):
     import onnx
 
-    from modelkit.pipeline.quantize import save_quantized
     from modelkit.storage import quantized_layout
 
-    path = tmp_path / "m.onnx"
-    save_quantized(schemes.apply(small_model, _config("int8")), path, config=_config("int8"))
+    path = copy_saved(saved_onnx("cnn", small_model, _config("int8")), tmp_path)
     model = onnx.load(str(path))
     prop = next(p for p in model.metadata_props if p.key == quantized_layout.QUANTIZED_KEY)
     record = json.loads(prop.value)
