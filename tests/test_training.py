@@ -29,8 +29,8 @@ def tinylm_recipe_run(tmp_path_factory):
     """tinylm trained once with the recipe `make demo` runs (its defaults): the one long training of the
     suite, shared by the tests that need a trained tinylm's figures. Under xdist on one thread, while the
     other worker runs the rest of the suite on the other core: 192 s on one thread in the full suite with
-    the 1.2 MB recipe (2026-11-25, 2 cores); today's 1.0 MB batch-8 recipe took 0.80x of that one's time in
-    back-to-back one-thread trials (bench/tinylm_recipe.py: 177 s against 221 s on a loaded machine)."""
+    the 1.2 MB recipe (2026-11-25, 2 cores); today's 1.0 MB batch-8 recipe took 0.88x of that one's time in
+    back-to-back one-thread trials (bench/tinylm_recipe.py: 172 s against 194 s; 0.80x on a busier machine)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else os.cpu_count() or 1)
     try:

@@ -249,10 +249,11 @@ CONFIG = TinyLMConfig
 MODEL = TinyLM
 # 128-byte windows; 1.0 MB of training text is one pass of 977 steps at batch 8. Measured 2026-11-25
 # (bench/tinylm_recipe.py, one thread; validation / test ratio to the unigram baseline, bar 0.55): this
-# recipe 0.502 / 0.476 (seeds 1, 2: 0.504 / 0.481, 0.503 / 0.482), 0.80x the time of the one before it (1.2 MB, batch
-# 32, lr 2e-3: 0.509 / 0.479). Small batches at lr 1e-3 learn more from each byte; the validation text asks
-# for bytes all the same: 720 KB reached only 0.566 (batch 8 or 4, lr 1e-3; lr 5e-4 0.570, 2e-3 0.586,
-# 3e-3 0.604; batch 32 lr 2e-3 0.604) and 900 KB 0.529.
+# recipe 0.502 / 0.476 (seeds 1, 2: 0.504 / 0.481, 0.503 / 0.482), in 0.88x the time of the one before
+# it (1.2 MB, batch 32, lr 2e-3: 0.509 / 0.479; 172 s against 194 s back to back, 0.80x on a busier
+# machine). Small batches at lr 1e-3 learn more from each byte, but the validation text needs the bytes:
+# 720 KB reached only 0.566 (batch 8 or 4 at lr 1e-3; batch 8 at lr 5e-4 0.570, 2e-3 0.586, 3e-3 0.604;
+# batch 32 at lr 2e-3 0.604) and 900 KB 0.529.
 TASK = LanguageModelTask(block=128, train_bytes=1_000_000, eval_bytes=250_000)
 TRAINING = TrainDefaults(epochs=1, batch_size=8, lr=1e-3, weight_decay=0.1, warmup_steps=50, grad_clip=1.0)
 
