@@ -121,19 +121,8 @@ def torch_logits(t, model: str, folder: Path, path: Path, ids: list[int], as_lla
     layers = t.MODELS[model][1]["num_hidden_layers"]
     if t.MODELS[model][0] == "tinylm":
         module = modelkit.load_module(path).eval()
-    else:
-        import transformers
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        module = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf")
-        loader = module
-        if module.config.model_type == "mistral":
-            loader = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-                **{k: v for k, v in module.config.to_dict().items() if k != "model_type"}))
-        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=loader)["tensors"]
-        module.load_state_dict(tensors, strict=False)
-        module.tie_weights()
-        module.eval()
+    else:                       # the GGUF's weights in transformers, as tests/test_hf_llama_cpp.py loads them
+        module = t._hf_module().transformers_model(folder / "hf", path)
     hooked = hook_matmuls(module, arch, types, layers) if as_llama_cpp else 0
     with torch.no_grad(), use_isa(None):
         output = module(torch.tensor([ids]))

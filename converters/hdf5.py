@@ -45,7 +45,7 @@ import h5py
 import numpy as np
 
 from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import FormatError, ModelkitError, ParseError, UnsupportedConversionError
+from modelkit.errors import FormatError, ModelkitError, UnsupportedConversionError, reading
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import KERAS_JSON_ATTR, KERAS_LAYOUT_ATTR, KERAS_NOTE_ATTR
 from modelkit.models.keras_plan import KerasPlan, keras_plan
@@ -126,13 +126,9 @@ def layers(path: Path) -> list[dict[str, str]] | None:
     """A Keras architecture JSON's layers, for `modelkit inspect` (None for an HDF5 file)."""
     if path.suffix != ".json":
         return None
-    try:
+    with reading(path):
         config = keras_json.model_config(keras_json.load_json(read_capped(path, keras_json.MAX_JSON,
                                                                           "a Keras architecture")))
-    except OSError as e:
-        raise FormatError(path, f"cannot read it ({e.strerror})") from e
-    except ParseError as e:
-        raise FormatError(path, str(e)) from e
     if config is None:
         raise FormatError(path, "is not a Keras model config (no class_name)")
     return keras_json.describe_layers(config)

@@ -40,7 +40,7 @@ import h5py
 import numpy as np
 
 from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import FormatError, ModelkitError, ParseError, UnsupportedConversionError
+from modelkit.errors import FormatError, ModelkitError, ParseError, UnsupportedConversionError, reading
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, json_object
 from modelkit.models.keras_plan import (
@@ -67,16 +67,11 @@ _COPY_CHUNK = 16 << 20
 # Reading
 
 def _archive(path: Path) -> keras_json.Archive:
-    try:
-        with path.open("rb") as f:
-            if not path.stat().st_size:
-                raise ParseError("empty file: not a zip archive")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return keras_json.read_archive(buf)
-    except OSError as e:
-        raise FormatError(path, f"cannot read it ({e.strerror or e})") from e
-    except ParseError as e:
-        raise FormatError(path, f"not a readable .keras archive: {e}") from e
+    with reading(path, ".keras archive"), path.open("rb") as f:
+        if not path.stat().st_size:
+            raise ParseError("empty file: not a zip archive")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return keras_json.read_archive(buf)
 
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:

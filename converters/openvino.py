@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from modelkit.checkpoint import ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import FormatError, MissingDependencyError, ParseError, UnsupportedConversionError
+from modelkit.errors import FormatError, MissingDependencyError, UnsupportedConversionError, reading
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, json_object
 from modelkit.parse import openvino as ir_xml
@@ -89,12 +89,8 @@ def bin_path(path: Path) -> Path:
 # Reading
 
 def _ir(path: Path) -> ir_xml.IR:
-    try:
+    with reading(path, "OpenVINO IR"):
         return ir_xml.read_ir(read_capped(path, ir_xml.MAX_XML, "an IR .xml"))
-    except OSError as e:
-        raise FormatError(path, f"cannot read it ({e.strerror or e})") from e
-    except ParseError as e:
-        raise FormatError(path, f"not a readable OpenVINO IR: {e}") from e
 
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from modelkit.checkpoint import Checkpoint
-from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
+from modelkit.errors import FormatError, UnsupportedConversionError, reading
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import TF_SOURCE_KEY
 from modelkit.parse import savedmodel as saved
@@ -44,12 +44,8 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
         raise FormatError(path, f"is not a TensorFlow SavedModel: no {saved.SAVED_MODEL_FILE} {where}; name the "
                                 "SavedModel's folder (or leave out --format to detect the format)")
     gate(pb, trust=options.trust)
-    try:
+    with reading(pb):
         model = saved.read(read_capped(pb, MAX_PB_BYTES, "a protobuf"))
-    except OSError as e:
-        raise FormatError(pb, f"cannot read it ({e.strerror})") from e
-    except ParseError as e:
-        raise FormatError(pb, str(e)) from e
     prefix = folder / saved.VARIABLES_PREFIX
     if not Path(f"{prefix}.index").is_file():
         if any(n.op in saved.VARIABLE_OPS for m in model.meta_graphs for n in m.nodes):

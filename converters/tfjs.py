@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from modelkit.checkpoint import ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
-from modelkit.errors import FormatError, ParseError, UnsupportedConversionError
+from modelkit.errors import FormatError, ParseError, UnsupportedConversionError, reading
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import NAMES_KEY, json_object
 from modelkit.models.keras_plan import (
@@ -109,12 +109,8 @@ def model_json(path: Path) -> Path:
 
 def _model(file: Path) -> tfjs_json.Model:
     """model.json parsed by modelkit.parse.tfjs, its size checked before it is read."""
-    try:
+    with reading(file):
         return tfjs_json.read_model(read_capped(file, keras_json.MAX_JSON, "a model.json"))
-    except OSError as e:
-        raise FormatError(file, f"cannot read it ({e.strerror})") from e
-    except ParseError as e:
-        raise FormatError(file, str(e)) from e
 
 
 def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:

@@ -4,7 +4,8 @@ Dual bases (ValueError, ImportError, FileExistsError) let callers who catch buil
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
@@ -131,3 +132,15 @@ class VerificationError(ModelkitError):
         self.max_abs_err = max_abs_err
         self.atol = atol
         super().__init__(f"{message}: max abs error {max_abs_err:.3g} > atol {atol:.3g}")
+
+
+@contextmanager
+def reading(path: str | Path, what: str | None = None) -> Iterator[None]:
+    """Errors of reading `path` inside the block as one FormatError naming it: the file system's
+    ("cannot read it (...)") and the parser's (after "not a readable WHAT: " where `what` is given)."""
+    try:
+        yield
+    except ParseError as e:
+        raise FormatError(path, f"not a readable {what}: {e}" if what else str(e)) from e
+    except OSError as e:
+        raise FormatError(path, f"cannot read it ({e.strerror or e})") from e

@@ -128,7 +128,13 @@ def hf_ids(folder: Path) -> list[list[int]]:
 
 
 def transformers_logits(folder: Path, gguf_file: Path | None, ids: list[int]) -> np.ndarray:
-    """transformers' logits on `ids`: the folder's model, or the weights transformers' own GGUF reader
+    """transformers' logits on `ids` from `transformers_model(folder, gguf_file)`."""
+    with torch.no_grad():
+        return transformers_model(folder, gguf_file)(torch.tensor([ids])).logits[0].numpy()
+
+
+def transformers_model(folder: Path, gguf_file: Path | None) -> torch.nn.Module:
+    """The folder's model in eval mode, or with the weights transformers' own GGUF reader
     (load_gguf_checkpoint, what from_pretrained(..., gguf_file=) runs) takes from `gguf_file`, in a model of
     the folder's config (the reader rebuilds some configs only partly: Gemma's query_pre_attn_scalar,
     Qwen3's head_dim, GPT-2's n_positions)."""
@@ -144,8 +150,7 @@ def transformers_logits(folder: Path, gguf_file: Path | None, ids: list[int]) ->
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         model.tie_weights()
-    with torch.no_grad():
-        return model.eval()(torch.tensor([ids])).logits[0].numpy()
+    return model.eval()
 
 
 # ----------------------------------------------------------------------------------------- the tests
