@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import sysconfig
 import warnings
@@ -221,12 +222,13 @@ def test_keys_name_the_family(built, name):
     for user in fam.user:     # in a SentencePiece vocabulary with spaces, as llama.cpp matches them
         assert types[tokens.index(user.replace(SP, " "))] == gguf.TokenType.USER_DEFINED
     if fam.style != "bytelevel":
-        assert kv["tokenizer.ggml.add_space_prefix"][0] is (fam.style != "replace")
+        # Metaspace(first) is written without the prefix (gguf_vocab._space_prefix says why)
+        assert kv["tokenizer.ggml.add_space_prefix"][0] is (fam.style == "prepend")
         assert types[tokens.index("<0x41>")] == gguf.TokenType.BYTE
 
 
-def differing(got: list[list[int]], want: list[list[int]]) -> set[int]:
-    """Indexes of the prompts whose ids differ."""
+def differing(got: list, want: list) -> set[int]:
+    """Indexes where two lists (of ids, or of prompts) differ."""
     return {i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b}
 
 
@@ -262,8 +264,19 @@ def test_folder_from_gguf_gives_the_same_ids(built, tmp_path, name):
 
 
 # Prompts (by index in prompts()) where llama.cpp's way differs from the original tokenizer: Metaspace(first)
-# puts no space after a special token nor before a leading space; llama.cpp's add_space_prefix always does.
-LLAMACPP_DIFFERS = {"mistral": {2, 6}}
+# puts a space before a prompt that starts with other text than a space or a special token, and nowhere else;
+# llama.cpp cannot (its add_space_prefix would put one after every special token too), so it is written false
+# and those prompts differ, by that space alone (test_llamacpp_form_of_a_prompt_is_exact).
+LLAMACPP_DIFFERS = {"mistral": {0, 1, 3, 4, 5}}
+
+
+def llamacpp_form(name: str, prompt: str) -> str:
+    """The prompt to give llama.cpp for the original's ids: Metaspace(first)'s leading space written out."""
+    fam = FAMILIES[name]
+    marks = [t for t in (*fam.specials, *fam.extra) if t != "<unk>"]
+    if fam.style != "metaspace" or not prompt or prompt.startswith((" ", SP, *marks)):
+        return prompt
+    return " " + prompt
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -278,6 +291,18 @@ def test_folder_from_a_gguf_without_our_key_splits_as_llamacpp_does(built, tmp_p
     got = encodings(transformers.AutoTokenizer.from_pretrained(tmp_path), name)
     want = encodings(built[name].original, name)
     assert differing(got, want) == LLAMACPP_DIFFERS.get(name, set())
+
+
+def test_llamacpp_form_of_a_prompt_is_exact(built, tmp_path):
+    """Metaspace(first) in llama.cpp's way (no prefix) gives the original's ids for ' ' + a prompt that starts with text."""
+    fields = read_fields(built["mistral"].gguf)
+    del fields["modelkit.tokenizer.hf_parts"]
+    for file, data in tokenizer_assets(fields).items():
+        (tmp_path / file).write_bytes(data)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    rewritten = [llamacpp_form("mistral", p) for p in prompts("mistral")]
+    assert differing(rewritten, prompts("mistral")) == LLAMACPP_DIFFERS["mistral"]
+    assert [loaded.encode(p) for p in rewritten] == encodings(built["mistral"].original, "mistral")
 
 
 @pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.style in ("prepend", "replace")])
@@ -314,6 +339,18 @@ def test_tokenizers_llamacpp_would_not_read_the_same_are_refused(built, name, ed
         warnings.simplefilter("ignore")
         gguf_tokenizer_kv(_edit(built[name].folder, edit), 700)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("scheme", "prefix", "warns"), [
+    ("first", False, "only when given ' ' \\+ prompt"), ("always", True, "starts with a space"), ("never", False, None)])
+def test_metaspace_schemes_choose_add_space_prefix(built, scheme, prefix, warns):
+    assets = _edit(built["mistral"].folder, lambda tj: tj["pre_tokenizer"].update(prepend_scheme=scheme))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kv = gguf_tokenizer_kv(assets, 700)
+    assert kv["tokenizer.ggml.add_space_prefix"][0] is prefix
+    messages = [str(w.message) for w in seen]
+    assert (len(messages) == 1 and re.search(warns, messages[0])) if warns else messages == []
 
 
 def test_vocab_larger_than_the_embedding_is_refused(built):

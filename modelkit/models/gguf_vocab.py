@@ -152,13 +152,21 @@ def _space_prefix(pres: list[dict[str, Any]], norms: list[dict[str, Any]]) -> bo
             "known: Metaspace, or a Prepend('▁') and Replace(' ', '▁') normalizer")
     if not pres:
         return any(n.get("type") == "Prepend" for n in norms)
-    scheme = pres[0].get("prepend_scheme")
-    prefix = scheme in ("first", "always") if scheme else bool(pres[0].get("add_prefix_space", True))
-    if prefix:
-        warnings.warn(f"tokenizer.json: Metaspace(prepend_scheme={scheme!r}) puts no space before text that starts "
-                      "with one (nor after a special token, for 'first'); llama.cpp's add_space_prefix does, so "
-                      "llama.cpp will tokenize such prompts differently", stacklevel=4)
-    return prefix
+    scheme = pres[0].get("prepend_scheme") or ("always" if pres[0].get("add_prefix_space", True) else "never")
+    # llama.cpp's add_space_prefix puts a space before every piece of text that starts the prompt or follows a
+    # special token, even one that starts with a space. 'first' cannot be said: false keeps every prompt that
+    # starts with a special token or a space exact (bench/llamacpp_tokenizer.py measures both choices).
+    if scheme == "first":
+        warnings.warn("tokenizer.json: Metaspace(prepend_scheme='first') puts a space only before a prompt that "
+                      "starts with text other than a space, which llama.cpp cannot do; written with "
+                      "add_space_prefix false, so llama.cpp tokenizes every prompt that starts with a special token "
+                      "or a space (as chat templates do) like the original, and any other prompt only when given "
+                      "' ' + prompt", stacklevel=4)
+    elif scheme == "always":
+        warnings.warn("tokenizer.json: Metaspace(prepend_scheme='always') puts no space before text that already "
+                      "starts with one; llama.cpp's add_space_prefix does, so llama.cpp tokenizes text that starts "
+                      "with a space (at the start or after a special token) differently", stacklevel=4)
+    return scheme == "always"
 
 
 def _byte_level_pre(pres: list[dict[str, Any]], norms: list[dict[str, Any]]) -> str:
