@@ -11,8 +11,8 @@ llama.cpp side runs there as a child process; nothing here is part of the pytest
 Prints one line per family (how many prompts agree: llama.cpp with the original; llama.cpp with the
 folder tokenizer_assets writes from the file without modelkit's key, as for llama.cpp's own files;
 transformers' GGUF reader with the original; the folder tokenizer_assets writes with the original;
-llama.cpp given each prompt as the original's normalizer and Metaspace(first) would see it, i.e. in NFC
-and with the leading space written out, which shows that nothing else differs), the other choice of
+llama.cpp given each prompt as gguf_vocab.llamacpp_prompt writes it: in NFC and with Metaspace(first)'s
+leading space written out, which shows that nothing else differs), the other choice of
 add_space_prefix for a Metaspace(first) tokenizer, and the first disagreements of llama.cpp, with both
 id lists. Exit status 0 when every prompt of every family agrees, 1 otherwise.
 """
@@ -27,7 +27,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import unicodedata
 from pathlib import Path
 
 from gguf import GGUFValueType
@@ -84,7 +83,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from modelkit.models.gguf_vocab import PARTS_KEY, gguf_tokenizer_kv, tokenizer_assets
+    from modelkit.models.gguf_vocab import PARTS_KEY, gguf_tokenizer_kv, llamacpp_prompt, tokenizer_assets
 
     t = _tests_module()
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,8 +98,8 @@ def main() -> int:
             # added tokens as a user types them: Gemma's whitespace tokens as spaces, not ▁
             marks = [m.replace("\u2581", " ") for m in (*fam.specials, *fam.extra, *fam.user) if m != "<unk>"]
             prompts = t.prompts(name) + _more_prompts(name, marks)
-            nfc = "NFC" in json.dumps(json.loads((folder / "tokenizer.json").read_text())["normalizer"])
-            forms = [t.llamacpp_form(name, unicodedata.normalize("NFC", p) if nfc else p) for p in prompts]
+            tj = json.loads((folder / "tokenizer.json").read_text())
+            forms = [llamacpp_prompt(tj, p) for p in prompts]
             jobs[name] = {"gguf": str(folder / "tok.gguf"), "prompts": prompts, "forms": forms}
             if fam.style == "metaspace":     # the other choice of add_space_prefix, to show why it is not taken
                 other = {**kv, "tokenizer.ggml.add_space_prefix": (True, GGUFValueType.BOOL, None)}
@@ -137,7 +136,7 @@ def main() -> int:
     print("prompts agreeing, per family style:\n  A: llama.cpp (our GGUF) with the original tokenizer\n"
           f"  B: llama.cpp with the folder tokenizer_assets writes from the GGUF less {PARTS_KEY} (llama.cpp's files)\n"
           "  C: transformers' GGUF reader with the original\n  D: the folder tokenizer_assets writes with the original\n"
-          "  E: llama.cpp given the prompt in NFC and with Metaspace(first)'s space written out, with the original\n")
+          "  E: llama.cpp given llamacpp_prompt(prompt) (NFC, Metaspace(first)'s space), with the original\n")
     print(f"{'family':8s} {'pre':10s} {'prompts':>7s} {'A':>5s} {'B':>5s} {'C':>5s} {'D':>5s} {'E':>5s}")
     all_agree = True
     for name, want in expected.items():

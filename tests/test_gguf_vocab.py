@@ -23,7 +23,13 @@ import transformers  # the judge (the hf extra, installed for tests): not skippe
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from modelkit.errors import FormatError, UnsupportedConversionError
-from modelkit.models.gguf_vocab import PRE_TOKENIZERS, TOKENIZER_FILES, gguf_tokenizer_kv, tokenizer_assets
+from modelkit.models.gguf_vocab import (
+    PRE_TOKENIZERS,
+    TOKENIZER_FILES,
+    gguf_tokenizer_kv,
+    llamacpp_prompt,
+    tokenizer_assets,
+)
 from modelkit.testing.prompts import TOKENIZER_PROMPTS
 
 SP = "\u2581"
@@ -266,17 +272,8 @@ def test_folder_from_gguf_gives_the_same_ids(built, tmp_path, name):
 # Prompts (by index in prompts()) where llama.cpp's way differs from the original tokenizer: Metaspace(first)
 # puts a space before a prompt that starts with other text than a space or a special token, and nowhere else;
 # llama.cpp cannot (its add_space_prefix would put one after every special token too), so it is written false
-# and those prompts differ, by that space alone (test_llamacpp_form_of_a_prompt_is_exact).
+# and those prompts differ, by that space alone (test_llamacpp_prompt_gives_the_original_ids).
 LLAMACPP_DIFFERS = {"mistral": {0, 1, 3, 4, 5}}
-
-
-def llamacpp_form(name: str, prompt: str) -> str:
-    """The prompt to give llama.cpp for the original's ids: Metaspace(first)'s leading space written out."""
-    fam = FAMILIES[name]
-    marks = [t for t in (*fam.specials, *fam.extra) if t != "<unk>"]
-    if fam.style != "metaspace" or not prompt or prompt.startswith((" ", SP, *marks)):
-        return prompt
-    return " " + prompt
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -293,16 +290,20 @@ def test_folder_from_a_gguf_without_our_key_splits_as_llamacpp_does(built, tmp_p
     assert differing(got, want) == LLAMACPP_DIFFERS.get(name, set())
 
 
-def test_llamacpp_form_of_a_prompt_is_exact(built, tmp_path):
-    """Metaspace(first) in llama.cpp's way (no prefix) gives the original's ids for ' ' + a prompt that starts with text."""
-    fields = read_fields(built["mistral"].gguf)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_llamacpp_prompt_gives_the_original_ids(built, tmp_path, name):
+    """What llama.cpp's way misses is exactly what llamacpp_prompt writes out (Metaspace(first)'s space, NFC)."""
+    fields = read_fields(built[name].gguf)
     del fields["modelkit.tokenizer.hf_parts"]
     for file, data in tokenizer_assets(fields).items():
         (tmp_path / file).write_bytes(data)
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    rewritten = [llamacpp_form("mistral", p) for p in prompts("mistral")]
-    assert differing(rewritten, prompts("mistral")) == LLAMACPP_DIFFERS["mistral"]
-    assert [loaded.encode(p) for p in rewritten] == encodings(built["mistral"].original, "mistral")
+    tj = json.loads((built[name].folder / "tokenizer.json").read_text())
+    given = [*prompts(name), "cafe\u0301"]
+    rewritten = [llamacpp_prompt(tj, p) for p in given]
+    expected = {"mistral": LLAMACPP_DIFFERS["mistral"] | {len(given) - 1}, "qwen2": {len(given) - 1}}
+    assert differing(rewritten, given) == expected.get(name, set())
+    assert [loaded.encode(p) for p in rewritten] == [built[name].original.encode(p) for p in given]
 
 
 @pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.style in ("prepend", "replace")])
