@@ -23,7 +23,9 @@ added tokens USER_DEFINED, ``<0xAB>`` byte tokens BYTE, the unknown token UNKNOW
 
 What llama.cpp's keys cannot say (Metaspace vs a Prepend normalizer, added tokens' strip flags)
 travels in ``PARTS_KEY``; ``tokenizer_assets`` uses it when present and otherwise writes a
-tokenizer that splits text as llama.cpp does. docs/formats/gguf.md has the table of keys.
+tokenizer that splits text as llama.cpp does. What llama.cpp itself cannot do (a normalizer,
+Metaspace(first)'s space before the start of a prompt only) ``llamacpp_prompt`` writes into the
+prompt instead. docs/formats/gguf.md has the table of keys.
 """
 from __future__ import annotations
 
