@@ -6,12 +6,15 @@ header, then has llama.cpp (llama-cpp-python, vocab_only) tokenize the test prom
 the ids with the Hugging Face tokenizer's. llama-cpp-python lives in its own environment, so the
 llama.cpp side runs there as a child process; nothing here is part of the pytest suite.
 
-    .venv/bin/python bench/llamacpp_tokenizer.py [--llama-python /work/llama/venv/bin/python]
+    PYTHONPATH=/path/to/llama-cpp-python .venv/bin/python bench/llamacpp_tokenizer.py [--llama-python PYTHON]
 
 Prints one line per family (how many prompts agree: llama.cpp with the original; llama.cpp with the
 folder tokenizer_assets writes from the file without modelkit's key, as for llama.cpp's own files;
-transformers' GGUF reader with the original; the folder tokenizer_assets writes with the original) and the first disagreements of llama.cpp, with both id lists.
-Exit status 0 when every prompt of every family agrees, 1 otherwise.
+transformers' GGUF reader with the original; the folder tokenizer_assets writes with the original;
+llama.cpp given each prompt as gguf_vocab.llamacpp_prompt writes it: in NFC and with Metaspace(first)'s
+leading space written out, which shows that nothing else differs), the other choice of
+add_space_prefix for a Metaspace(first) tokenizer, and the first disagreements of llama.cpp, with both
+id lists. Exit status 0 when every prompt of every family agrees, 1 otherwise.
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ jobs = json.load(open(sys.argv[1]))
 out = {}
 for name, job in jobs.items():
     llm = llama_cpp.Llama(model_path=job["gguf"], vocab_only=True, verbose=False)
-    out[name] = [llm.tokenize(p.encode("utf-8"), add_bos=True, special=True) for p in job["prompts"]]
+    out[name] = {k: [llm.tokenize(p.encode("utf-8"), add_bos=True, special=True) for p in job[k]]
+                 for k in ("prompts", "forms")}
 json.dump(out, sys.stdout)
 """
 
@@ -74,12 +78,12 @@ def _more_prompts(name: str, marks: list[str], count: int = 150) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llama-python", default="/work/llama/venv/bin/python")
+    parser.add_argument("--llama-python", default=sys.executable, help="a Python that imports llama_cpp")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
 
-    from modelkit.models.gguf_vocab import PARTS_KEY, gguf_tokenizer_kv, tokenizer_assets
+    from modelkit.models.gguf_vocab import PARTS_KEY, gguf_tokenizer_kv, llamacpp_prompt, tokenizer_assets
 
     t = _tests_module()
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +98,13 @@ def main() -> int:
             # added tokens as a user types them: Gemma's whitespace tokens as spaces, not ▁
             marks = [m.replace("\u2581", " ") for m in (*fam.specials, *fam.extra, *fam.user) if m != "<unk>"]
             prompts = t.prompts(name) + _more_prompts(name, marks)
-            jobs[name] = {"gguf": str(folder / "tok.gguf"), "prompts": prompts}
+            tj = json.loads((folder / "tokenizer.json").read_text())
+            forms = [llamacpp_prompt(tj, p) for p in prompts]
+            jobs[name] = {"gguf": str(folder / "tok.gguf"), "prompts": prompts, "forms": forms}
+            if fam.style == "metaspace":     # the other choice of add_space_prefix, to show why it is not taken
+                other = {**kv, "tokenizer.ggml.add_space_prefix": (True, GGUFValueType.BOOL, None)}
+                t.write_gguf(folder / "prefix.gguf", fam.arch, other, HEADER)
+                jobs[f"{name} add_space_prefix=true"] = {**jobs[name], "gguf": str(folder / "prefix.gguf")}
             expected[name] = [original.encode(p) for p in prompts]
             # the reverse, as for a GGUF from llama.cpp's converter (no modelkit key): llama.cpp's way of splitting
             fields = {k: v for k, v in t.read_fields(folder / "tok.gguf").items() if k != PARTS_KEY}
@@ -125,16 +135,23 @@ def main() -> int:
 
     print("prompts agreeing, per family style:\n  A: llama.cpp (our GGUF) with the original tokenizer\n"
           f"  B: llama.cpp with the folder tokenizer_assets writes from the GGUF less {PARTS_KEY} (llama.cpp's files)\n"
-          "  C: transformers' GGUF reader with the original\n  D: the folder tokenizer_assets writes with the original\n")
-    print(f"{'family':8s} {'pre':10s} {'prompts':>7s} {'A':>5s} {'B':>5s} {'C':>5s} {'D':>5s}")
+          "  C: transformers' GGUF reader with the original\n  D: the folder tokenizer_assets writes with the original\n"
+          "  E: llama.cpp given llamacpp_prompt(prompt) (NFC, Metaspace(first)'s space), with the original\n")
+    print(f"{'family':8s} {'pre':10s} {'prompts':>7s} {'A':>5s} {'B':>5s} {'C':>5s} {'D':>5s} {'E':>5s}")
     all_agree = True
     for name, want in expected.items():
-        agree = count(want, got[name])
+        ids = got[name]["prompts"]
+        agree = count(want, ids)
         all_agree &= agree == len(want)
-        print(f"{name:8s} {t.FAMILIES[name].pre:10s} {len(want):7d} {agree:5d} {count(reverse[name], got[name]):5d} "
-              f"{count(want, by_reader[name]):5d} {count(want, round_trip[name]):5d}")
+        print(f"{name:8s} {t.FAMILIES[name].pre:10s} {len(want):7d} {agree:5d} {count(reverse[name], ids):5d} "
+              f"{count(want, by_reader[name]):5d} {count(want, round_trip[name]):5d} "
+              f"{count(want, got[name]['forms']):5d}")
+    for job in got.keys() - expected.keys():
+        name = job.split()[0]
+        print(f"{job}: A {count(expected[name], got[job]['prompts'])}, E {count(expected[name], got[job]['forms'])}")
     for name, want in expected.items():
-        shown = [(p, a, b) for p, a, b in zip(jobs[name]["prompts"], want, got[name], strict=True) if a != b][:3]
+        shown = [(p, a, b) for p, a, b in zip(jobs[name]["prompts"], want, got[name]["prompts"], strict=True)
+                 if a != b][:3]
         for prompt, a, b in shown:
             print(f"{name}: {prompt!r}\n    original:  {a}\n    llama.cpp: {b}")
     return 0 if all_agree else 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import sysconfig
 import warnings
@@ -22,7 +23,13 @@ import transformers  # the judge (the hf extra, installed for tests): not skippe
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from modelkit.errors import FormatError, UnsupportedConversionError
-from modelkit.models.gguf_vocab import PRE_TOKENIZERS, TOKENIZER_FILES, gguf_tokenizer_kv, tokenizer_assets
+from modelkit.models.gguf_vocab import (
+    PRE_TOKENIZERS,
+    TOKENIZER_FILES,
+    gguf_tokenizer_kv,
+    llamacpp_prompt,
+    tokenizer_assets,
+)
 from modelkit.testing.prompts import TOKENIZER_PROMPTS
 
 SP = "\u2581"
@@ -221,12 +228,13 @@ def test_keys_name_the_family(built, name):
     for user in fam.user:     # in a SentencePiece vocabulary with spaces, as llama.cpp matches them
         assert types[tokens.index(user.replace(SP, " "))] == gguf.TokenType.USER_DEFINED
     if fam.style != "bytelevel":
-        assert kv["tokenizer.ggml.add_space_prefix"][0] is (fam.style != "replace")
+        # Metaspace(first) is written without the prefix (gguf_vocab._space_prefix says why)
+        assert kv["tokenizer.ggml.add_space_prefix"][0] is (fam.style == "prepend")
         assert types[tokens.index("<0x41>")] == gguf.TokenType.BYTE
 
 
-def differing(got: list[list[int]], want: list[list[int]]) -> set[int]:
-    """Indexes of the prompts whose ids differ."""
+def differing(got: list, want: list) -> set[int]:
+    """Indexes where two lists (of ids, or of prompts) differ."""
     return {i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b}
 
 
@@ -262,8 +270,10 @@ def test_folder_from_gguf_gives_the_same_ids(built, tmp_path, name):
 
 
 # Prompts (by index in prompts()) where llama.cpp's way differs from the original tokenizer: Metaspace(first)
-# puts no space after a special token nor before a leading space; llama.cpp's add_space_prefix always does.
-LLAMACPP_DIFFERS = {"mistral": {2, 6}}
+# puts a space before a prompt that starts with other text than a space or a special token, and nowhere else;
+# llama.cpp cannot (its add_space_prefix would put one after every special token too), so it is written false
+# and those prompts differ, by that space alone (test_llamacpp_prompt_gives_the_original_ids).
+LLAMACPP_DIFFERS = {"mistral": {0, 1, 3, 4, 5}}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -278,6 +288,22 @@ def test_folder_from_a_gguf_without_our_key_splits_as_llamacpp_does(built, tmp_p
     got = encodings(transformers.AutoTokenizer.from_pretrained(tmp_path), name)
     want = encodings(built[name].original, name)
     assert differing(got, want) == LLAMACPP_DIFFERS.get(name, set())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_llamacpp_prompt_gives_the_original_ids(built, tmp_path, name):
+    """What llama.cpp's way misses is exactly what llamacpp_prompt writes out (Metaspace(first)'s space, NFC)."""
+    fields = read_fields(built[name].gguf)
+    del fields["modelkit.tokenizer.hf_parts"]
+    for file, data in tokenizer_assets(fields).items():
+        (tmp_path / file).write_bytes(data)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tj = json.loads((built[name].folder / "tokenizer.json").read_text())
+    given = [*prompts(name), "cafe\u0301"]
+    rewritten = [llamacpp_prompt(tj, p) for p in given]
+    expected = {"mistral": LLAMACPP_DIFFERS["mistral"] | {len(given) - 1}, "qwen2": {len(given) - 1}}
+    assert differing(rewritten, given) == expected.get(name, set())
+    assert [loaded.encode(p) for p in rewritten] == [built[name].original.encode(p) for p in given]
 
 
 @pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.style in ("prepend", "replace")])
@@ -314,6 +340,18 @@ def test_tokenizers_llamacpp_would_not_read_the_same_are_refused(built, name, ed
         warnings.simplefilter("ignore")
         gguf_tokenizer_kv(_edit(built[name].folder, edit), 700)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("scheme", "prefix", "warns"), [
+    ("first", False, "only when given ' ' \\+ prompt"), ("always", True, "starts with a space"), ("never", False, None)])
+def test_metaspace_schemes_choose_add_space_prefix(built, scheme, prefix, warns):
+    assets = _edit(built["mistral"].folder, lambda tj: tj["pre_tokenizer"].update(prepend_scheme=scheme))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kv = gguf_tokenizer_kv(assets, 700)
+    assert kv["tokenizer.ggml.add_space_prefix"][0] is prefix
+    messages = [str(w.message) for w in seen]
+    assert (len(messages) == 1 and re.search(warns, messages[0])) if warns else messages == []
 
 
 def test_vocab_larger_than_the_embedding_is_refused(built):

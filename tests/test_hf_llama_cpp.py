@@ -7,7 +7,9 @@ ran llama.cpp (llama-cpp-python, pinned) on exactly those bytes: its token ids f
 logits for one prompt. Here the same files are made again and must hash the same, so the verdict applies,
 then:
 
-- llama.cpp's ids equal the Hugging Face tokenizer's for every prompt;
+- llama.cpp's ids equal the Hugging Face tokenizer's for every prompt as `gguf_vocab.llamacpp_prompt` gives it
+  (the prompt itself, except Metaspace(first)'s leading space written out), and for the prompt itself exactly
+  where that is the prompt;
 - llama.cpp's logits equal transformers' (the original model for F32; transformers' own GGUF reader,
   `from_pretrained(..., gguf_file=)`, for F16 / q8_0 / q4_0, so both run the very same weights) within the
   tolerances pinned below with their measured values.
@@ -29,6 +31,7 @@ import torch
 import transformers  # the judge (the hf extra, installed for tests): not skipped when missing
 
 import modelkit
+from modelkit.models.gguf_vocab import llamacpp_prompt
 from modelkit.testing.prompts import TOKENIZER_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,9 +54,10 @@ FAMILIES = {
     "llama": Family(transformers.LlamaConfig, "llama3",
                     (("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),)),
-    # Mistral's released v0.1 tokenizer.json is the Llama-2 layout (Prepend + Replace); the Metaspace-first
-    # layout of later releases splits differently in llama.cpp (docs/formats/gguf.md, "The tokenizer")
+    # Mistral's released v0.1 tokenizer.json is the Llama-2 layout (Prepend + Replace); v0.3's is Metaspace(first),
+    # which llama.cpp follows only on prompts as gguf_vocab.llamacpp_prompt gives them (docs/formats/gguf.md)
     "mistral": Family(transformers.MistralConfig, "llama2", (("sliding_window", 128),)),
+    "mistral_v03": Family(transformers.MistralConfig, "mistral", (("sliding_window", 128),)),
     "qwen2": Family(transformers.Qwen2Config, "qwen2", (("tie_word_embeddings", True),)),
     # transformers' GGUF reader takes Qwen3's head_dim from its default (128), not from key_length
     "qwen3": Family(transformers.Qwen3Config, "qwen2", (("head_dim", 128), ("tie_word_embeddings", True))),
@@ -127,6 +131,12 @@ def hf_ids(folder: Path) -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
+def llamacpp_prompts(folder: Path) -> list[str]:
+    """PROMPTS as llama.cpp must be given them to tokenize like the folder's tokenizer.json."""
+    tokenizer_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    return [llamacpp_prompt(tokenizer_json, p) for p in PROMPTS]
+
+
 def transformers_logits(folder: Path, gguf_file: Path | None, ids: list[int]) -> np.ndarray:
     """transformers' logits on `ids` from `transformers_model(folder, gguf_file)`."""
     with torch.no_grad():
@@ -190,8 +200,12 @@ def test_llama_cpp_tokenizes_like_the_hugging_face_tokenizer(made, golden, famil
     path = _gguf(made, family, "f32")
     assert sha256(path) == entry["files"]["f32"]["sha256"], _stale(family, "f32", golden)
     ours = hf_ids(made[family])
-    assert entry["llama_cpp_ids"] == ours
-    live = _live_ids(path)
+    forms = llamacpp_prompts(made[family])
+    assert entry["llama_cpp_form_ids"] == ours
+    rewritten = {i for i, (p, f) in enumerate(zip(PROMPTS, forms, strict=True)) if p != f}
+    assert {i for i, (a, b) in enumerate(zip(entry["llama_cpp_ids"], ours, strict=True)) if a != b} == rewritten
+    assert bool(rewritten) is (family == "mistral_v03")
+    live = _live_ids(path, forms)
     if live is not None:
         assert live == ours
 
@@ -228,9 +242,9 @@ def _llama(path: Path, **options):
     return llama_cpp.Llama(model_path=str(path), n_threads=1, seed=0, verbose=False, **options)
 
 
-def _live_ids(path: Path) -> list[list[int]] | None:
+def _live_ids(path: Path, prompts: list[str]) -> list[list[int]] | None:
     llm = _llama(path, vocab_only=True)
-    return None if llm is None else [llm.tokenize(p.encode("utf-8"), add_bos=True, special=True) for p in PROMPTS]
+    return None if llm is None else [llm.tokenize(p.encode("utf-8"), add_bos=True, special=True) for p in prompts]
 
 
 def _live_logits(path: Path, ids: list[int]) -> np.ndarray | None:

@@ -23,11 +23,14 @@ added tokens USER_DEFINED, ``<0xAB>`` byte tokens BYTE, the unknown token UNKNOW
 
 What llama.cpp's keys cannot say (Metaspace vs a Prepend normalizer, added tokens' strip flags)
 travels in ``PARTS_KEY``; ``tokenizer_assets`` uses it when present and otherwise writes a
-tokenizer that splits text as llama.cpp does. docs/formats/gguf.md has the table of keys.
+tokenizer that splits text as llama.cpp does. What llama.cpp itself cannot do (a normalizer,
+Metaspace(first)'s space before the start of a prompt only) ``llamacpp_prompt`` writes into the
+prompt instead. docs/formats/gguf.md has the table of keys.
 """
 from __future__ import annotations
 
 import json
+import unicodedata
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -152,13 +155,40 @@ def _space_prefix(pres: list[dict[str, Any]], norms: list[dict[str, Any]]) -> bo
             "known: Metaspace, or a Prepend('▁') and Replace(' ', '▁') normalizer")
     if not pres:
         return any(n.get("type") == "Prepend" for n in norms)
-    scheme = pres[0].get("prepend_scheme")
-    prefix = scheme in ("first", "always") if scheme else bool(pres[0].get("add_prefix_space", True))
-    if prefix:
-        warnings.warn(f"tokenizer.json: Metaspace(prepend_scheme={scheme!r}) puts no space before text that starts "
-                      "with one (nor after a special token, for 'first'); llama.cpp's add_space_prefix does, so "
-                      "llama.cpp will tokenize such prompts differently", stacklevel=4)
-    return prefix
+    scheme = pres[0].get("prepend_scheme") or ("always" if pres[0].get("add_prefix_space", True) else "never")
+    # llama.cpp's add_space_prefix puts a space before every piece of text that starts the prompt or follows a
+    # special token, even one that starts with a space. 'first' cannot be said: false keeps every prompt that
+    # starts with a special token or a space exact (bench/llamacpp_tokenizer.py measures both choices).
+    if scheme == "first":
+        warnings.warn("tokenizer.json: Metaspace(prepend_scheme='first') puts a space only before a prompt that "
+                      "starts with text other than a space, which llama.cpp cannot do; written with "
+                      "add_space_prefix false, so llama.cpp tokenizes every prompt that starts with a special token "
+                      "or a space (as chat templates do) like the original, and any other prompt only when given "
+                      "' ' + prompt (llamacpp_prompt)", stacklevel=4)
+    elif scheme == "always":
+        warnings.warn("tokenizer.json: Metaspace(prepend_scheme='always') puts no space before text that already "
+                      "starts with one; llama.cpp's add_space_prefix does, so llama.cpp tokenizes text that starts "
+                      "with a space (at the start or after a special token) differently", stacklevel=4)
+    return scheme == "always"
+
+
+def llamacpp_prompt(tokenizer_json: Mapping[str, Any], prompt: str) -> str:
+    """The text llama.cpp must be given to tokenize as the Hugging Face tokenizer tokenizes `prompt`.
+
+    For the GGUF ``gguf_tokenizer_kv`` writes, llama.cpp differs from tokenizer.json only where GGUF
+    cannot say it (measured by bench/llamacpp_tokenizer.py): it applies no normalizer, so the text is
+    put in NFC where the tokenizer normalizes to it (Qwen2); and Metaspace(prepend_scheme='first') puts
+    a space before a prompt that starts with text other than a space or an added token, which llama.cpp
+    cannot, so that space is written out. Every other prompt is returned as it is.
+    """
+    norms = _parts(tokenizer_json.get("normalizer"), "normalizers")
+    if any(n.get("type") == "NFC" for n in norms):
+        prompt = unicodedata.normalize("NFC", prompt)
+    metaspace = [p for p in _parts(tokenizer_json.get("pre_tokenizer"), "pretokenizers") if p.get("type") == "Metaspace"]
+    added = tuple(a["content"] for a in tokenizer_json.get("added_tokens") or [] if a.get("content"))
+    if metaspace and metaspace[0].get("prepend_scheme") == "first" and prompt and not prompt.startswith((" ", SPACE, *added)):
+        prompt = " " + prompt
+    return prompt
 
 
 def _byte_level_pre(pres: list[dict[str, Any]], norms: list[dict[str, Any]]) -> str:
