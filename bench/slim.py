@@ -25,6 +25,12 @@ file pages: a run that reads the disk measures the disk). Printed: the median of
 (with their range), which follows the machine's load as it drifts, and as before the best
 conversion against the best copy. Inspect and import figures are the best of `--runs`. Figures,
 not a timed test: bars are reported, never asserted.
+
+Every modelkit process runs with its bytecode cached (PYTHONPYCACHEPREFIX in the bench's folder: modelkit's
+modules compiled before anything is timed, the rest written on the warm-up runs even where
+PYTHONDONTWRITEBYTECODE is set), as in an installed package, where pip compiles every module at install time. Without it an editable install under PYTHONDONTWRITEBYTECODE
+compiles each of modelkit's ~55 modules from source at every start: 0.5-0.7 s of CPU per conversion,
+measured 2026-11-27 on the loaded 2-core VM, more than the fsynced copy's whole run (0.35 s).
 """
 from __future__ import annotations
 
@@ -45,6 +51,10 @@ CONVERT_BAR_RATIO = 1.3
 MEMORY_BAR_MIB = 100
 IMPORT_BAR_S = 0.15
 MODELKIT = [sys.executable, "-m", "modelkit"]     # [0]: the interpreter given last by --python
+ENV: dict[str, str] = {}                         # the environment of the processes timed (set by main)
+COMPILE = ("import compileall, importlib.util, os\n"
+           "for package in ('modelkit', 'modelkit.converters', 'modelkit.quantizers'):\n"
+           "    compileall.compile_dir(os.path.dirname(importlib.util.find_spec(package).origin), quiet=1)")
 
 
 def make_sources(folder: Path, size_mib: int) -> dict[str, Path]:
@@ -73,7 +83,7 @@ def make_sources(folder: Path, size_mib: int) -> dict[str, Path]:
     del tensors
     for kind, extra in (("gguf", []), ("sharded", ["--shard-size", "200MB"])):
         subprocess.run([*MODELKIT, "convert", str(paths["safetensors"]), str(paths[kind]), *extra, "-q", "--force"],
-                       check=True, capture_output=True)
+                       check=True, capture_output=True, env=ENV or None)
     return paths
 
 
@@ -89,7 +99,7 @@ def _run(command: list[str], *, env: dict[str, str] | None = None) -> tuple[floa
     """(wall seconds, peak RssAnon bytes, CPU seconds: user + system, its children's included) of one process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env or ENV or None)
     peak = [0]
 
     def sample() -> None:
@@ -165,7 +175,7 @@ def import_seconds(args: list[str], runs: int = 3) -> tuple[float, bool]:
     best_total, torch_seen = float("inf"), False
     for _ in range(runs):
         result = subprocess.run([MODELKIT[0], "-X", "importtime", "-m", "modelkit", *args], capture_output=True,
-                                text=True)
+                                text=True, env=ENV or None)
         total = 0
         for line in result.stderr.splitlines():
             if line.startswith("import time:") and "|" in line:
@@ -233,6 +243,10 @@ def main() -> None:
     MODELKIT[0] = pythons[-1]
     folder = options.dir or Path(tempfile.mkdtemp(prefix="bench-slim-"))
     folder.mkdir(parents=True, exist_ok=True)
+    ENV.update({k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+               PYTHONPYCACHEPREFIX=str(folder / "pycache"))
+    for python in pythons:        # modelkit's own modules compiled now, the rest on the warm-up runs
+        subprocess.run([python, "-c", COMPILE], check=True, capture_output=True, env=ENV)
     os.chdir(folder)          # not the checkout: `python -m modelkit` there would import its source folder
     names = {"safetensors": "model.safetensors", "pth": "model.pth", "gguf": "model.gguf", "sharded": "sharded"}
     if options.reuse and all((folder / name).exists() for name in names.values()):

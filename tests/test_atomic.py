@@ -60,25 +60,26 @@ def test_file_finished_outside_a_folder_output_does_nothing(tmp_path, monkeypatc
     assert synced == []
 
 
-def _record_fdatasyncs(monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> list[int]:
-    """Replace os.fdatasync with one that records the size of the file it syncs (or fails with EIO)."""
+def _record_write_backs(monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> list[int]:
+    """Replace the write-back start (sync_file_range on Linux) with one that records the size of the file it
+    starts writing back (or fails with EIO)."""
     sizes: list[int] = []
-    real = os.fdatasync
+    real = atomic._write_back
 
-    def fdatasync(fd: int) -> None:
+    def write_back(fd: int) -> None:
         sizes.append(os.fstat(fd).st_size)
         if fail:
             raise OSError(5, "Input/output error")
         real(fd)
 
-    monkeypatch.setattr(atomic.os, "fdatasync", fdatasync)
+    monkeypatch.setattr(atomic, "_write_back", write_back)
     monkeypatch.setattr(atomic, "_WRITE_BACK_EVERY", 0.001)
     return sizes
 
 
 def _two_halves(sizes: list[int], *, synced: int = 4096):
-    """A writer that writes half its file, waits until the write-back thread synced `synced` bytes of it
-    (0: tried to sync it at all), writes the rest."""
+    """A writer that writes half its file, waits until the write-back thread started writing back `synced`
+    bytes of it (0: tried to at all), writes the rest."""
     def write(tmp: Path) -> None:
         with tmp.open("wb") as f:
             f.write(b"a" * 4096)
@@ -94,17 +95,64 @@ def _two_halves(sizes: list[int], *, synced: int = 4096):
 def test_a_single_file_is_written_back_while_it_is_still_being_written(tmp_path, monkeypatch):
     from modelkit.pipeline.write import write_output
 
-    sizes = _record_fdatasyncs(monkeypatch)
+    sizes = _record_write_backs(monkeypatch)
+    synced = _record_fsyncs(monkeypatch)
     write_output(tmp_path / "out.bin", _two_halves(sizes), verify=None, force=False)
     assert 4096 in sizes                             # the first half went to disk before the writer finished
+    assert synced.count("out.bin") == 2              # then fsynced by the write-back thread, and by the commit
     assert (tmp_path / "out.bin").read_bytes() == b"a" * 4096 + b"b" * 4096
+
+
+def test_the_kernel_write_back_start_runs_on_a_real_file(tmp_path):
+    (tmp_path / "f").write_bytes(b"x" * 8192)
+    fd = os.open(tmp_path / "f", os.O_RDWR)
+    try:
+        os.pwrite(fd, b"y" * 4096, 0)                # a dirty page to start writing back
+        atomic._write_back(fd)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"y" * 4096 + b"x" * 4096
 
 
 def test_a_failed_write_back_fails_the_write_and_leaves_no_output(tmp_path, monkeypatch):
     from modelkit.pipeline.write import write_output
 
-    tried = _record_fdatasyncs(monkeypatch, fail=True)
+    tried = _record_write_backs(monkeypatch, fail=True)
     with pytest.raises(OSError, match="Input/output error"):
         write_output(tmp_path / "out.bin", _two_halves(tried, synced=0), verify=None, force=False)
     assert tried
     assert not list(tmp_path.iterdir())              # neither the output nor the temporary folder
+
+
+def test_a_failed_final_fsync_fails_a_verified_write_after_the_check(tmp_path, monkeypatch):
+    from modelkit.pipeline.write import write_output
+
+    real = os.fsync
+
+    def fsync(fd: int) -> None:          # fails on the write-back thread only: the commit's own fsync would pass
+        if threading.current_thread().name == "modelkit-write-back":
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    checked: list[bytes] = []
+    with pytest.raises(OSError, match="Input/output error"):
+        write_output(tmp_path / "out.bin", lambda tmp: tmp.write_bytes(b"z" * 4096),
+                     verify=lambda tmp: checked.append(tmp.read_bytes()) or {}, force=False)
+    assert checked == [b"z" * 4096]                  # the check ran while the fsync was on its way
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_writer_leaves_no_output_and_its_error_is_the_one_raised(tmp_path, monkeypatch):
+    from modelkit.pipeline.write import write_output
+
+    synced = _record_fsyncs(monkeypatch)
+
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise ValueError("the writer broke")
+
+    with pytest.raises(ValueError, match="the writer broke"):
+        write_output(tmp_path / "out.bin", write, verify=None, force=False)
+    assert "out.bin" not in synced                   # abandoned: nothing synced for an output that goes
+    assert not list(tmp_path.iterdir())

@@ -1,8 +1,8 @@
 """The one write path: every file modelkit produces is written, checked and named here.
 
 `write_output` is the mechanism: the writer writes a temporary file (or folder) beside the target
-(modelkit.storage.atomic), fsync runs on another thread while the output is verified (write-back
-overlaps the check), and only a verified, synced output is renamed into place. Any error, a
+(modelkit.storage.atomic), write-back to disk runs on another thread while it writes and fsync while
+the output is verified (the disk's work overlaps both), and only a verified, synced output is renamed into place. Any error, a
 failed verification included, leaves no output and no temporary file. `write_checkpoint` is the
 common case: a Checkpoint through its format's writer, read back and checked bit for bit, plus
 the graph's outputs and the caller's own checks (`also`).
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from modelkit.checkpoint import Checkpoint, LazyTensor
 from modelkit.formats import FORMATS, ReadOptions, WriteOptions, load_format, output_folder
 from modelkit.pipeline.verify import verify_graph, verify_weights
-from modelkit.storage.atomic import atomic_dir, atomic_path, sync_in_background, writing_back
+from modelkit.storage.atomic import WriteBack, atomic_dir, atomic_path, sync_in_background
 
 if TYPE_CHECKING:
     from torch import nn
@@ -48,20 +48,22 @@ def write_output(target: PathLike, write: Callable[[Path], None], *, verify: Ver
     target = Path(target)
     opener = atomic_dir(target, force=force) if folder else atomic_path(target, force=force, companions=companions)
     with opener as tmp:
-        if folder:
-            write(tmp)                               # its shards are synced as they are finished
-        else:
-            with writing_back(tmp.parent):           # the disk writes while the writer still writes
-                write(tmp)
+        back = None if folder else WriteBack(tmp.parent)     # the disk writes while the writer still writes
+        try:
+            write(tmp)                               # a folder's shards are synced as they are finished
+        except BaseException:
+            if back is not None:
+                back.abandon()                       # the writer's error is the one to report
+            raise
+        wait_synced = back.finish() if back is not None else sync_in_background(tmp)   # disk writes while the CPU verifies
         result = None
         if verify is not None:
-            wait_synced = sync_in_background(tmp if tmp.is_dir() else tmp.parent)   # disk writes while the CPU verifies
             try:
                 result = verify(tmp)
             except BaseException:
                 wait_synced(check=False)             # the verification's error is the one to report
                 raise
-            wait_synced()
+        wait_synced()
         size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else tmp.stat().st_size
     return result, size
 
