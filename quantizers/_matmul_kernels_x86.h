@@ -214,7 +214,9 @@ KTARGET static inline void KNAME(tile_wide)(const int fmt, const weight_t *w, co
         KNAME(transpose8)(blk.v, u);
         const int32_t *x = (const int32_t *)(a->q + (m0 * nb + b) * QK);
         for (int t = 0; t < TOKENS; t++) sums[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int j = 0; j < 8; j++)
+#pragma GCC unroll 8
             for (int t = 0; t < TOKENS; t++)
                 sums[t] = KDPBUSD(sums[t], u[j], _mm256_set1_epi32(x[t * nb * (QK / 4) + j]));
         for (int t = 0; t < TOKENS; t++) {
