@@ -234,7 +234,7 @@ typedef void (*rows_fn)(const weight_t *, const act_t *, Py_ssize_t, Py_ssize_t)
 #define KVNNI 0
 #include "_matmul_kernels_x86.h"
 #define KSIMD 1
-#include "_matmul_kernels_kquants.h"        /* the VNNI entries use these AVX2 ones too */
+#include "_matmul_kernels_kquants.h"        /* quantize_q8_k_avx2 serves the VNNI entries too */
 #undef KSIMD
 #undef KNAME
 #undef KTARGET
@@ -245,20 +245,28 @@ typedef void (*rows_fn)(const weight_t *, const act_t *, Py_ssize_t, Py_ssize_t)
 #define KNAME(name) name##_avxvnni
 #define KTARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define KVNNI 1
+#define KSIMD 1
 #define KDPBUSD _mm256_dpbusd_avx_epi32
+#define KDPWSSD _mm256_dpwssd_avx_epi32
 #include "_matmul_kernels_x86.h"
+#include "_matmul_kernels_kquants.h"
 #undef KNAME
 #undef KTARGET
 #undef KDPBUSD
+#undef KDPWSSD
 
 #define KNAME(name) name##_avx512vnni
 #define KTARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #define KDPBUSD _mm256_dpbusd_epi32
+#define KDPWSSD _mm256_dpwssd_epi32
 #include "_matmul_kernels_x86.h"
+#include "_matmul_kernels_kquants.h"
 #undef KNAME
 #undef KTARGET
 #undef KDPBUSD
+#undef KDPWSSD
 #undef KVNNI
+#undef KSIMD
 #endif
 #endif
 
@@ -273,8 +281,8 @@ static const struct {
     quantize_k_fn quantize_k;
 } ALL_ISAS[] = {
 #ifdef HAVE_VNNI_KERNELS
-    {"avx512vnni", rows_avx512vnni, quantize_activations_avx2, more_rows_avx2, quantize_q8_k_avx2},
-    {"avxvnni", rows_avxvnni, quantize_activations_avx2, more_rows_avx2, quantize_q8_k_avx2},
+    {"avx512vnni", rows_avx512vnni, quantize_activations_avx2, more_rows_avx512vnni, quantize_q8_k_avx2},
+    {"avxvnni", rows_avxvnni, quantize_activations_avx2, more_rows_avxvnni, quantize_q8_k_avx2},
 #endif
 #ifdef HAVE_X86_KERNELS
     {"avx2", rows_avx2, quantize_activations_avx2, more_rows_avx2, quantize_q8_k_avx2},

@@ -1,6 +1,8 @@
 /* Kernels of _matmul_kernels.c for the GGUF types beyond q8_0/q4_0, included once per instruction set with
  *   KNAME(name)  the function names' suffix      KTARGET  the target attribute (empty for the portable build)
  *   KSIMD        1: AVX2 intrinsics (vpmaddubsw + vpmaddwd); 0: portable C
+ *   KVNNI        with KSIMD: 1 where the target has VNNI (KDPBUSD, KDPWSSD: vpdpbusd, vpdpwssd on 256-bit
+ *                registers), which fuse the multiply-adds and the sum that follows them; 0 (or undefined) else
  *
  * Each weight row is first unpacked, once per call, into a small buffer of integer levels and integer
  * scales (the block layouts on disk: quantizers/_gguf_kernels_kquants.h and _gguf_kernels_generic.h);
@@ -260,6 +262,30 @@ static void quantize_q8_k_generic(const float *x, Py_ssize_t M, Py_ssize_t K, in
 
 /* ---- per instruction set: the dot products and the row loop ---------------------------------- */
 
+#if KSIMD
+/* acc + the int32 pair sums of p * s (int16 lanes): vpdpwssd with VNNI, vpmaddwd + vpaddd else. */
+KTARGET static inline __m256i KNAME(add_madd)(__m256i acc, __m256i p, __m256i s) {
+#if KVNNI
+    return KDPWSSD(acc, p, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+#endif
+}
+
+/* vpmaddubsw of levels u (signed_levels: int8, by |u| and x carrying u's sign; else unsigned) and x. */
+KTARGET static inline __m256i KNAME(levels_times)(const int signed_levels, __m256i u, __m256i abs_u, __m256i x) {
+    return signed_levels ? _mm256_maddubs_epi16(abs_u, _mm256_sign_epi8(x, u)) : _mm256_maddubs_epi16(u, x);
+}
+
+/* The sums of four products of levels u and activations x, as eight int32 lanes (as levels_times). */
+KTARGET static inline __m256i KNAME(dot4)(const int signed_levels, __m256i u, __m256i abs_u, __m256i x) {
+#if KVNNI
+    if (!signed_levels) return KDPBUSD(_mm256_setzero_si256(), u, x);
+#endif
+    return _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u, abs_u, x), _mm256_set1_epi16(1));
+}
+#endif
+
 /* One unpacked row of nsb K super-blocks against activation row (xq, xd, xb). */
 KTARGET static inline float KNAME(kdot)(const int signed_levels, const ksuper_t *w, Py_ssize_t nsb, const int8_t *xq,
                                         const float *xd, const int16_t *xb) {
@@ -270,9 +296,8 @@ KTARGET static inline float KNAME(kdot)(const int signed_levels, const ksuper_t 
         for (int c = 0; c < 8; c++) {
             __m256i u = _mm256_loadu_si256((const __m256i *)(w->q + 32 * c));
             __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
-            __m256i p = signed_levels ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u))
-                                      : _mm256_maddubs_epi16(u, x);
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_loadu_si256((const __m256i *)(w->scx + 16 * c))));
+            __m256i p = KNAME(levels_times)(signed_levels, u, _mm256_abs_epi8(u), x);
+            isum = KNAME(add_madd)(isum, p, _mm256_loadu_si256((const __m256i *)(w->scx + 16 * c)));
         }
         float dx = xd[sb];
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w->d * dx), acc);
@@ -307,13 +332,11 @@ KTARGET static inline float KNAME(kdot)(const int signed_levels, const ksuper_t 
 KTARGET static inline float KNAME(ldot)(const int signed_levels, const lblock_t *w, Py_ssize_t nb, const int8_t *xq,
                                         const float *xd, const float *xs) {
 #if KSIMD
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     float offsets = 0.0f;
     for (Py_ssize_t b = 0; b < nb; b++, w++, xq += QK) {
         __m256i u = _mm256_loadu_si256((const __m256i *)w->q), x = _mm256_loadu_si256((const __m256i *)xq);
-        __m256i p = _mm256_madd_epi16(signed_levels ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u))
-                                                    : _mm256_maddubs_epi16(u, x), ones);
+        __m256i p = KNAME(dot4)(signed_levels, u, _mm256_abs_epi8(u), x);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w->d * xd[b]), acc);
         offsets += w->m * xd[b] * xs[b];
     }
@@ -479,6 +502,7 @@ KTARGET static inline void KNAME(unpack_legacy)(const int fmt, const uint8_t *b,
 }
 
 /* q8_K activations, as quantize_q8_k (cvtps2dq rounds half to even like its 2**23 trick). */
+#if !KVNNI
 KTARGET static void KNAME(quantize_q8_k)(const float *x, Py_ssize_t M, Py_ssize_t K, int8_t *q, float *d, int16_t *bsums) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -510,6 +534,7 @@ KTARGET static void KNAME(quantize_q8_k)(const float *x, Py_ssize_t M, Py_ssize_
             }
         }
 }
+#endif
 
 /* ---- AVX2, few activation rows: dot products straight on the stored blocks (no unpacked row) ---- */
 
@@ -533,8 +558,8 @@ KTARGET static float KNAME(fused_qk_affine)(const uint8_t *b, Py_ssize_t nsb, co
             KNAME(qk_levels)(b, c, five, &lo, &hi);
             __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * c)));
             __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(sm[2 * c])));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sm[2 * c + 1])));
+            isum = KNAME(add_madd)(isum, p_lo, _mm256_set1_epi16(sm[2 * c]));
+            isum = KNAME(add_madd)(isum, p_hi, _mm256_set1_epi16(sm[2 * c + 1]));
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(read_u16(b)) * dx), acc);
     }
@@ -557,7 +582,7 @@ KTARGET static float KNAME(fused_q6_k)(const uint8_t *b, Py_ssize_t nsb, const i
             KNAME(q6_levels)(b, n, q);
             for (int g = 0; g < 4; g++) {
                 __m256i p = _mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(xq + 128 * n + 32 * g)));
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, KNAME(q6_scales)(sc, n, g)));
+                isum = KNAME(add_madd)(isum, p, KNAME(q6_scales)(sc, n, g));
             }
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(read_u16(b + 208)) * xd[sb]), acc);
@@ -568,27 +593,20 @@ KTARGET static float KNAME(fused_q6_k)(const uint8_t *b, Py_ssize_t nsb, const i
 /* Q4_1 / Q5_0 / Q5_1 / IQ4_NL row (nb blocks) . q8_0 row: w = d u + m' (IQ4_NL: signed values, sign trick). */
 KTARGET static float KNAME(fused_legacy)(const int fmt, const uint8_t *b, Py_ssize_t nb, const int8_t *xq,
                                          const float *xd, const float *xs) {
-    const __m256i ones = _mm256_set1_epi16(1);
     const Py_ssize_t block_bytes = more_block_bytes(fmt);
     __m256 acc = _mm256_setzero_ps();
     float offsets = 0.0f;
     for (Py_ssize_t k = 0; k < nb; k++, b += block_bytes, xq += QK) {
         __m256i u = KNAME(legacy_levels)(fmt, b), x = _mm256_loadu_si256((const __m256i *)xq);
         float d = _cvtsh_ss(read_u16(b)), dx = xd[k];
-        __m256i p = fmt == F_IQ4_NL ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u))
-                                    : _mm256_maddubs_epi16(u, x);
+        __m256i p = KNAME(dot4)(fmt == F_IQ4_NL, u, _mm256_abs_epi8(u), x);
         offsets += KNAME(legacy_offset)(fmt, b, d) * dx * xs[k];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(d * dx), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx), acc);
     }
     return KNAME(hsum)(acc) + offsets;
 }
 
 /* ---- AVX2, more activation rows: two unpacked rows against four activation rows at once ---------- */
-
-/* vpmaddubsw of levels u (signed_levels: int8, by |u| and x carrying u's sign; else unsigned) and x. */
-KTARGET static inline __m256i KNAME(levels_times)(const int signed_levels, __m256i u, __m256i abs_u, __m256i x) {
-    return signed_levels ? _mm256_maddubs_epi16(abs_u, _mm256_sign_epi8(x, u)) : _mm256_maddubs_epi16(u, x);
-}
 
 /* K rows w[0], w[1] . q8_K rows t = 0..3 (levels xq + t K, scales xd + t nsb, sums xb + t K / 16): out[4 i + t]. */
 KTARGET static void KNAME(ktile)(const int signed_levels, const ksuper_t *const *w, Py_ssize_t nsb, Py_ssize_t K,
@@ -608,9 +626,8 @@ KTARGET static void KNAME(ktile)(const int signed_levels, const ksuper_t *const 
             __m256i a0 = signed_levels ? _mm256_abs_epi8(u0) : u0, a1 = signed_levels ? _mm256_abs_epi8(u1) : u1;
             for (int t = 0; t < 4; t++) {
                 __m256i x = _mm256_loadu_si256((const __m256i *)(x0 + t * K + 32 * c));
-                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u0, a0, x), s0));
-                isum[4 + t] = _mm256_add_epi32(isum[4 + t],
-                                               _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u1, a1, x), s1));
+                isum[t] = KNAME(add_madd)(isum[t], KNAME(levels_times)(signed_levels, u0, a0, x), s0);
+                isum[4 + t] = KNAME(add_madd)(isum[4 + t], KNAME(levels_times)(signed_levels, u1, a1, x), s1);
             }
         }
         for (int i = 0; i < 2; i++) {
@@ -632,7 +649,6 @@ KTARGET static void KNAME(ktile)(const int signed_levels, const ksuper_t *const 
  * _matmul_kernels_x86.h), scaled in one multiply-add. */
 KTARGET static void KNAME(ltile)(const int signed_levels, const lblock_t *const *w, Py_ssize_t nb, const int8_t *xq,
                                  const float *xd, const float *xs, float *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++) {
         const lblock_t *w0 = w[0] + b, *w1 = w[1] + b;
@@ -641,8 +657,8 @@ KTARGET static void KNAME(ltile)(const int signed_levels, const lblock_t *const 
         __m256i p[8];
         for (int t = 0; t < 4; t++) {
             __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (t * nb + b) * QK));
-            p[t] = _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u0, a0, x), ones);
-            p[4 + t] = _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u1, a1, x), ones);
+            p[t] = KNAME(dot4)(signed_levels, u0, a0, x);
+            p[4 + t] = KNAME(dot4)(signed_levels, u1, a1, x);
         }
         __m128 dx = _mm_setr_ps(xd[b], xd[nb + b], xd[2 * nb + b], xd[3 * nb + b]);
         __m128 dxs = _mm_mul_ps(dx, _mm_setr_ps(xs[b], xs[nb + b], xs[2 * nb + b], xs[3 * nb + b]));
