@@ -78,16 +78,19 @@ static inline void kq_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-/* The same 12 bytes at once: out[0..7] the eight scales, out[8..15] the eight minimums. */
-static inline void kq_scales_mins(const uint8_t *q, uint8_t *out) {
-    uint32_t word[3], sm[4];
+/* The same 12 bytes at once, as four words of four bytes: sm[0..1] the eight scales, sm[2..3] the eight
+ * minimums (kq_byte reads one). Kept in words: bytes stored one way and read back another would stall the
+ * store forwarding of the dot products that use them. */
+static inline void kq_scales_mins(const uint8_t *q, uint32_t *sm) {
+    uint32_t word[3];
     memcpy(word, q, 12);
     sm[0] = word[0] & 0x3f3f3f3fu;                                          /* scales 0-3: low 6 bits of 0-3 */
     sm[1] = (word[2] & 0x0f0f0f0fu) | ((word[0] >> 6) & 0x03030303u) << 4;  /* scales 4-7 */
     sm[2] = word[1] & 0x3f3f3f3fu;                                          /* minimums 0-3 */
     sm[3] = ((word[2] >> 4) & 0x0f0f0f0fu) | ((word[1] >> 6) & 0x03030303u) << 4;
-    memcpy(out, sm, 16);
 }
+
+static inline int kq_byte(const uint32_t *sm, int i) { return (int)((sm[i >> 2] >> (8 * (i & 3))) & 0xff); }
 
 /* Q4_K (144 B: d, dmin, 12 scale bytes, 128 nibble bytes), Q5_K (176 B: the same with 32 fifth-bit
  * bytes before the nibbles): 64 weights per 32 nibble bytes, low nibbles first. */
@@ -479,19 +482,19 @@ KTARGET static inline void KNAME(unpack_super)(const int fmt, const uint8_t *b, 
         }
         return;
     }
-    uint8_t sm[16];
+    uint32_t sm[4];
     kq_scales_mins(b + 4, sm);
     o->d = _cvtsh_ss(read_u16(b));
     o->dmin = _cvtsh_ss(read_u16(b + 2));
-    __m128i mins = _mm_loadl_epi64((const __m128i *)(sm + 8));
+    __m128i mins = _mm_cvtsi64_si128((long long)((uint64_t)sm[3] << 32 | sm[2]));
     _mm256_storeu_si256((__m256i *)o->mn, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins)));
     for (int c = 0; c < 4; c++) {
         __m256i lo, hi;
         KNAME(qk_levels)(b, c, fmt == F_Q5_K, &lo, &hi);
         _mm256_storeu_si256((__m256i *)(o->q + 64 * c), lo);
         _mm256_storeu_si256((__m256i *)(o->q + 64 * c + 32), hi);
-        _mm256_storeu_si256((__m256i *)(o->scx + 32 * c), _mm256_set1_epi16(sm[2 * c]));
-        _mm256_storeu_si256((__m256i *)(o->scx + 32 * c + 16), _mm256_set1_epi16(sm[2 * c + 1]));
+        _mm256_storeu_si256((__m256i *)(o->scx + 32 * c), _mm256_set1_epi16((short)kq_byte(sm, 2 * c)));
+        _mm256_storeu_si256((__m256i *)(o->scx + 32 * c + 16), _mm256_set1_epi16((short)kq_byte(sm, 2 * c + 1)));
     }
 }
 
@@ -545,10 +548,10 @@ KTARGET static float KNAME(fused_qk_affine)(const uint8_t *b, Py_ssize_t nsb, co
     __m128 acc_min = _mm_setzero_ps();
     const Py_ssize_t block_bytes = five ? 176 : 144;
     for (Py_ssize_t sb = 0; sb < nsb; sb++, b += block_bytes, xq += QKK, xb += 16) {
-        uint8_t sm[16];
+        uint32_t sm[4];
         kq_scales_mins(b + 4, sm);
         float dx = xd[sb];
-        __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
+        __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)((uint64_t)sm[3] << 32 | sm[2])));
         __m128i pair_sums = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xb), _mm_loadu_si128((const __m128i *)(xb + 8)));
         acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, pair_sums)), _mm_set1_ps(_cvtsh_ss(read_u16(b + 2)) * dx),
                                acc_min);
@@ -558,8 +561,8 @@ KTARGET static float KNAME(fused_qk_affine)(const uint8_t *b, Py_ssize_t nsb, co
             KNAME(qk_levels)(b, c, five, &lo, &hi);
             __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * c)));
             __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
-            isum = KNAME(add_madd)(isum, p_lo, _mm256_set1_epi16(sm[2 * c]));
-            isum = KNAME(add_madd)(isum, p_hi, _mm256_set1_epi16(sm[2 * c + 1]));
+            isum = KNAME(add_madd)(isum, p_lo, _mm256_set1_epi16((short)kq_byte(sm, 2 * c)));
+            isum = KNAME(add_madd)(isum, p_hi, _mm256_set1_epi16((short)kq_byte(sm, 2 * c + 1)));
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(read_u16(b)) * dx), acc);
     }
@@ -586,6 +589,87 @@ KTARGET static float KNAME(fused_q6_k)(const uint8_t *b, Py_ssize_t nsb, const i
             }
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(read_u16(b + 208)) * xd[sb]), acc);
+    }
+    return KNAME(hsum)(acc);
+}
+
+/* Q3_K's sixteen 6-bit scales (12 bytes: words a0, a1, a2), each less 32, as q2_q3_scales: scales 4 i .. 4 i + 3
+ * are the low nibbles of a0, a1 (i = 0, 1), then their high nibbles (i = 2, 3), with bits 2 i, 2 i + 1 of a2's
+ * bytes on top. In registers: scalar stores read back as one vector would stall store forwarding. */
+KTARGET static inline __m128i KNAME(q3_scales)(const uint8_t *s) {
+    uint32_t a2;
+    memcpy(&a2, s + 8, 4);
+    __m128i a01 = _mm_loadl_epi64((const __m128i *)s);
+    __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_unpacklo_epi64(a01, a01), _mm_setr_epi32(0, 0, 4, 4)),
+                                _mm_set1_epi8(0x0f));
+    __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)a2), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi32(high, 4)), _mm_set1_epi8(32));
+}
+
+/* Q2_K / Q3_K row . q8_K row. Levels u (Q2_K 0..3; Q3_K 0..7, the stored level + 4) with scale s_j per 16:
+ * Q2_K: d sum_j s_j (u . x)_j - dmin sum_j m_j bsum_j; Q3_K: d (sum_j s_j (u . x)_j - 4 sum_j s_j bsum_j). */
+KTARGET static inline float KNAME(fused_q2_q3_k)(const uint8_t *b, Py_ssize_t nsb, const int8_t *xq, const float *xd,
+                                          const int16_t *xb, const int three) {
+    const __m256i two_bits = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    const Py_ssize_t block_bytes = three ? 110 : 84;
+    __m256 acc = _mm256_setzero_ps();
+    for (Py_ssize_t sb = 0; sb < nsb; sb++, b += block_bytes, xq += QKK, xb += 16) {
+        const uint8_t *qs = three ? b + 32 : b + 16;
+        __m128i scales;                                           /* s_j as 16 int8 */
+        __m256i bsums = _mm256_loadu_si256((const __m256i *)xb), msum;
+        float d = _cvtsh_ss(read_u16(three ? b + 108 : b + 80)), dx = xd[sb];
+        if (three) {
+            scales = KNAME(q3_scales)(b + 96);
+            msum = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), bsums), 2);
+        } else {
+            __m128i packed = _mm_loadu_si128((const __m128i *)b);
+            scales = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+            msum = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F))),
+                                     bsums);
+        }
+        __m256i hm = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
+        __m256i isum = _mm256_setzero_si256();
+        for (int n = 0; n < 2; n++) {
+            __m256i src = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+            for (int s = 0; s < 4; s++) {                        /* values 128 n + 32 s: groups j, j + 1 */
+                const int j = 8 * n + 2 * s;
+                __m256i u = _mm256_and_si256(_mm256_srli_epi16(src, 2 * s), two_bits);
+                if (three) {                                      /* bit 4 n + s of hm[l] -> 4 */
+                    const int at = 4 * n + s;
+                    __m256i moved = at >= 2 ? _mm256_srli_epi16(hm, at - 2) : _mm256_slli_epi16(hm, 2 - at);
+                    u = _mm256_or_si256(u, _mm256_and_si256(moved, four));
+                }
+                __m128i pick = _mm_set_epi64x((long long)(0x0101010101010101ull * (uint64_t)(j + 1)),
+                                              (long long)(0x0101010101010101ull * (uint64_t)j));
+                __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(xq + 128 * n + 32 * s)));
+                isum = KNAME(add_madd)(isum, p, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
+            }
+        }
+        if (three) {
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, msum)), _mm256_set1_ps(d * dx), acc);
+        } else {
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), acc);
+            acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(_cvtsh_ss(read_u16(b + 82)) * dx), acc);
+        }
+    }
+    return KNAME(hsum)(acc);
+}
+
+/* IQ4_XS row . q8_K row: signed table values (sign trick), one scale per 32. */
+KTARGET static float KNAME(fused_iq4_xs)(const uint8_t *b, Py_ssize_t nsb, const int8_t *xq, const float *xd) {
+    const __m128i table128 = _mm_loadu_si128((const __m128i *)IQ4_TABLE);
+    const __m256i table = _mm256_set_m128i(table128, table128), low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    for (Py_ssize_t sb = 0; sb < nsb; sb++, b += 136, xq += QKK) {
+        __m256i isum = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * ib));
+            __m256i u = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4));
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * ib));
+            isum = KNAME(add_madd)(isum, KNAME(levels_times)(1, u, _mm256_abs_epi8(u), x),
+                                   _mm256_set1_epi16((short)iq4_xs_scale(b, ib)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(read_u16(b)) * xd[sb]), acc);
     }
     return KNAME(hsum)(acc);
 }
@@ -685,7 +769,7 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
     const Py_ssize_t nblocks = k_type ? w->K / QKK : w->nb, block_bytes = more_block_bytes(fmt);
     const size_t unpacked_bytes = (size_t)nblocks * (k_type ? sizeof(ksuper_t) : sizeof(lblock_t));
 #if KSIMD
-    if (a->M <= FUSED_TOKENS && fmt != F_Q2_K && fmt != F_Q3_K && fmt != F_IQ4_XS) {
+    if (a->M <= FUSED_TOKENS) {
         for (Py_ssize_t r = r0; r < r1; r++) {
             const uint8_t *row = w->w + r * w->w_stride;
             float bias = w->bias ? w->bias[r] : 0.0f;
@@ -696,6 +780,12 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
                                                  a->bsums + m * (w->K / 16), fmt == F_Q5_K);
                 else if (fmt == F_Q6_K)
                     dot = KNAME(fused_q6_k)(row, nblocks, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16));
+                else if (fmt == F_Q2_K)
+                    dot = KNAME(fused_q2_q3_k)(row, nblocks, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), 0);
+                else if (fmt == F_Q3_K)
+                    dot = KNAME(fused_q2_q3_k)(row, nblocks, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), 1);
+                else if (fmt == F_IQ4_XS)
+                    dot = KNAME(fused_iq4_xs)(row, nblocks, a->q + m * w->K, a->d + m * nblocks);
                 else
                     dot = KNAME(fused_legacy)(fmt, row, nblocks, a->q + m * nblocks * QK, a->d + m * nblocks,
                                               a->s + m * nblocks);
