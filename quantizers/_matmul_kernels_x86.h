@@ -87,15 +87,28 @@ typedef struct {
     __m256 scale, zero;
 } KNAME(block_t);
 
-KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, const uint8_t *const *rowp,
-                                             const Py_ssize_t *ri, const float *row_zero, Py_ssize_t b,
-                                             KNAME(block_t) *blk) {
-    uint16_t halves[ROWS];
-    float zeros[ROWS];
+/* The eight rows of a tile (the last repeated where fewer are left). */
+typedef struct {
+    const uint8_t *row[ROWS];      /* each row's weights */
+    const uint16_t *scale[ROWS];   /* F_I4: each row's f16 group scales */
+    const uint8_t *zero[ROWS];     /* F_I4 asymmetric: each row's group zero points */
+    __m256 fixed_zero;             /* the formats with one zero per row: F_I8's zero points, q8_0's 0, q4_0's 8 */
+} KNAME(tile_rows_t);
+
+/* Eight 16-bit values, p[i][at] (i = 0..7), built in registers: eight scalar stores read back as one vector
+ * would stall store forwarding once per block. */
+KTARGET static inline __m128i KNAME(halves8)(const uint16_t *const *p, Py_ssize_t at) {
+    return _mm_setr_epi16((short)p[0][at], (short)p[1][at], (short)p[2][at], (short)p[3][at], (short)p[4][at],
+                          (short)p[5][at], (short)p[6][at], (short)p[7][at]);
+}
+
+/* Block b of the eight rows; g: its scale group (F_I4). */
+KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, const KNAME(tile_rows_t) *tr,
+                                             Py_ssize_t b, Py_ssize_t g, KNAME(block_t) *blk) {
+    const uint16_t *block_start[ROWS];
     int is_signed = fmt == F_I8 || fmt == F_Q8_0;
-    Py_ssize_t g = fmt == F_I4 ? b / w->group_blocks : 0;        /* the scale group of block b */
     for (int i = 0; i < ROWS; i++) {
-        const uint8_t *row = rowp[i];
+        const uint8_t *row = tr->row[i];
         if (fmt == F_I8) {
             Py_ssize_t n = w->K - b * QK;
             if (n >= QK) {
@@ -105,38 +118,36 @@ KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, c
                 memcpy(tail, row + b * QK, (size_t)n);
                 blk->v[i] = _mm256_loadu_si256((const __m256i *)tail);
             }
-            zeros[i] = row_zero[i];
         } else if (fmt == F_Q8_0) {
             const uint8_t *block = row + b * 34;
-            halves[i] = read_u16(block);
+            block_start[i] = (const uint16_t *)block;
             blk->v[i] = _mm256_loadu_si256((const __m256i *)(block + 2));
-            zeros[i] = 0.0f;
         } else if (fmt == F_Q4_0) {
             const uint8_t *block = row + b * 18;
-            halves[i] = read_u16(block);
+            block_start[i] = (const uint16_t *)block;
             blk->v[i] = KNAME(expand_nibbles)(block + 2);
-            zeros[i] = 8.0f;
         } else {                                         /* F_I4 */
-            halves[i] = ((const uint16_t *)w->scale)[ri[i] * w->scale_stride + g];
             blk->v[i] = KNAME(expand_nibbles)(row + b * (QK / 2));
-            if (w->signed_nibbles) {
-                blk->v[i] = _mm256_xor_si256(blk->v[i], _mm256_set1_epi8(8));
-                zeros[i] = 8.0f;
-            } else {
-                zeros[i] = (float)w->zero[ri[i] * w->zero_stride + g];
-            }
+            if (w->signed_nibbles) blk->v[i] = _mm256_xor_si256(blk->v[i], _mm256_set1_epi8(8));
         }
         if (is_signed) {
 #if KVNNI
             blk->v[i] = _mm256_xor_si256(blk->v[i], _mm256_set1_epi8((char)0x80));
-            zeros[i] += 128.0f;
 #else
             blk->abs[i] = _mm256_abs_epi8(blk->v[i]);
 #endif
         }
     }
-    blk->scale = fmt == F_I8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)halves));
-    blk->zero = _mm256_loadu_ps(zeros);
+    if (fmt == F_I8) blk->scale = _mm256_set1_ps(1.0f);
+    else if (fmt == F_I4) blk->scale = _mm256_cvtph_ps(KNAME(halves8)(tr->scale, g));
+    else blk->scale = _mm256_cvtph_ps(KNAME(halves8)(block_start, 0));
+    if (fmt == F_I4 && !w->signed_nibbles) {
+        const uint8_t *const *z = tr->zero;
+        blk->zero = _mm256_cvtepi32_ps(_mm256_setr_epi32(z[0][g], z[1][g], z[2][g], z[3][g], z[4][g], z[5][g], z[6][g],
+                                                         z[7][g]));
+    } else {
+        blk->zero = tr->fixed_zero;
+    }
 }
 
 /* One activation block against the eight rows: their eight integer dot products, as lanes. */
@@ -160,16 +171,18 @@ KTARGET static inline __m256i KNAME(dots)(const int fmt, const KNAME(block_t) *b
 /* Rows [r, r + ROWS) (clamped copies past N) against activation rows [m0, m0 + T). `ahead` (or NULL):
  * bytes to bring into the cache meanwhile, `chunk` of them per block (a later tile's rows). */
 KTARGET static inline void KNAME(tile)(const int fmt, const int T, const weight_t *w, const act_t *a,
-                                       const uint8_t *const *rowp, const Py_ssize_t *ri, const float *row_zero,
-                                       Py_ssize_t m0, __m256 *acc, const uint8_t *ahead, Py_ssize_t chunk) {
+                                       const KNAME(tile_rows_t) *tr, Py_ssize_t m0, __m256 *acc, const uint8_t *ahead,
+                                       Py_ssize_t chunk) {
     const Py_ssize_t nb = w->nb;
+    Py_ssize_t g = 0, in_group = 0;                     /* block b's scale group (F_I4) */
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++) {
         KNAME(block_t) blk;
         if (ahead)
             for (Py_ssize_t at = b * chunk; at < (b + 1) * chunk; at += 64)
                 _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
-        KNAME(load_block)(fmt, w, rowp, ri, row_zero, b, &blk);
+        KNAME(load_block)(fmt, w, tr, b, g, &blk);
+        if (++in_group == w->group_blocks) in_group = 0, g++;
         for (int t = 0; t < T; t++) {
             Py_ssize_t at = (m0 + t) * nb + b;
             __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + at * QK));
@@ -203,14 +216,15 @@ KTARGET static inline void KNAME(transpose8)(const __m256i *v, __m256i *u) {
 /* As tile, for TOKENS activation rows at once: the weight block is transposed once so that each
  * vpdpbusd takes four activations broadcast to all eight rows; no reduction per token. */
 KTARGET static inline void KNAME(tile_wide)(const int fmt, const weight_t *w, const act_t *a,
-                                            const uint8_t *const *rowp, const Py_ssize_t *ri, const float *row_zero,
-                                            Py_ssize_t m0, __m256 *acc) {
+                                            const KNAME(tile_rows_t) *tr, Py_ssize_t m0, __m256 *acc) {
     const Py_ssize_t nb = w->nb;
+    Py_ssize_t g = 0, in_group = 0;
     for (int t = 0; t < TOKENS; t++) acc[t] = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++) {
         KNAME(block_t) blk;
         __m256i u[8], sums[TOKENS];
-        KNAME(load_block)(fmt, w, rowp, ri, row_zero, b, &blk);
+        KNAME(load_block)(fmt, w, tr, b, g, &blk);
+        if (++in_group == w->group_blocks) in_group = 0, g++;
         KNAME(transpose8)(blk.v, u);
         const int32_t *x = (const int32_t *)(a->q + (m0 * nb + b) * QK);
         for (int t = 0; t < TOKENS; t++) sums[t] = _mm256_setzero_si256();
@@ -232,17 +246,23 @@ KTARGET static inline void KNAME(rows_of)(const int fmt, const weight_t *w, cons
                                           Py_ssize_t r1) {
     for (Py_ssize_t r = r0; r < r1; r += ROWS) {
         int n = r1 - r < ROWS ? (int)(r1 - r) : ROWS;
-        const uint8_t *rowp[ROWS];
-        Py_ssize_t ri[ROWS];
+        KNAME(tile_rows_t) tr;
         float scale[ROWS], bias[ROWS], row_zero[ROWS];
         for (int i = 0; i < ROWS; i++) {
-            ri[i] = r + (i < n ? i : n - 1);
-            rowp[i] = w->w + ri[i] * w->w_stride;
-            scale[i] = row_scale(w, ri[i]);
-            bias[i] = w->bias ? w->bias[ri[i]] : 0.0f;
-            row_zero[i] = fmt == F_I8 && w->zero ? (float)(int8_t)w->zero[ri[i] * w->zero_stride] : 0.0f;
+            Py_ssize_t ri = r + (i < n ? i : n - 1);
+            tr.row[i] = w->w + ri * w->w_stride;
+            tr.scale[i] = fmt == F_I4 ? (const uint16_t *)w->scale + ri * w->scale_stride : NULL;
+            tr.zero[i] = fmt == F_I4 && w->zero ? w->zero + ri * w->zero_stride : NULL;
+            scale[i] = row_scale(w, ri);
+            bias[i] = w->bias ? w->bias[ri] : 0.0f;
+            row_zero[i] = fmt == F_I8 && w->zero ? (float)(int8_t)w->zero[ri * w->zero_stride]
+                        : fmt == F_I8 || fmt == F_Q8_0 ? 0.0f : 8.0f;
+#if KVNNI
+            if (fmt == F_I8 || fmt == F_Q8_0) row_zero[i] += 128.0f;   /* the levels are read as unsigned */
+#endif
         }
         __m256 vscale = _mm256_loadu_ps(scale), vbias = _mm256_loadu_ps(bias);
+        tr.fixed_zero = _mm256_loadu_ps(row_zero);
         /* Few activation rows (decode): each weight byte is used once per row, and the rows
          * PREFETCH_TILES tiles on are requested while this tile computes, so memory latency overlaps. */
         Py_ssize_t next = r + PREFETCH_TILES * ROWS, rows_ahead = r1 - next < ROWS ? r1 - next : ROWS;
@@ -252,11 +272,11 @@ KTARGET static inline void KNAME(rows_of)(const int fmt, const weight_t *w, cons
             __m256 acc[TOKENS];
             int T = a->M - m0 >= TOKENS ? TOKENS : 1;
 #if KVNNI
-            if (T == TOKENS) KNAME(tile_wide)(fmt, w, a, rowp, ri, row_zero, m0, acc);
+            if (T == TOKENS) KNAME(tile_wide)(fmt, w, a, &tr, m0, acc);
 #else
-            if (T == TOKENS) KNAME(tile)(fmt, TOKENS, w, a, rowp, ri, row_zero, m0, acc, NULL, 0);
+            if (T == TOKENS) KNAME(tile)(fmt, TOKENS, w, a, &tr, m0, acc, NULL, 0);
 #endif
-            else KNAME(tile)(fmt, 1, w, a, rowp, ri, row_zero, m0, acc, m0 == 0 ? ahead : NULL, chunk);
+            else KNAME(tile)(fmt, 1, w, a, &tr, m0, acc, m0 == 0 ? ahead : NULL, chunk);
             for (int t = 0; t < T; t++) {
                 float out[ROWS];
                 _mm256_storeu_ps(out, _mm256_fmadd_ps(acc[t], vscale, vbias));
