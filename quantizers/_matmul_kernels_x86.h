@@ -216,13 +216,17 @@ KTARGET static inline void KNAME(transpose8)(const __m256i *v, __m256i *u) {
 /* As tile, for TOKENS activation rows at once: the weight block is transposed once so that each
  * vpdpbusd takes four activations broadcast to all eight rows; no reduction per token. */
 KTARGET static inline void KNAME(tile_wide)(const int fmt, const weight_t *w, const act_t *a,
-                                            const KNAME(tile_rows_t) *tr, Py_ssize_t m0, __m256 *acc) {
+                                            const KNAME(tile_rows_t) *tr, Py_ssize_t m0, __m256 *acc,
+                                            const uint8_t *ahead, Py_ssize_t chunk) {
     const Py_ssize_t nb = w->nb;
     Py_ssize_t g = 0, in_group = 0;
     for (int t = 0; t < TOKENS; t++) acc[t] = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++) {
         KNAME(block_t) blk;
         __m256i u[8], sums[TOKENS];
+        if (ahead)
+            for (Py_ssize_t at = b * chunk; at < (b + 1) * chunk; at += 64)
+                _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
         KNAME(load_block)(fmt, w, tr, b, g, &blk);
         if (++in_group == w->group_blocks) in_group = 0, g++;
         KNAME(transpose8)(blk.v, u);
@@ -263,18 +267,18 @@ KTARGET static inline void KNAME(rows_of)(const int fmt, const weight_t *w, cons
         }
         __m256 vscale = _mm256_loadu_ps(scale), vbias = _mm256_loadu_ps(bias);
         tr.fixed_zero = _mm256_loadu_ps(row_zero);
-        /* Few activation rows (decode): each weight byte is used once per row, and the rows
-         * PREFETCH_TILES tiles on are requested while this tile computes, so memory latency overlaps. */
+        /* The first pass over a tile's rows reads them from memory: the rows PREFETCH_TILES tiles on are
+         * requested meanwhile, so memory latency overlaps the arithmetic (later passes find them in cache). */
         Py_ssize_t next = r + PREFETCH_TILES * ROWS, rows_ahead = r1 - next < ROWS ? r1 - next : ROWS;
-        const uint8_t *ahead = PREFETCH_TILES > 0 && a->M < TOKENS && rows_ahead > 0 ? w->w + next * w->w_stride : NULL;
+        const uint8_t *ahead = PREFETCH_TILES > 0 && rows_ahead > 0 ? w->w + next * w->w_stride : NULL;
         Py_ssize_t chunk = ahead ? ((rows_ahead * w->w_stride + w->nb - 1) / w->nb + 63) / 64 * 64 : 0;
         for (Py_ssize_t m0 = 0; m0 < a->M;) {
             __m256 acc[TOKENS];
             int T = a->M - m0 >= TOKENS ? TOKENS : 1;
 #if KVNNI
-            if (T == TOKENS) KNAME(tile_wide)(fmt, w, a, &tr, m0, acc);
+            if (T == TOKENS) KNAME(tile_wide)(fmt, w, a, &tr, m0, acc, m0 == 0 ? ahead : NULL, chunk);
 #else
-            if (T == TOKENS) KNAME(tile)(fmt, TOKENS, w, a, &tr, m0, acc, NULL, 0);
+            if (T == TOKENS) KNAME(tile)(fmt, TOKENS, w, a, &tr, m0, acc, m0 == 0 ? ahead : NULL, chunk);
 #endif
             else KNAME(tile)(fmt, 1, w, a, &tr, m0, acc, m0 == 0 ? ahead : NULL, chunk);
             for (int t = 0; t < T; t++) {
