@@ -764,6 +764,16 @@ KTARGET static void KNAME(ltile)(const int signed_levels, const lblock_t *const 
 #define KUNPACK_SUPER unpack_super
 #define KUNPACK_LEGACY unpack_legacy
 #endif
+#if KSIMD
+#define KPREFETCH_ROWS 8            /* the row this many rows on is requested from memory while one computes */
+/* Bring row r (if below r1) into the cache. */
+KTARGET static inline void KNAME(prefetch_row)(const weight_t *w, Py_ssize_t r, Py_ssize_t r1) {
+    if (r >= r1) return;
+    const uint8_t *row = w->w + r * w->w_stride;
+    for (Py_ssize_t at = 0; at < w->w_stride; at += 64) _mm_prefetch((const char *)(row + at), _MM_HINT_T0);
+}
+#endif
+
 KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize_t r0, Py_ssize_t r1) {
     const int fmt = w->fmt, k_type = is_k_format(fmt), signed_levels = fmt == F_IQ4_XS || fmt == F_IQ4_NL;
     const Py_ssize_t nblocks = k_type ? w->K / QKK : w->nb, block_bytes = more_block_bytes(fmt);
@@ -773,6 +783,7 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
         for (Py_ssize_t r = r0; r < r1; r++) {
             const uint8_t *row = w->w + r * w->w_stride;
             float bias = w->bias ? w->bias[r] : 0.0f;
+            KNAME(prefetch_row)(w, r + KPREFETCH_ROWS, r1);
             for (Py_ssize_t m = 0; m < a->M; m++) {
                 float dot;
                 if (fmt == F_Q4_K || fmt == F_Q5_K)
@@ -806,6 +817,10 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
     }
     for (Py_ssize_t r = r0; r < r1; r += 1 + pairs) {
         int n = pairs && r + 1 < r1 ? 2 : 1;             /* rows unpacked together */
+#if KSIMD
+        KNAME(prefetch_row)(w, r + KPREFETCH_ROWS, r1);
+        KNAME(prefetch_row)(w, r + KPREFETCH_ROWS + 1, r1);
+#endif
         for (int i = 0; i < n; i++) {
             const uint8_t *row = w->w + (r + i) * w->w_stride;
             for (Py_ssize_t b = 0; b < nblocks; b++) {
