@@ -111,14 +111,14 @@ def main() -> None:
         old_ratios: dict[str, list[float]] = {t: [] for t in packs}
         for _ in range(args.rounds):
             with torch.no_grad():
-                base = seconds_per_call(lambda i: F.linear(x, floats[i % len(floats)]), len(floats))
+                base = seconds_per_call(lambda i, x=x: F.linear(x, floats[i % len(floats)]), len(floats))
             rates["float"].append(4 * n * k / base / 1e9)
             for t, ps in packs.items():
-                s = seconds_per_call(lambda i: fast_linear.matmul(x, ps[i % len(ps)], isa=isa, threads=1), len(ps))
+                s = seconds_per_call(lambda i, x=x, ps=ps: fast_linear.matmul(x, ps[i % len(ps)], isa=isa, threads=1), len(ps))
                 rates[t].append(packed_bytes(ps[0]) / s / 1e9)
                 ratios[t].append(s / base)
                 if old is not None:
-                    s_old = seconds_per_call(lambda i: baseline_call(old, x, ps[i % len(ps)], isa), len(ps))
+                    s_old = seconds_per_call(lambda i, x=x, ps=ps: baseline_call(old, x, ps[i % len(ps)], isa), len(ps))
                     old_ratios[t].append(s_old / base)
         print(f"  M={m}: float {statistics.median(rates['float']):.1f} GB/s "
               f"[{min(rates['float']):.1f}-{max(rates['float']):.1f}]")

@@ -85,7 +85,15 @@ typedef struct {
     __m256i abs[ROWS];
 #endif
     __m256 scale, zero;
+    __m256 offset;                 /* q4_1, q5_1: m of w = d u + m */
 } KNAME(block_t);
+
+/* The formats whose levels are signed (the others' are unsigned, with a zero). */
+static inline int KNAME(signed_format)(int fmt) { return fmt == F_I8 || fmt == F_Q8_0 || fmt == F_IQ4_NL; }
+static inline int KNAME(has_offset)(int fmt) { return fmt == F_Q4_1 || fmt == F_Q5_1; }
+
+/* _matmul_kernels_kquants.h: the 32 levels of a q4_1, q5_0, q5_1 (unsigned) or iq4_nl (signed) block. */
+KTARGET static inline __m256i KNAME(legacy_levels)(const int fmt, const uint8_t *b);
 
 /* The eight rows of a tile (the last repeated where fewer are left). */
 typedef struct {
@@ -106,7 +114,7 @@ KTARGET static inline __m128i KNAME(halves8)(const uint16_t *const *p, Py_ssize_
 KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, const KNAME(tile_rows_t) *tr,
                                              Py_ssize_t b, Py_ssize_t g, KNAME(block_t) *blk) {
     const uint16_t *block_start[ROWS];
-    int is_signed = fmt == F_I8 || fmt == F_Q8_0;
+    int is_signed = KNAME(signed_format)(fmt);
     for (int i = 0; i < ROWS; i++) {
         const uint8_t *row = tr->row[i];
         if (fmt == F_I8) {
@@ -126,6 +134,10 @@ KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, c
             const uint8_t *block = row + b * 18;
             block_start[i] = (const uint16_t *)block;
             blk->v[i] = KNAME(expand_nibbles)(block + 2);
+        } else if (fmt != F_I4) {                        /* q4_1, q5_0, q5_1, iq4_nl: f16 d first */
+            const uint8_t *block = row + b * more_block_bytes(fmt);
+            block_start[i] = (const uint16_t *)block;
+            blk->v[i] = KNAME(legacy_levels)(fmt, block);
         } else {                                         /* F_I4 */
             blk->v[i] = KNAME(expand_nibbles)(row + b * (QK / 2));
             if (w->signed_nibbles) blk->v[i] = _mm256_xor_si256(blk->v[i], _mm256_set1_epi8(8));
@@ -141,6 +153,7 @@ KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, c
     if (fmt == F_I8) blk->scale = _mm256_set1_ps(1.0f);
     else if (fmt == F_I4) blk->scale = _mm256_cvtph_ps(KNAME(halves8)(tr->scale, g));
     else blk->scale = _mm256_cvtph_ps(KNAME(halves8)(block_start, 0));
+    if (KNAME(has_offset)(fmt)) blk->offset = _mm256_cvtph_ps(KNAME(halves8)(block_start, 1));   /* f16 m after d */
     if (fmt == F_I4 && !w->signed_nibbles) {
         const uint8_t *const *z = tr->zero;
         blk->zero = _mm256_cvtepi32_ps(_mm256_setr_epi32(z[0][g], z[1][g], z[2][g], z[3][g], z[4][g], z[5][g], z[6][g],
@@ -159,7 +172,7 @@ KTARGET static inline __m256i KNAME(dots)(const int fmt, const KNAME(block_t) *b
 #else
     const __m256i ones = _mm256_set1_epi16(1);
     for (int i = 0; i < ROWS; i++) {
-        __m256i pairs = fmt == F_I8 || fmt == F_Q8_0
+        __m256i pairs = KNAME(signed_format)(fmt)
             ? _mm256_maddubs_epi16(blk->abs[i], _mm256_sign_epi8(x, blk->v[i]))
             : _mm256_maddubs_epi16(blk->v[i], x);
         p[i] = _mm256_madd_epi16(pairs, ones);
@@ -189,6 +202,7 @@ KTARGET static inline void KNAME(tile)(const int fmt, const int T, const weight_
             __m256 f = _mm256_cvtepi32_ps(KNAME(dots)(fmt, &blk, x));
             f = _mm256_fnmadd_ps(blk.zero, _mm256_set1_ps(a->s[at]), f);
             acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(blk.scale, _mm256_set1_ps(a->d[at])), acc[t]);
+            if (KNAME(has_offset)(fmt)) acc[t] = _mm256_fmadd_ps(blk.offset, _mm256_set1_ps(a->d[at] * a->s[at]), acc[t]);
         }
     }
 }
@@ -241,6 +255,7 @@ KTARGET static inline void KNAME(tile_wide)(const int fmt, const weight_t *w, co
             Py_ssize_t at = (m0 + t) * nb + b;
             __m256 f = _mm256_fnmadd_ps(blk.zero, _mm256_set1_ps(a->s[at]), _mm256_cvtepi32_ps(sums[t]));
             acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(blk.scale, _mm256_set1_ps(a->d[at])), acc[t]);
+            if (KNAME(has_offset)(fmt)) acc[t] = _mm256_fmadd_ps(blk.offset, _mm256_set1_ps(a->d[at] * a->s[at]), acc[t]);
         }
     }
 }
@@ -260,9 +275,9 @@ KTARGET static inline void KNAME(rows_of)(const int fmt, const weight_t *w, cons
             scale[i] = row_scale(w, ri);
             bias[i] = w->bias ? w->bias[ri] : 0.0f;
             row_zero[i] = fmt == F_I8 && w->zero ? (float)(int8_t)w->zero[ri * w->zero_stride]
-                        : fmt == F_I8 || fmt == F_Q8_0 ? 0.0f : 8.0f;
+                        : fmt == F_Q4_0 || fmt == F_I4 ? 8.0f : fmt == F_Q5_0 ? 16.0f : 0.0f;
 #if KVNNI
-            if (fmt == F_I8 || fmt == F_Q8_0) row_zero[i] += 128.0f;   /* the levels are read as unsigned */
+            if (KNAME(signed_format)(fmt)) row_zero[i] += 128.0f;   /* the levels are read as unsigned */
 #endif
         }
         __m256 vscale = _mm256_loadu_ps(scale), vbias = _mm256_loadu_ps(bias);
@@ -296,6 +311,10 @@ KTARGET static void KNAME(rows)(const weight_t *w, const act_t *a, Py_ssize_t r0
     case F_I8: KNAME(rows_of)(F_I8, w, a, r0, r1); break;
     case F_Q8_0: KNAME(rows_of)(F_Q8_0, w, a, r0, r1); break;
     case F_Q4_0: KNAME(rows_of)(F_Q4_0, w, a, r0, r1); break;
-    default: KNAME(rows_of)(F_I4, w, a, r0, r1); break;
+    case F_I4: KNAME(rows_of)(F_I4, w, a, r0, r1); break;
+    case F_Q4_1: KNAME(rows_of)(F_Q4_1, w, a, r0, r1); break;
+    case F_Q5_0: KNAME(rows_of)(F_Q5_0, w, a, r0, r1); break;
+    case F_Q5_1: KNAME(rows_of)(F_Q5_1, w, a, r0, r1); break;
+    default: KNAME(rows_of)(F_IQ4_NL, w, a, r0, r1); break;
     }
 }
