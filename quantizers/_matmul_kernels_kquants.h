@@ -4,10 +4,11 @@
  *   KVNNI        with KSIMD: 1 where the target has VNNI (KDPBUSD, KDPWSSD: vpdpbusd, vpdpwssd on 256-bit
  *                registers), which fuse the multiply-adds and the sum that follows them; 0 (or undefined) else
  *
- * Each weight row is first unpacked, once per call, into a small buffer of integer levels and integer
- * scales (the block layouts on disk: quantizers/_gguf_kernels_kquants.h and _gguf_kernels_generic.h);
- * that row then takes an integer dot product with every activation row, so at batch > 1 the unpacking
- * is paid once per weight, and at batch 1 the row never leaves L1.
+ * At up to FUSED_TOKENS activation rows the SIMD kernels take dot products on the stored K blocks (no
+ * unpacking). Above, each weight row is first unpacked, once per call, into a small buffer of integer
+ * levels and integer scales (the block layouts on disk: quantizers/_gguf_kernels_kquants.h and
+ * _gguf_kernels_generic.h); that row then takes an integer dot product with every activation row, so the
+ * unpacking is paid once per weight and the row never leaves L1.
  *
  * K types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: super-blocks of 256): activations as llama.cpp's q8_K,
  * int8 levels in blocks of 256 with one float scale and the sum of each 16 levels. A super-block
@@ -20,6 +21,8 @@
  * Legacy types (Q4_1, Q5_0, Q5_1, IQ4_NL: blocks of 32): the q8_0 activations of _matmul_kernels.c
  * (scale and level sum per 32). A block unpacks to signed levels q and floats d, m with w = d q + m:
  *     sum_k w_k x_k = dx * (d * (q . xq) + m * xsum).
+ * Only the portable build unpacks them; the SIMD ones decode them (legacy_levels) in the 8-row tiles of
+ * _matmul_kernels_x86.h, as q4_0 (zero 8; Q5_0's is 16, Q4_1/Q5_1 add m * dx * xsum, IQ4_NL is signed).
  */
 
 #ifndef MODELKIT_KQUANTS_COMMON
@@ -261,6 +264,18 @@ static void quantize_q8_k_generic(const float *x, Py_ssize_t M, Py_ssize_t K, in
         }
 }
 
+/* One unpacked row of nb legacy blocks against activation row (xq, xd, xs). Portable only: the SIMD kernels
+ * read the legacy blocks in the 8-row tiles of _matmul_kernels_x86.h. */
+static inline float ldot(const lblock_t *w, Py_ssize_t nb, const int8_t *xq, const float *xd, const float *xs) {
+    float acc = 0.0f;
+    for (Py_ssize_t b = 0; b < nb; b++, w++, xq += QK) {
+        int32_t dot = 0;
+        for (int k = 0; k < QK; k++) dot += w->q[k] * xq[k];
+        acc += xd[b] * (w->d * (float)dot + w->m * xs[b]);
+    }
+    return acc;
+}
+
 #endif /* MODELKIT_KQUANTS_COMMON */
 
 /* ---- per instruction set: the dot products and the row loop ---------------------------------- */
@@ -278,14 +293,6 @@ KTARGET static inline __m256i KNAME(add_madd)(__m256i acc, __m256i p, __m256i s)
 /* vpmaddubsw of levels u (signed_levels: int8, by |u| and x carrying u's sign; else unsigned) and x. */
 KTARGET static inline __m256i KNAME(levels_times)(const int signed_levels, __m256i u, __m256i abs_u, __m256i x) {
     return signed_levels ? _mm256_maddubs_epi16(abs_u, _mm256_sign_epi8(x, u)) : _mm256_maddubs_epi16(u, x);
-}
-
-/* The sums of four products of levels u and activations x, as eight int32 lanes (as levels_times). */
-KTARGET static inline __m256i KNAME(dot4)(const int signed_levels, __m256i u, __m256i abs_u, __m256i x) {
-#if KVNNI
-    if (!signed_levels) return KDPBUSD(_mm256_setzero_si256(), u, x);
-#endif
-    return _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u, abs_u, x), _mm256_set1_epi16(1));
 }
 #endif
 
@@ -331,33 +338,6 @@ KTARGET static inline float KNAME(kdot)(const int signed_levels, const ksuper_t 
 #endif
 }
 
-/* One unpacked row of nb legacy blocks against activation row (xq, xd, xs). */
-KTARGET static inline float KNAME(ldot)(const int signed_levels, const lblock_t *w, Py_ssize_t nb, const int8_t *xq,
-                                        const float *xd, const float *xs) {
-#if KSIMD
-    __m256 acc = _mm256_setzero_ps();
-    float offsets = 0.0f;
-    for (Py_ssize_t b = 0; b < nb; b++, w++, xq += QK) {
-        __m256i u = _mm256_loadu_si256((const __m256i *)w->q), x = _mm256_loadu_si256((const __m256i *)xq);
-        __m256i p = KNAME(dot4)(signed_levels, u, _mm256_abs_epi8(u), x);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w->d * xd[b]), acc);
-        offsets += w->m * xd[b] * xs[b];
-    }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h) + offsets;
-#else
-    (void)signed_levels;
-    float acc = 0.0f;
-    for (Py_ssize_t b = 0; b < nb; b++, w++, xq += QK) {
-        int32_t dot = 0;
-        for (int k = 0; k < QK; k++) dot += w->q[k] * xq[k];
-        acc += xd[b] * (w->d * (float)dot + w->m * xs[b]);
-    }
-    return acc;
-#endif
-}
 
 #if KSIMD
 /* ---- AVX2 decoding of the stored blocks, shared by the fused dot products and the unpacking ------ */
@@ -425,12 +405,7 @@ KTARGET static inline __m256i KNAME(legacy_levels)(const int fmt, const uint8_t 
     return u;
 }
 
-/* A legacy block's m' in w = d u + m': m (Q4_1, Q5_1), -16 d (Q5_0), 0 (IQ4_NL). */
-KTARGET static inline float KNAME(legacy_offset)(const int fmt, const uint8_t *b, float d) {
-    return fmt == F_Q4_1 || fmt == F_Q5_1 ? _cvtsh_ss(read_u16(b + 2)) : fmt == F_Q5_0 ? -16.0f * d : 0.0f;
-}
-
-/* The unpacked forms of unpack_super / unpack_legacy, from the decoders above (Q4_K, Q5_K, Q6_K, legacy). */
+/* The unpacked form of unpack_super, from the decoders above. */
 KTARGET static inline void KNAME(unpack_super)(const int fmt, const uint8_t *b, ksuper_t *o) {
     if (fmt == F_Q6_K) {
         const int8_t *sc = (const int8_t *)(b + 192);
@@ -496,12 +471,6 @@ KTARGET static inline void KNAME(unpack_super)(const int fmt, const uint8_t *b, 
         _mm256_storeu_si256((__m256i *)(o->scx + 32 * c), _mm256_set1_epi16((short)kq_byte(sm, 2 * c)));
         _mm256_storeu_si256((__m256i *)(o->scx + 32 * c + 16), _mm256_set1_epi16((short)kq_byte(sm, 2 * c + 1)));
     }
-}
-
-KTARGET static inline void KNAME(unpack_legacy)(const int fmt, const uint8_t *b, lblock_t *o) {
-    _mm256_storeu_si256((__m256i *)o->q, KNAME(legacy_levels)(fmt, b));
-    o->d = _cvtsh_ss(read_u16(b));
-    o->m = KNAME(legacy_offset)(fmt, b, o->d);
 }
 
 /* q8_K activations, as quantize_q8_k (cvtps2dq rounds half to even like its 2**23 trick). */
@@ -674,22 +643,6 @@ KTARGET static float KNAME(fused_iq4_xs)(const uint8_t *b, Py_ssize_t nsb, const
     return KNAME(hsum)(acc);
 }
 
-/* Q4_1 / Q5_0 / Q5_1 / IQ4_NL row (nb blocks) . q8_0 row: w = d u + m' (IQ4_NL: signed values, sign trick). */
-KTARGET static float KNAME(fused_legacy)(const int fmt, const uint8_t *b, Py_ssize_t nb, const int8_t *xq,
-                                         const float *xd, const float *xs) {
-    const Py_ssize_t block_bytes = more_block_bytes(fmt);
-    __m256 acc = _mm256_setzero_ps();
-    float offsets = 0.0f;
-    for (Py_ssize_t k = 0; k < nb; k++, b += block_bytes, xq += QK) {
-        __m256i u = KNAME(legacy_levels)(fmt, b), x = _mm256_loadu_si256((const __m256i *)xq);
-        float d = _cvtsh_ss(read_u16(b)), dx = xd[k];
-        __m256i p = KNAME(dot4)(fmt == F_IQ4_NL, u, _mm256_abs_epi8(u), x);
-        offsets += KNAME(legacy_offset)(fmt, b, d) * dx * xs[k];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx), acc);
-    }
-    return KNAME(hsum)(acc) + offsets;
-}
-
 /* ---- AVX2, more activation rows: two unpacked rows against four activation rows at once ---------- */
 
 /* K rows w[0], w[1] . q8_K rows t = 0..3 (levels xq + t K, scales xd + t nsb, sums xb + t K / 16): out[4 i + t]. */
@@ -728,41 +681,15 @@ KTARGET static void KNAME(ktile)(const int signed_levels, const ksuper_t *const 
     for (int k = 0; k < 8; k++) out[k] = KNAME(hsum)(acc[k]);
 }
 
-/* Legacy rows w[0], w[1] . q8_0 rows t = 0..3 (levels xq + t nb QK, scales and sums + t nb):
- * out[4 i + t]. The eight integer dot products of a block reduce to one register (lane 4 i + t, reduce8 of
- * _matmul_kernels_x86.h), scaled in one multiply-add. */
-KTARGET static void KNAME(ltile)(const int signed_levels, const lblock_t *const *w, Py_ssize_t nb, const int8_t *xq,
-                                 const float *xd, const float *xs, float *out) {
-    __m256 acc = _mm256_setzero_ps();
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        const lblock_t *w0 = w[0] + b, *w1 = w[1] + b;
-        __m256i u0 = _mm256_loadu_si256((const __m256i *)w0->q), u1 = _mm256_loadu_si256((const __m256i *)w1->q);
-        __m256i a0 = signed_levels ? _mm256_abs_epi8(u0) : u0, a1 = signed_levels ? _mm256_abs_epi8(u1) : u1;
-        __m256i p[8];
-        for (int t = 0; t < 4; t++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (t * nb + b) * QK));
-            p[t] = KNAME(dot4)(signed_levels, u0, a0, x);
-            p[4 + t] = KNAME(dot4)(signed_levels, u1, a1, x);
-        }
-        __m128 dx = _mm_setr_ps(xd[b], xd[nb + b], xd[2 * nb + b], xd[3 * nb + b]);
-        __m128 dxs = _mm_mul_ps(dx, _mm_setr_ps(xs[b], xs[nb + b], xs[2 * nb + b], xs[3 * nb + b]));
-        __m256 d = _mm256_set_m128(_mm_set1_ps(w1->d), _mm_set1_ps(w0->d));
-        __m256 m = _mm256_set_m128(_mm_set1_ps(w1->m), _mm_set1_ps(w0->m));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(KNAME(reduce8)(p)), _mm256_mul_ps(d, _mm256_set_m128(dx, dx)), acc);
-        acc = _mm256_fmadd_ps(m, _mm256_set_m128(dxs, dxs), acc);
-    }
-    _mm256_storeu_ps(out, acc);
-}
 #endif
 
 /* Rows [r0, r1) of a weight in one of the formats above F_I4: each row unpacked once, then dotted with
- * every activation row. `a`: q8_K activations (q, d, bsums) for the K types, q8_0 ones (q, d, s) else. */
+ * every activation row. `a`: q8_K activations (q, d, bsums) for the K types, q8_0 ones (q, d, s) else.
+ * The SIMD builds see the K types only (the legacy blocks go to _matmul_kernels_x86.h's tiles). */
 #if KSIMD
 #define KUNPACK_SUPER KNAME(unpack_super)
-#define KUNPACK_LEGACY KNAME(unpack_legacy)
 #else
 #define KUNPACK_SUPER unpack_super
-#define KUNPACK_LEGACY unpack_legacy
 #endif
 #if KSIMD
 #define KPREFETCH_ROWS 8            /* the row this many rows on is requested from memory while one computes */
@@ -779,7 +706,7 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
     const Py_ssize_t nblocks = k_type ? w->K / QKK : w->nb, block_bytes = more_block_bytes(fmt);
     const size_t unpacked_bytes = (size_t)nblocks * (k_type ? sizeof(ksuper_t) : sizeof(lblock_t));
 #if KSIMD
-    if (a->M <= FUSED_TOKENS) {
+    if (a->M <= FUSED_TOKENS && k_type) {
         for (Py_ssize_t r = r0; r < r1; r++) {
             const uint8_t *row = w->w + r * w->w_stride;
             float bias = w->bias ? w->bias[r] : 0.0f;
@@ -795,11 +722,8 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
                     dot = KNAME(fused_q2_q3_k)(row, nblocks, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), 0);
                 else if (fmt == F_Q3_K)
                     dot = KNAME(fused_q2_q3_k)(row, nblocks, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), 1);
-                else if (fmt == F_IQ4_XS)
-                    dot = KNAME(fused_iq4_xs)(row, nblocks, a->q + m * w->K, a->d + m * nblocks);
                 else
-                    dot = KNAME(fused_legacy)(fmt, row, nblocks, a->q + m * nblocks * QK, a->d + m * nblocks,
-                                              a->s + m * nblocks);
+                    dot = KNAME(fused_iq4_xs)(row, nblocks, a->q + m * w->K, a->d + m * nblocks);
                 a->y[m * w->N + r] = bias + dot;
             }
         }
@@ -825,21 +749,16 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
             const uint8_t *row = w->w + (r + i) * w->w_stride;
             for (Py_ssize_t b = 0; b < nblocks; b++) {
                 if (k_type) KUNPACK_SUPER(fmt, row + b * block_bytes, (ksuper_t *)(buffer + i * unpacked_bytes) + b);
-                else KUNPACK_LEGACY(fmt, row + b * block_bytes, (lblock_t *)(buffer + i * unpacked_bytes) + b);
+                else unpack_legacy(fmt, row + b * block_bytes, (lblock_t *)(buffer + i * unpacked_bytes) + b);
             }
         }
         Py_ssize_t m = 0;
 #if KSIMD
-        if (n == 2) {
+        if (n == 2 && k_type) {
             for (; m + 4 <= a->M; m += 4) {
                 float out[8];
-                if (k_type) {
-                    const ksuper_t *rows[2] = {(const ksuper_t *)buffer, (const ksuper_t *)(buffer + unpacked_bytes)};
-                    KNAME(ktile)(signed_levels, rows, nblocks, w->K, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), out);
-                } else {
-                    const lblock_t *rows[2] = {(const lblock_t *)buffer, (const lblock_t *)(buffer + unpacked_bytes)};
-                    KNAME(ltile)(signed_levels, rows, nblocks, a->q + m * nblocks * QK, a->d + m * nblocks, a->s + m * nblocks, out);
-                }
+                const ksuper_t *rows[2] = {(const ksuper_t *)buffer, (const ksuper_t *)(buffer + unpacked_bytes)};
+                KNAME(ktile)(signed_levels, rows, nblocks, w->K, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), out);
                 for (int i = 0; i < 2; i++)
                     for (int t = 0; t < 4; t++)
                         a->y[(m + t) * w->N + r + i] = out[4 * i + t] + (w->bias ? w->bias[r + i] : 0.0f);
@@ -852,8 +771,8 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
                 float dot = k_type
                     ? KNAME(kdot)(signed_levels, (const ksuper_t *)(buffer + i * unpacked_bytes), nblocks, a->q + t * w->K,
                                   a->d + t * nblocks, a->bsums + t * (w->K / 16))
-                    : KNAME(ldot)(signed_levels, (const lblock_t *)(buffer + i * unpacked_bytes), nblocks,
-                                  a->q + t * nblocks * QK, a->d + t * nblocks, a->s + t * nblocks);
+                    : ldot((const lblock_t *)(buffer + i * unpacked_bytes), nblocks, a->q + t * nblocks * QK,
+                           a->d + t * nblocks, a->s + t * nblocks);
                 a->y[t * w->N + r + i] = bias + dot;
             }
         }
@@ -861,4 +780,3 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
     free(buffer);
 }
 #undef KUNPACK_SUPER
-#undef KUNPACK_LEGACY

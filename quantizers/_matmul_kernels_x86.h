@@ -1,4 +1,5 @@
-/* x86-64 SIMD kernels of _matmul_kernels.c, included once per instruction set with
+/* x86-64 SIMD kernels of _matmul_kernels.c for int8 rows, int4 rows and the GGUF blocks of 32 (q8_0, q4_0,
+ * q4_1, q5_0, q5_1, iq4_nl), included once per instruction set with
  *   KNAME(name)  the function names' suffix      KTARGET  the target attribute
  *   KVNNI        1: vpdpbusd (KDPBUSD) on 256-bit registers; 0: AVX2 vpmaddubsw + vpmaddwd
  *
