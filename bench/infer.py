@@ -207,7 +207,7 @@ def models(only: set[str], scheme_names: tuple[str, ...] = SCHEMES, rounds: int 
         for _ in range(rounds):
             for key, m in every.items():
                 for b in (1, 64):
-                    ms[key][b].append(forward_ms(m, vocab, b, 2 if heavy and b > 1 else 10))
+                    ms[key][b].append(forward_ms(m, vocab, b, 1 if heavy and b > 1 else 10))
         rates = generate_rates(model, vocab) if has_generate else None
         row(name, scheme="float32", batch1_ms=statistics.median(ms["float32"][1]),
             batch64_ms=statistics.median(ms["float32"][64]),
