@@ -741,10 +741,6 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
     }
     for (Py_ssize_t r = r0; r < r1; r += 1 + pairs) {
         int n = pairs && r + 1 < r1 ? 2 : 1;             /* rows unpacked together */
-#if KSIMD
-        KNAME(prefetch_row)(w, r + KPREFETCH_ROWS, r1);
-        KNAME(prefetch_row)(w, r + KPREFETCH_ROWS + 1, r1);
-#endif
         for (int i = 0; i < n; i++) {
             const uint8_t *row = w->w + (r + i) * w->w_stride;
             for (Py_ssize_t b = 0; b < nblocks; b++) {
