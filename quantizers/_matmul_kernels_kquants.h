@@ -646,7 +646,7 @@ KTARGET static float KNAME(fused_iq4_xs)(const uint8_t *b, Py_ssize_t nsb, const
 /* ---- AVX2, more activation rows: two unpacked rows against four activation rows at once ---------- */
 
 /* K rows w[0], w[1] . q8_K rows t = 0..3 (levels xq + t K, scales xd + t nsb, sums xb + t K / 16): out[4 i + t]. */
-KTARGET static void KNAME(ktile)(const int signed_levels, const ksuper_t *const *w, Py_ssize_t nsb, Py_ssize_t K,
+KTARGET __attribute__((always_inline)) static inline void KNAME(ktile)(const int signed_levels, const ksuper_t *const *w, Py_ssize_t nsb, Py_ssize_t K,
                                  const int8_t *xq, const float *xd, const int16_t *xb, float *out) {
     __m256 acc[8];
     for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
