@@ -1,6 +1,7 @@
 """Inference speed of quantized models: float against each scheme, and against other runtimes (issue 16).
 
     .venv/bin/python bench/infer.py [--threads 2] [--only probe,tinylm,llama,anchors,memory] [--schemes q4_k,...] [--json out.json]
+                                    [--rounds 3] [--cpu-time]
     PYTHONPATH=/work/llama/site .venv/bin/python bench/infer.py      # with llama.cpp (llama-cpp-python)
 
 Every figure is a ratio to a baseline timed in the same process, just before it (float32 on the same
@@ -12,7 +13,10 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
 2. tinylm (the zoo's default config) and llama-100m (transformers' LlamaForCausalLM, hidden 768,
    12 layers, 12 heads / 4 KV heads, MLP 2048, vocabulary 32000, random weights): forward latency
    on 16-token windows at batch 1 and 64 for float and every scheme (quantized layers as load_module
-   builds them); for llama-100m also `generate` prompt processing (64 tokens) and decode tokens/s.
+   builds them), float and the schemes interleaved in each of --rounds rounds, each ratio taken against
+   float's time in the same round (median and range over the rounds reported; the bars judge the median);
+   --cpu-time (with --threads 1) times in this thread's CPU time, so a shared machine's other work does not
+   count. For llama-100m also `generate` prompt processing (64 tokens) and decode tokens/s.
    Goals: int8 / int8-dynamic <= 0.6x float at batch 1, int4 / gptq layout / q4_0 / q4_k / q4_k_m <= 0.5x,
    q5_k / q6_k <= 0.6x, every scheme <= 1.0x at batch 64 (`--schemes q4_k,q6_k` picks some).
 3. anchors, on the same weights: torchao int8 weight-only (torchao 0.18's int4 weight-only has no
@@ -63,15 +67,18 @@ def bar(name: str, value: float, goal: float, higher: bool = False) -> None:
     print(f"  [{'met' if ok else 'MISSED'}] {name}: {value:.2f}x (goal {'>=' if higher else '<='} {goal}x)", flush=True)
 
 
+CLOCK: Callable[[], float] = time.perf_counter     # --cpu-time: time.thread_time
+
+
 def timed(fn: Callable[..., Any], *args: Any, repeats: int, min_seconds: float = 0.0) -> float:
     """Median seconds of `fn(*args)` after one warm-up call."""
     fn(*args)
     times: list[float] = []
-    started = time.perf_counter()
-    while len(times) < repeats or (time.perf_counter() - started < min_seconds and len(times) < 10 * repeats):
-        t0 = time.perf_counter()
+    started = CLOCK()
+    while len(times) < repeats or (CLOCK() - started < min_seconds and len(times) < 10 * repeats):
+        t0 = CLOCK()
         fn(*args)
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return statistics.median(times)
 
 
@@ -180,8 +187,13 @@ def generate_rates(model: nn.Module, vocab: int, *, prompt: int = 64, new: int =
     return best
 
 
-def models(only: set[str], scheme_names: tuple[str, ...] = SCHEMES) -> None:
-    print("\n2. forward latency (16-token windows) and generate, each scheme against float32 on the same model")
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def models(only: set[str], scheme_names: tuple[str, ...] = SCHEMES, rounds: int = 3) -> None:
+    print(f"\n2. forward latency (16-token windows) and generate, each scheme against float32 on the same model, "
+          f"{rounds} rounds interleaved: median [range] of the ratios")
     cases = []
     if "tinylm" in only:
         cases.append(("tinylm", build("tinylm", seed=0).eval(), 256, False))
@@ -189,27 +201,28 @@ def models(only: set[str], scheme_names: tuple[str, ...] = SCHEMES) -> None:
         cases.append(("llama-100m", hf_llama(LLAMA_100M), 32000, True))
     for name, model, vocab, has_generate in cases:
         heavy = name != "tinylm"
-        base = {b: forward_ms(model, vocab, b, 3 if heavy and b > 1 else 10) for b in (1, 64)}
+        every = {"float32": model, **{scheme: quantized(model, scheme) for scheme in scheme_names}}
+        gc.collect()
+        ms: dict[str, dict[int, list[float]]] = {key: {1: [], 64: []} for key in every}
+        for _ in range(rounds):
+            for key, m in every.items():
+                for b in (1, 64):
+                    ms[key][b].append(forward_ms(m, vocab, b, 1 if heavy and b > 1 else 10))
         rates = generate_rates(model, vocab) if has_generate else None
-        row(name, scheme="float32", batch1_ms=base[1], batch64_ms=base[64],
+        row(name, scheme="float32", batch1_ms=statistics.median(ms["float32"][1]),
+            batch64_ms=statistics.median(ms["float32"][64]),
             **({"prompt_tok_s": rates[0], "decode_tok_s": rates[1]} if rates else {}))
         for scheme in scheme_names:
-            q = quantized(model, scheme)
-            gc.collect()
-            again = {b: forward_ms(model, vocab, b, 3 if heavy and b > 1 else 10) for b in (1, 64)} if heavy else base
-            ms = {b: forward_ms(q, vocab, b, 3 if heavy and b > 1 else 10) for b in (1, 64)}
-            ratio = {b: ms[b] / min(base[b], again[b]) for b in (1, 64)}
+            ratio = {b: [q / f for q, f in zip(ms[scheme][b], ms["float32"][b], strict=True)] for b in (1, 64)}
             extra = {}
             if has_generate:
-                q_rates = generate_rates(q, vocab)
+                q_rates = generate_rates(every[scheme], vocab)
                 extra = {"prompt_vs_float": round(q_rates[0] / rates[0], 2), "decode_vs_float": round(q_rates[1] / rates[1], 2),
                          "decode_tok_s": q_rates[1]}
-            row(name, scheme=scheme, batch1_ratio=round(ratio[1], 2), batch64_ratio=round(ratio[64], 2), **extra)
-            bar(f"{name} {scheme} batch 1 / float", ratio[1], GOAL_BATCH1[scheme])
-            bar(f"{name} {scheme} batch 64 / float", ratio[64], 1.0)
-            del q
-            gc.collect()
-        del model
+            row(name, scheme=scheme, batch1_ratio=spread(ratio[1]), batch64_ratio=spread(ratio[64]), **extra)
+            bar(f"{name} {scheme} batch 1 / float", statistics.median(ratio[1]), GOAL_BATCH1[scheme])
+            bar(f"{name} {scheme} batch 64 / float", statistics.median(ratio[64]), 1.0)
+        del every, model
         gc.collect()
 
 
@@ -378,13 +391,22 @@ def main() -> None:
                         help="parts, comma-separated: probe, tinylm, llama, anchors (or torchao, onnx, llamacpp), memory")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="the schemes of part 2, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3, help="part 2: rounds of float and every scheme, interleaved")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time in this thread's CPU time (needs --threads 1: other threads' time would not count)")
     args = parser.parse_args()
+    if args.cpu_time:
+        if args.threads != 1:
+            parser.error("--cpu-time times one thread: use it with --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
     torch.set_num_threads(args.threads)
     only = set(args.only.split(","))
-    print(f"torch {torch.__version__}, {args.threads} threads; ratios are within this run (the machine may be loaded)")
+    print(f"torch {torch.__version__}, {args.threads} threads, {'CPU' if args.cpu_time else 'wall-clock'} time; "
+          "ratios are within this run (the machine may be loaded)")
     if "probe" in only:
         probe()
-    models(only, tuple(args.schemes.split(",")))
+    models(only, tuple(args.schemes.split(",")), args.rounds)
     if only & {"anchors", "torchao"}:
         torchao_anchor()
     if only & {"anchors", "onnx"}:

@@ -234,7 +234,7 @@ typedef void (*rows_fn)(const weight_t *, const act_t *, Py_ssize_t, Py_ssize_t)
 #define KVNNI 0
 #include "_matmul_kernels_x86.h"
 #define KSIMD 1
-#include "_matmul_kernels_kquants.h"        /* the VNNI entries use these AVX2 ones too */
+#include "_matmul_kernels_kquants.h"        /* quantize_q8_k_avx2 serves the VNNI entries too */
 #undef KSIMD
 #undef KNAME
 #undef KTARGET
@@ -245,41 +245,51 @@ typedef void (*rows_fn)(const weight_t *, const act_t *, Py_ssize_t, Py_ssize_t)
 #define KNAME(name) name##_avxvnni
 #define KTARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define KVNNI 1
+#define KSIMD 1
 #define KDPBUSD _mm256_dpbusd_avx_epi32
+#define KDPWSSD _mm256_dpwssd_avx_epi32
 #include "_matmul_kernels_x86.h"
+#include "_matmul_kernels_kquants.h"
 #undef KNAME
 #undef KTARGET
 #undef KDPBUSD
+#undef KDPWSSD
 
 #define KNAME(name) name##_avx512vnni
 #define KTARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #define KDPBUSD _mm256_dpbusd_epi32
+#define KDPWSSD _mm256_dpwssd_epi32
 #include "_matmul_kernels_x86.h"
+#include "_matmul_kernels_kquants.h"
 #undef KNAME
 #undef KTARGET
 #undef KDPBUSD
+#undef KDPWSSD
 #undef KVNNI
+#undef KSIMD
 #endif
 #endif
 
 typedef void (*quantize_k_fn)(const float *, Py_ssize_t, Py_ssize_t, int8_t *, float *, int16_t *);
 
-/* rows: F_I8..F_I4; more_rows: the formats of _matmul_kernels_kquants.h, quantize_k: their q8_K activations. */
+/* rows: F_I8..F_I4; legacy_rows: q4_1, q5_0, q5_1, iq4_nl (the SIMD kernels read them as they read q4_0);
+ * more_rows: the K types of _matmul_kernels_kquants.h, quantize_k: their q8_K activations. */
 static const struct {
     const char *name;
     rows_fn rows;
     quantize_fn quantize;
+    rows_fn legacy_rows;
     rows_fn more_rows;
     quantize_k_fn quantize_k;
 } ALL_ISAS[] = {
 #ifdef HAVE_VNNI_KERNELS
-    {"avx512vnni", rows_avx512vnni, quantize_activations_avx2, more_rows_avx2, quantize_q8_k_avx2},
-    {"avxvnni", rows_avxvnni, quantize_activations_avx2, more_rows_avx2, quantize_q8_k_avx2},
+    {"avx512vnni", rows_avx512vnni, quantize_activations_avx2, rows_avx512vnni, more_rows_avx512vnni, quantize_q8_k_avx2},
+    {"avxvnni", rows_avxvnni, quantize_activations_avx2, rows_avxvnni, more_rows_avxvnni, quantize_q8_k_avx2},
 #endif
 #ifdef HAVE_X86_KERNELS
-    {"avx2", rows_avx2, quantize_activations_avx2, more_rows_avx2, quantize_q8_k_avx2},
+    {"avx2", rows_avx2, quantize_activations_avx2, rows_avx2, more_rows_avx2, quantize_q8_k_avx2},
 #endif
-    {"generic", generic_rows, quantize_activations, more_rows_generic, quantize_q8_k_generic},
+    {"generic", generic_rows, quantize_activations, more_rows_generic, more_rows_generic, quantize_q8_k_generic},
 };
 #define N_ISAS ((int)(sizeof ALL_ISAS / sizeof ALL_ISAS[0]))
 static int isa_ok[N_ISAS];      /* this CPU runs ALL_ISAS[i]: set once, when the module loads */
@@ -410,7 +420,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     quantize_k_fn quantize_k = NULL;
     for (int i = 0; i < N_ISAS; i++)
         if (strcmp(isa, ALL_ISAS[i].name) == 0 && isa_ok[i]) {
-            rows = fmt > F_I4 ? ALL_ISAS[i].more_rows : ALL_ISAS[i].rows;
+            rows = fmt <= F_I4 ? ALL_ISAS[i].rows : is_k_format(fmt) ? ALL_ISAS[i].more_rows : ALL_ISAS[i].legacy_rows;
             quantize = ALL_ISAS[i].quantize;
             quantize_k = ALL_ISAS[i].quantize_k;
         }

@@ -1,11 +1,14 @@
 /* Kernels of _matmul_kernels.c for the GGUF types beyond q8_0/q4_0, included once per instruction set with
  *   KNAME(name)  the function names' suffix      KTARGET  the target attribute (empty for the portable build)
  *   KSIMD        1: AVX2 intrinsics (vpmaddubsw + vpmaddwd); 0: portable C
+ *   KVNNI        with KSIMD: 1 where the target has VNNI (KDPBUSD, KDPWSSD: vpdpbusd, vpdpwssd on 256-bit
+ *                registers), which fuse the multiply-adds and the sum that follows them; 0 (or undefined) else
  *
- * Each weight row is first unpacked, once per call, into a small buffer of integer levels and integer
- * scales (the block layouts on disk: quantizers/_gguf_kernels_kquants.h and _gguf_kernels_generic.h);
- * that row then takes an integer dot product with every activation row, so at batch > 1 the unpacking
- * is paid once per weight, and at batch 1 the row never leaves L1.
+ * At up to FUSED_TOKENS activation rows the SIMD kernels take dot products on the stored K blocks (no
+ * unpacking). Above, each weight row is first unpacked, once per call, into a small buffer of integer
+ * levels and integer scales (the block layouts on disk: quantizers/_gguf_kernels_kquants.h and
+ * _gguf_kernels_generic.h); that row then takes an integer dot product with every activation row, so the
+ * unpacking is paid once per weight and the row never leaves L1.
  *
  * K types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: super-blocks of 256): activations as llama.cpp's q8_K,
  * int8 levels in blocks of 256 with one float scale and the sum of each 16 levels. A super-block
@@ -18,6 +21,8 @@
  * Legacy types (Q4_1, Q5_0, Q5_1, IQ4_NL: blocks of 32): the q8_0 activations of _matmul_kernels.c
  * (scale and level sum per 32). A block unpacks to signed levels q and floats d, m with w = d q + m:
  *     sum_k w_k x_k = dx * (d * (q . xq) + m * xsum).
+ * Only the portable build unpacks them; the SIMD ones decode them (legacy_levels) in the 8-row tiles of
+ * _matmul_kernels_x86.h, as q4_0 (zero 8; Q5_0's is 16, Q4_1/Q5_1 add m * dx * xsum, IQ4_NL is signed).
  */
 
 #ifndef MODELKIT_KQUANTS_COMMON
@@ -76,16 +81,19 @@ static inline void kq_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-/* The same 12 bytes at once: out[0..7] the eight scales, out[8..15] the eight minimums. */
-static inline void kq_scales_mins(const uint8_t *q, uint8_t *out) {
-    uint32_t word[3], sm[4];
+/* The same 12 bytes at once, as four words of four bytes: sm[0..1] the eight scales, sm[2..3] the eight
+ * minimums (kq_byte reads one). Kept in words: bytes stored one way and read back another would stall the
+ * store forwarding of the dot products that use them. */
+static inline void kq_scales_mins(const uint8_t *q, uint32_t *sm) {
+    uint32_t word[3];
     memcpy(word, q, 12);
     sm[0] = word[0] & 0x3f3f3f3fu;                                          /* scales 0-3: low 6 bits of 0-3 */
     sm[1] = (word[2] & 0x0f0f0f0fu) | ((word[0] >> 6) & 0x03030303u) << 4;  /* scales 4-7 */
     sm[2] = word[1] & 0x3f3f3f3fu;                                          /* minimums 0-3 */
     sm[3] = ((word[2] >> 4) & 0x0f0f0f0fu) | ((word[1] >> 6) & 0x03030303u) << 4;
-    memcpy(out, sm, 16);
 }
+
+static inline int kq_byte(const uint32_t *sm, int i) { return (int)((sm[i >> 2] >> (8 * (i & 3))) & 0xff); }
 
 /* Q4_K (144 B: d, dmin, 12 scale bytes, 128 nibble bytes), Q5_K (176 B: the same with 32 fifth-bit
  * bytes before the nibbles): 64 weights per 32 nibble bytes, low nibbles first. */
@@ -256,9 +264,37 @@ static void quantize_q8_k_generic(const float *x, Py_ssize_t M, Py_ssize_t K, in
         }
 }
 
+/* One unpacked row of nb legacy blocks against activation row (xq, xd, xs). Portable only: the SIMD kernels
+ * read the legacy blocks in the 8-row tiles of _matmul_kernels_x86.h. */
+static inline float ldot(const lblock_t *w, Py_ssize_t nb, const int8_t *xq, const float *xd, const float *xs) {
+    float acc = 0.0f;
+    for (Py_ssize_t b = 0; b < nb; b++, w++, xq += QK) {
+        int32_t dot = 0;
+        for (int k = 0; k < QK; k++) dot += w->q[k] * xq[k];
+        acc += xd[b] * (w->d * (float)dot + w->m * xs[b]);
+    }
+    return acc;
+}
+
 #endif /* MODELKIT_KQUANTS_COMMON */
 
 /* ---- per instruction set: the dot products and the row loop ---------------------------------- */
+
+#if KSIMD
+/* acc + the int32 pair sums of p * s (int16 lanes): vpdpwssd with VNNI, vpmaddwd + vpaddd else. */
+KTARGET static inline __m256i KNAME(add_madd)(__m256i acc, __m256i p, __m256i s) {
+#if KVNNI
+    return KDPWSSD(acc, p, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+#endif
+}
+
+/* vpmaddubsw of levels u (signed_levels: int8, by |u| and x carrying u's sign; else unsigned) and x. */
+KTARGET static inline __m256i KNAME(levels_times)(const int signed_levels, __m256i u, __m256i abs_u, __m256i x) {
+    return signed_levels ? _mm256_maddubs_epi16(abs_u, _mm256_sign_epi8(x, u)) : _mm256_maddubs_epi16(u, x);
+}
+#endif
 
 /* One unpacked row of nsb K super-blocks against activation row (xq, xd, xb). */
 KTARGET static inline float KNAME(kdot)(const int signed_levels, const ksuper_t *w, Py_ssize_t nsb, const int8_t *xq,
@@ -270,9 +306,8 @@ KTARGET static inline float KNAME(kdot)(const int signed_levels, const ksuper_t 
         for (int c = 0; c < 8; c++) {
             __m256i u = _mm256_loadu_si256((const __m256i *)(w->q + 32 * c));
             __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
-            __m256i p = signed_levels ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u))
-                                      : _mm256_maddubs_epi16(u, x);
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_loadu_si256((const __m256i *)(w->scx + 16 * c))));
+            __m256i p = KNAME(levels_times)(signed_levels, u, _mm256_abs_epi8(u), x);
+            isum = KNAME(add_madd)(isum, p, _mm256_loadu_si256((const __m256i *)(w->scx + 16 * c)));
         }
         float dx = xd[sb];
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(w->d * dx), acc);
@@ -303,35 +338,6 @@ KTARGET static inline float KNAME(kdot)(const int signed_levels, const ksuper_t 
 #endif
 }
 
-/* One unpacked row of nb legacy blocks against activation row (xq, xd, xs). */
-KTARGET static inline float KNAME(ldot)(const int signed_levels, const lblock_t *w, Py_ssize_t nb, const int8_t *xq,
-                                        const float *xd, const float *xs) {
-#if KSIMD
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    float offsets = 0.0f;
-    for (Py_ssize_t b = 0; b < nb; b++, w++, xq += QK) {
-        __m256i u = _mm256_loadu_si256((const __m256i *)w->q), x = _mm256_loadu_si256((const __m256i *)xq);
-        __m256i p = _mm256_madd_epi16(signed_levels ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u))
-                                                    : _mm256_maddubs_epi16(u, x), ones);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w->d * xd[b]), acc);
-        offsets += w->m * xd[b] * xs[b];
-    }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h) + offsets;
-#else
-    (void)signed_levels;
-    float acc = 0.0f;
-    for (Py_ssize_t b = 0; b < nb; b++, w++, xq += QK) {
-        int32_t dot = 0;
-        for (int k = 0; k < QK; k++) dot += w->q[k] * xq[k];
-        acc += xd[b] * (w->d * (float)dot + w->m * xs[b]);
-    }
-    return acc;
-#endif
-}
 
 #if KSIMD
 /* ---- AVX2 decoding of the stored blocks, shared by the fused dot products and the unpacking ------ */
@@ -399,12 +405,7 @@ KTARGET static inline __m256i KNAME(legacy_levels)(const int fmt, const uint8_t 
     return u;
 }
 
-/* A legacy block's m' in w = d u + m': m (Q4_1, Q5_1), -16 d (Q5_0), 0 (IQ4_NL). */
-KTARGET static inline float KNAME(legacy_offset)(const int fmt, const uint8_t *b, float d) {
-    return fmt == F_Q4_1 || fmt == F_Q5_1 ? _cvtsh_ss(read_u16(b + 2)) : fmt == F_Q5_0 ? -16.0f * d : 0.0f;
-}
-
-/* The unpacked forms of unpack_super / unpack_legacy, from the decoders above (Q4_K, Q5_K, Q6_K, legacy). */
+/* The unpacked form of unpack_super, from the decoders above. */
 KTARGET static inline void KNAME(unpack_super)(const int fmt, const uint8_t *b, ksuper_t *o) {
     if (fmt == F_Q6_K) {
         const int8_t *sc = (const int8_t *)(b + 192);
@@ -456,29 +457,24 @@ KTARGET static inline void KNAME(unpack_super)(const int fmt, const uint8_t *b, 
         }
         return;
     }
-    uint8_t sm[16];
+    uint32_t sm[4];
     kq_scales_mins(b + 4, sm);
     o->d = _cvtsh_ss(read_u16(b));
     o->dmin = _cvtsh_ss(read_u16(b + 2));
-    __m128i mins = _mm_loadl_epi64((const __m128i *)(sm + 8));
+    __m128i mins = _mm_cvtsi64_si128((long long)((uint64_t)sm[3] << 32 | sm[2]));
     _mm256_storeu_si256((__m256i *)o->mn, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins)));
     for (int c = 0; c < 4; c++) {
         __m256i lo, hi;
         KNAME(qk_levels)(b, c, fmt == F_Q5_K, &lo, &hi);
         _mm256_storeu_si256((__m256i *)(o->q + 64 * c), lo);
         _mm256_storeu_si256((__m256i *)(o->q + 64 * c + 32), hi);
-        _mm256_storeu_si256((__m256i *)(o->scx + 32 * c), _mm256_set1_epi16(sm[2 * c]));
-        _mm256_storeu_si256((__m256i *)(o->scx + 32 * c + 16), _mm256_set1_epi16(sm[2 * c + 1]));
+        _mm256_storeu_si256((__m256i *)(o->scx + 32 * c), _mm256_set1_epi16((short)kq_byte(sm, 2 * c)));
+        _mm256_storeu_si256((__m256i *)(o->scx + 32 * c + 16), _mm256_set1_epi16((short)kq_byte(sm, 2 * c + 1)));
     }
 }
 
-KTARGET static inline void KNAME(unpack_legacy)(const int fmt, const uint8_t *b, lblock_t *o) {
-    _mm256_storeu_si256((__m256i *)o->q, KNAME(legacy_levels)(fmt, b));
-    o->d = _cvtsh_ss(read_u16(b));
-    o->m = KNAME(legacy_offset)(fmt, b, o->d);
-}
-
 /* q8_K activations, as quantize_q8_k (cvtps2dq rounds half to even like its 2**23 trick). */
+#if !KVNNI
 KTARGET static void KNAME(quantize_q8_k)(const float *x, Py_ssize_t M, Py_ssize_t K, int8_t *q, float *d, int16_t *bsums) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -510,6 +506,7 @@ KTARGET static void KNAME(quantize_q8_k)(const float *x, Py_ssize_t M, Py_ssize_
             }
         }
 }
+#endif
 
 /* ---- AVX2, few activation rows: dot products straight on the stored blocks (no unpacked row) ---- */
 
@@ -520,10 +517,10 @@ KTARGET static float KNAME(fused_qk_affine)(const uint8_t *b, Py_ssize_t nsb, co
     __m128 acc_min = _mm_setzero_ps();
     const Py_ssize_t block_bytes = five ? 176 : 144;
     for (Py_ssize_t sb = 0; sb < nsb; sb++, b += block_bytes, xq += QKK, xb += 16) {
-        uint8_t sm[16];
+        uint32_t sm[4];
         kq_scales_mins(b + 4, sm);
         float dx = xd[sb];
-        __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 8)));
+        __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)((uint64_t)sm[3] << 32 | sm[2])));
         __m128i pair_sums = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)xb), _mm_loadu_si128((const __m128i *)(xb + 8)));
         acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, pair_sums)), _mm_set1_ps(_cvtsh_ss(read_u16(b + 2)) * dx),
                                acc_min);
@@ -533,8 +530,8 @@ KTARGET static float KNAME(fused_qk_affine)(const uint8_t *b, Py_ssize_t nsb, co
             KNAME(qk_levels)(b, c, five, &lo, &hi);
             __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * c)));
             __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * c + 32)));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(sm[2 * c])));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sm[2 * c + 1])));
+            isum = KNAME(add_madd)(isum, p_lo, _mm256_set1_epi16((short)kq_byte(sm, 2 * c)));
+            isum = KNAME(add_madd)(isum, p_hi, _mm256_set1_epi16((short)kq_byte(sm, 2 * c + 1)));
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(read_u16(b)) * dx), acc);
     }
@@ -557,7 +554,7 @@ KTARGET static float KNAME(fused_q6_k)(const uint8_t *b, Py_ssize_t nsb, const i
             KNAME(q6_levels)(b, n, q);
             for (int g = 0; g < 4; g++) {
                 __m256i p = _mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(xq + 128 * n + 32 * g)));
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, KNAME(q6_scales)(sc, n, g)));
+                isum = KNAME(add_madd)(isum, p, KNAME(q6_scales)(sc, n, g));
             }
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(read_u16(b + 208)) * xd[sb]), acc);
@@ -565,33 +562,91 @@ KTARGET static float KNAME(fused_q6_k)(const uint8_t *b, Py_ssize_t nsb, const i
     return KNAME(hsum)(acc);
 }
 
-/* Q4_1 / Q5_0 / Q5_1 / IQ4_NL row (nb blocks) . q8_0 row: w = d u + m' (IQ4_NL: signed values, sign trick). */
-KTARGET static float KNAME(fused_legacy)(const int fmt, const uint8_t *b, Py_ssize_t nb, const int8_t *xq,
-                                         const float *xd, const float *xs) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const Py_ssize_t block_bytes = more_block_bytes(fmt);
+/* Q3_K's sixteen 6-bit scales (12 bytes: words a0, a1, a2), each less 32, as q2_q3_scales: scales 4 i .. 4 i + 3
+ * are the low nibbles of a0, a1 (i = 0, 1), then their high nibbles (i = 2, 3), with bits 2 i, 2 i + 1 of a2's
+ * bytes on top. In registers: scalar stores read back as one vector would stall store forwarding. */
+KTARGET static inline __m128i KNAME(q3_scales)(const uint8_t *s) {
+    uint32_t a2;
+    memcpy(&a2, s + 8, 4);
+    __m128i a01 = _mm_loadl_epi64((const __m128i *)s);
+    __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_unpacklo_epi64(a01, a01), _mm_setr_epi32(0, 0, 4, 4)),
+                                _mm_set1_epi8(0x0f));
+    __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)a2), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi32(high, 4)), _mm_set1_epi8(32));
+}
+
+/* Q2_K / Q3_K row . q8_K row. Levels u (Q2_K 0..3; Q3_K 0..7, the stored level + 4) with scale s_j per 16:
+ * Q2_K: d sum_j s_j (u . x)_j - dmin sum_j m_j bsum_j; Q3_K: d (sum_j s_j (u . x)_j - 4 sum_j s_j bsum_j). */
+KTARGET static inline float KNAME(fused_q2_q3_k)(const uint8_t *b, Py_ssize_t nsb, const int8_t *xq, const float *xd,
+                                          const int16_t *xb, const int three) {
+    const __m256i two_bits = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    const Py_ssize_t block_bytes = three ? 110 : 84;
     __m256 acc = _mm256_setzero_ps();
-    float offsets = 0.0f;
-    for (Py_ssize_t k = 0; k < nb; k++, b += block_bytes, xq += QK) {
-        __m256i u = KNAME(legacy_levels)(fmt, b), x = _mm256_loadu_si256((const __m256i *)xq);
-        float d = _cvtsh_ss(read_u16(b)), dx = xd[k];
-        __m256i p = fmt == F_IQ4_NL ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u))
-                                    : _mm256_maddubs_epi16(u, x);
-        offsets += KNAME(legacy_offset)(fmt, b, d) * dx * xs[k];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(d * dx), acc);
+    for (Py_ssize_t sb = 0; sb < nsb; sb++, b += block_bytes, xq += QKK, xb += 16) {
+        const uint8_t *qs = three ? b + 32 : b + 16;
+        __m128i scales;                                           /* s_j as 16 int8 */
+        __m256i bsums = _mm256_loadu_si256((const __m256i *)xb), msum;
+        float d = _cvtsh_ss(read_u16(three ? b + 108 : b + 80)), dx = xd[sb];
+        if (three) {
+            scales = KNAME(q3_scales)(b + 96);
+            msum = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), bsums), 2);
+        } else {
+            __m128i packed = _mm_loadu_si128((const __m128i *)b);
+            scales = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+            msum = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F))),
+                                     bsums);
+        }
+        __m256i hm = three ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
+        __m256i isum = _mm256_setzero_si256();
+        for (int n = 0; n < 2; n++) {
+            __m256i src = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+            for (int s = 0; s < 4; s++) {                        /* values 128 n + 32 s: groups j, j + 1 */
+                const int j = 8 * n + 2 * s;
+                __m256i u = _mm256_and_si256(_mm256_srli_epi16(src, 2 * s), two_bits);
+                if (three) {                                      /* bit 4 n + s of hm[l] -> 4 */
+                    const int at = 4 * n + s;
+                    __m256i moved = at >= 2 ? _mm256_srli_epi16(hm, at - 2) : _mm256_slli_epi16(hm, 2 - at);
+                    u = _mm256_or_si256(u, _mm256_and_si256(moved, four));
+                }
+                __m128i pick = _mm_set_epi64x((long long)(0x0101010101010101ull * (uint64_t)(j + 1)),
+                                              (long long)(0x0101010101010101ull * (uint64_t)j));
+                __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)(xq + 128 * n + 32 * s)));
+                isum = KNAME(add_madd)(isum, p, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
+            }
+        }
+        if (three) {
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, msum)), _mm256_set1_ps(d * dx), acc);
+        } else {
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), acc);
+            acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(_cvtsh_ss(read_u16(b + 82)) * dx), acc);
+        }
     }
-    return KNAME(hsum)(acc) + offsets;
+    return KNAME(hsum)(acc);
+}
+
+/* IQ4_XS row . q8_K row: signed table values (sign trick), one scale per 32. */
+KTARGET static float KNAME(fused_iq4_xs)(const uint8_t *b, Py_ssize_t nsb, const int8_t *xq, const float *xd) {
+    const __m128i table128 = _mm_loadu_si128((const __m128i *)IQ4_TABLE);
+    const __m256i table = _mm256_set_m128i(table128, table128), low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    for (Py_ssize_t sb = 0; sb < nsb; sb++, b += 136, xq += QKK) {
+        __m256i isum = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * ib));
+            __m256i u = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4));
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * ib));
+            isum = KNAME(add_madd)(isum, KNAME(levels_times)(1, u, _mm256_abs_epi8(u), x),
+                                   _mm256_set1_epi16((short)iq4_xs_scale(b, ib)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(_cvtsh_ss(read_u16(b)) * xd[sb]), acc);
+    }
+    return KNAME(hsum)(acc);
 }
 
 /* ---- AVX2, more activation rows: two unpacked rows against four activation rows at once ---------- */
 
-/* vpmaddubsw of levels u (signed_levels: int8, by |u| and x carrying u's sign; else unsigned) and x. */
-KTARGET static inline __m256i KNAME(levels_times)(const int signed_levels, __m256i u, __m256i abs_u, __m256i x) {
-    return signed_levels ? _mm256_maddubs_epi16(abs_u, _mm256_sign_epi8(x, u)) : _mm256_maddubs_epi16(u, x);
-}
-
 /* K rows w[0], w[1] . q8_K rows t = 0..3 (levels xq + t K, scales xd + t nsb, sums xb + t K / 16): out[4 i + t]. */
-KTARGET static void KNAME(ktile)(const int signed_levels, const ksuper_t *const *w, Py_ssize_t nsb, Py_ssize_t K,
+KTARGET __attribute__((always_inline)) static inline void KNAME(ktile)(const int signed_levels, const ksuper_t *const *w, Py_ssize_t nsb, Py_ssize_t K,
                                  const int8_t *xq, const float *xd, const int16_t *xb, float *out) {
     __m256 acc[8];
     for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
@@ -608,9 +663,8 @@ KTARGET static void KNAME(ktile)(const int signed_levels, const ksuper_t *const 
             __m256i a0 = signed_levels ? _mm256_abs_epi8(u0) : u0, a1 = signed_levels ? _mm256_abs_epi8(u1) : u1;
             for (int t = 0; t < 4; t++) {
                 __m256i x = _mm256_loadu_si256((const __m256i *)(x0 + t * K + 32 * c));
-                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u0, a0, x), s0));
-                isum[4 + t] = _mm256_add_epi32(isum[4 + t],
-                                               _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u1, a1, x), s1));
+                isum[t] = KNAME(add_madd)(isum[t], KNAME(levels_times)(signed_levels, u0, a0, x), s0);
+                isum[4 + t] = KNAME(add_madd)(isum[4 + t], KNAME(levels_times)(signed_levels, u1, a1, x), s1);
             }
         }
         for (int i = 0; i < 2; i++) {
@@ -627,52 +681,36 @@ KTARGET static void KNAME(ktile)(const int signed_levels, const ksuper_t *const 
     for (int k = 0; k < 8; k++) out[k] = KNAME(hsum)(acc[k]);
 }
 
-/* Legacy rows w[0], w[1] . q8_0 rows t = 0..3 (levels xq + t nb QK, scales and sums + t nb):
- * out[4 i + t]. The eight integer dot products of a block reduce to one register (lane 4 i + t, reduce8 of
- * _matmul_kernels_x86.h), scaled in one multiply-add. */
-KTARGET static void KNAME(ltile)(const int signed_levels, const lblock_t *const *w, Py_ssize_t nb, const int8_t *xq,
-                                 const float *xd, const float *xs, float *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        const lblock_t *w0 = w[0] + b, *w1 = w[1] + b;
-        __m256i u0 = _mm256_loadu_si256((const __m256i *)w0->q), u1 = _mm256_loadu_si256((const __m256i *)w1->q);
-        __m256i a0 = signed_levels ? _mm256_abs_epi8(u0) : u0, a1 = signed_levels ? _mm256_abs_epi8(u1) : u1;
-        __m256i p[8];
-        for (int t = 0; t < 4; t++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (t * nb + b) * QK));
-            p[t] = _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u0, a0, x), ones);
-            p[4 + t] = _mm256_madd_epi16(KNAME(levels_times)(signed_levels, u1, a1, x), ones);
-        }
-        __m128 dx = _mm_setr_ps(xd[b], xd[nb + b], xd[2 * nb + b], xd[3 * nb + b]);
-        __m128 dxs = _mm_mul_ps(dx, _mm_setr_ps(xs[b], xs[nb + b], xs[2 * nb + b], xs[3 * nb + b]));
-        __m256 d = _mm256_set_m128(_mm_set1_ps(w1->d), _mm_set1_ps(w0->d));
-        __m256 m = _mm256_set_m128(_mm_set1_ps(w1->m), _mm_set1_ps(w0->m));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(KNAME(reduce8)(p)), _mm256_mul_ps(d, _mm256_set_m128(dx, dx)), acc);
-        acc = _mm256_fmadd_ps(m, _mm256_set_m128(dxs, dxs), acc);
-    }
-    _mm256_storeu_ps(out, acc);
-}
 #endif
 
 /* Rows [r0, r1) of a weight in one of the formats above F_I4: each row unpacked once, then dotted with
- * every activation row. `a`: q8_K activations (q, d, bsums) for the K types, q8_0 ones (q, d, s) else. */
+ * every activation row. `a`: q8_K activations (q, d, bsums) for the K types, q8_0 ones (q, d, s) else.
+ * The SIMD builds see the K types only (the legacy blocks go to _matmul_kernels_x86.h's tiles). */
 #if KSIMD
 #define KUNPACK_SUPER KNAME(unpack_super)
-#define KUNPACK_LEGACY KNAME(unpack_legacy)
 #else
 #define KUNPACK_SUPER unpack_super
-#define KUNPACK_LEGACY unpack_legacy
 #endif
+#if KSIMD
+#define KPREFETCH_ROWS 8            /* the row this many rows on is requested from memory while one computes */
+/* Bring row r (if below r1) into the cache. */
+KTARGET static inline void KNAME(prefetch_row)(const weight_t *w, Py_ssize_t r, Py_ssize_t r1) {
+    if (r >= r1) return;
+    const uint8_t *row = w->w + r * w->w_stride;
+    for (Py_ssize_t at = 0; at < w->w_stride; at += 64) _mm_prefetch((const char *)(row + at), _MM_HINT_T0);
+}
+#endif
+
 KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize_t r0, Py_ssize_t r1) {
     const int fmt = w->fmt, k_type = is_k_format(fmt), signed_levels = fmt == F_IQ4_XS || fmt == F_IQ4_NL;
     const Py_ssize_t nblocks = k_type ? w->K / QKK : w->nb, block_bytes = more_block_bytes(fmt);
     const size_t unpacked_bytes = (size_t)nblocks * (k_type ? sizeof(ksuper_t) : sizeof(lblock_t));
 #if KSIMD
-    if (a->M <= FUSED_TOKENS && fmt != F_Q2_K && fmt != F_Q3_K && fmt != F_IQ4_XS) {
+    if (a->M <= FUSED_TOKENS && k_type) {
         for (Py_ssize_t r = r0; r < r1; r++) {
             const uint8_t *row = w->w + r * w->w_stride;
             float bias = w->bias ? w->bias[r] : 0.0f;
+            KNAME(prefetch_row)(w, r + KPREFETCH_ROWS, r1);
             for (Py_ssize_t m = 0; m < a->M; m++) {
                 float dot;
                 if (fmt == F_Q4_K || fmt == F_Q5_K)
@@ -680,9 +718,12 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
                                                  a->bsums + m * (w->K / 16), fmt == F_Q5_K);
                 else if (fmt == F_Q6_K)
                     dot = KNAME(fused_q6_k)(row, nblocks, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16));
+                else if (fmt == F_Q2_K)
+                    dot = KNAME(fused_q2_q3_k)(row, nblocks, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), 0);
+                else if (fmt == F_Q3_K)
+                    dot = KNAME(fused_q2_q3_k)(row, nblocks, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), 1);
                 else
-                    dot = KNAME(fused_legacy)(fmt, row, nblocks, a->q + m * nblocks * QK, a->d + m * nblocks,
-                                              a->s + m * nblocks);
+                    dot = KNAME(fused_iq4_xs)(row, nblocks, a->q + m * w->K, a->d + m * nblocks);
                 a->y[m * w->N + r] = bias + dot;
             }
         }
@@ -704,21 +745,16 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
             const uint8_t *row = w->w + (r + i) * w->w_stride;
             for (Py_ssize_t b = 0; b < nblocks; b++) {
                 if (k_type) KUNPACK_SUPER(fmt, row + b * block_bytes, (ksuper_t *)(buffer + i * unpacked_bytes) + b);
-                else KUNPACK_LEGACY(fmt, row + b * block_bytes, (lblock_t *)(buffer + i * unpacked_bytes) + b);
+                else unpack_legacy(fmt, row + b * block_bytes, (lblock_t *)(buffer + i * unpacked_bytes) + b);
             }
         }
         Py_ssize_t m = 0;
 #if KSIMD
-        if (n == 2) {
+        if (n == 2 && k_type) {
             for (; m + 4 <= a->M; m += 4) {
                 float out[8];
-                if (k_type) {
-                    const ksuper_t *rows[2] = {(const ksuper_t *)buffer, (const ksuper_t *)(buffer + unpacked_bytes)};
-                    KNAME(ktile)(signed_levels, rows, nblocks, w->K, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), out);
-                } else {
-                    const lblock_t *rows[2] = {(const lblock_t *)buffer, (const lblock_t *)(buffer + unpacked_bytes)};
-                    KNAME(ltile)(signed_levels, rows, nblocks, a->q + m * nblocks * QK, a->d + m * nblocks, a->s + m * nblocks, out);
-                }
+                const ksuper_t *rows[2] = {(const ksuper_t *)buffer, (const ksuper_t *)(buffer + unpacked_bytes)};
+                KNAME(ktile)(signed_levels, rows, nblocks, w->K, a->q + m * w->K, a->d + m * nblocks, a->bsums + m * (w->K / 16), out);
                 for (int i = 0; i < 2; i++)
                     for (int t = 0; t < 4; t++)
                         a->y[(m + t) * w->N + r + i] = out[4 * i + t] + (w->bias ? w->bias[r + i] : 0.0f);
@@ -731,8 +767,8 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
                 float dot = k_type
                     ? KNAME(kdot)(signed_levels, (const ksuper_t *)(buffer + i * unpacked_bytes), nblocks, a->q + t * w->K,
                                   a->d + t * nblocks, a->bsums + t * (w->K / 16))
-                    : KNAME(ldot)(signed_levels, (const lblock_t *)(buffer + i * unpacked_bytes), nblocks,
-                                  a->q + t * nblocks * QK, a->d + t * nblocks, a->s + t * nblocks);
+                    : ldot((const lblock_t *)(buffer + i * unpacked_bytes), nblocks, a->q + t * nblocks * QK,
+                           a->d + t * nblocks, a->s + t * nblocks);
                 a->y[t * w->N + r + i] = bias + dot;
             }
         }
@@ -740,4 +776,3 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
     free(buffer);
 }
 #undef KUNPACK_SUPER
-#undef KUNPACK_LEGACY

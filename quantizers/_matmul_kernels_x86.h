@@ -1,4 +1,5 @@
-/* x86-64 SIMD kernels of _matmul_kernels.c, included once per instruction set with
+/* x86-64 SIMD kernels of _matmul_kernels.c for int8 rows, int4 rows and the GGUF blocks of 32 (q8_0, q4_0,
+ * q4_1, q5_0, q5_1, iq4_nl), included once per instruction set with
  *   KNAME(name)  the function names' suffix      KTARGET  the target attribute
  *   KVNNI        1: vpdpbusd (KDPBUSD) on 256-bit registers; 0: AVX2 vpmaddubsw + vpmaddwd
  *
@@ -85,17 +86,38 @@ typedef struct {
     __m256i abs[ROWS];
 #endif
     __m256 scale, zero;
+    __m256 offset;                 /* q4_1, q5_1: m of w = d u + m */
 } KNAME(block_t);
 
-KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, const uint8_t *const *rowp,
-                                             const Py_ssize_t *ri, const float *row_zero, Py_ssize_t b,
-                                             KNAME(block_t) *blk) {
-    uint16_t halves[ROWS];
-    float zeros[ROWS];
-    int is_signed = fmt == F_I8 || fmt == F_Q8_0;
-    Py_ssize_t g = fmt == F_I4 ? b / w->group_blocks : 0;        /* the scale group of block b */
+/* The formats whose levels are signed (the others' are unsigned, with a zero). */
+static inline int KNAME(signed_format)(int fmt) { return fmt == F_I8 || fmt == F_Q8_0 || fmt == F_IQ4_NL; }
+static inline int KNAME(has_offset)(int fmt) { return fmt == F_Q4_1 || fmt == F_Q5_1; }
+
+/* _matmul_kernels_kquants.h: the 32 levels of a q4_1, q5_0, q5_1 (unsigned) or iq4_nl (signed) block. */
+KTARGET static inline __m256i KNAME(legacy_levels)(const int fmt, const uint8_t *b);
+
+/* The eight rows of a tile (the last repeated where fewer are left). */
+typedef struct {
+    const uint8_t *row[ROWS];      /* each row's weights */
+    const uint16_t *scale[ROWS];   /* F_I4: each row's f16 group scales */
+    const uint8_t *zero[ROWS];     /* F_I4 asymmetric: each row's group zero points */
+    __m256 fixed_zero;             /* the formats with one zero per row: F_I8's zero points, q8_0's 0, q4_0's 8 */
+} KNAME(tile_rows_t);
+
+/* Eight 16-bit values, p[i][at] (i = 0..7), built in registers: eight scalar stores read back as one vector
+ * would stall store forwarding once per block. */
+KTARGET static inline __m128i KNAME(halves8)(const uint16_t *const *p, Py_ssize_t at) {
+    return _mm_setr_epi16((short)p[0][at], (short)p[1][at], (short)p[2][at], (short)p[3][at], (short)p[4][at],
+                          (short)p[5][at], (short)p[6][at], (short)p[7][at]);
+}
+
+/* Block b of the eight rows; g: its scale group (F_I4). */
+KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, const KNAME(tile_rows_t) *tr,
+                                             Py_ssize_t b, Py_ssize_t g, KNAME(block_t) *blk) {
+    const uint16_t *block_start[ROWS];
+    int is_signed = KNAME(signed_format)(fmt);
     for (int i = 0; i < ROWS; i++) {
-        const uint8_t *row = rowp[i];
+        const uint8_t *row = tr->row[i];
         if (fmt == F_I8) {
             Py_ssize_t n = w->K - b * QK;
             if (n >= QK) {
@@ -105,38 +127,41 @@ KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, c
                 memcpy(tail, row + b * QK, (size_t)n);
                 blk->v[i] = _mm256_loadu_si256((const __m256i *)tail);
             }
-            zeros[i] = row_zero[i];
         } else if (fmt == F_Q8_0) {
             const uint8_t *block = row + b * 34;
-            halves[i] = read_u16(block);
+            block_start[i] = (const uint16_t *)block;
             blk->v[i] = _mm256_loadu_si256((const __m256i *)(block + 2));
-            zeros[i] = 0.0f;
         } else if (fmt == F_Q4_0) {
             const uint8_t *block = row + b * 18;
-            halves[i] = read_u16(block);
+            block_start[i] = (const uint16_t *)block;
             blk->v[i] = KNAME(expand_nibbles)(block + 2);
-            zeros[i] = 8.0f;
+        } else if (fmt != F_I4) {                        /* q4_1, q5_0, q5_1, iq4_nl: f16 d first */
+            const uint8_t *block = row + b * more_block_bytes(fmt);
+            block_start[i] = (const uint16_t *)block;
+            blk->v[i] = KNAME(legacy_levels)(fmt, block);
         } else {                                         /* F_I4 */
-            halves[i] = ((const uint16_t *)w->scale)[ri[i] * w->scale_stride + g];
             blk->v[i] = KNAME(expand_nibbles)(row + b * (QK / 2));
-            if (w->signed_nibbles) {
-                blk->v[i] = _mm256_xor_si256(blk->v[i], _mm256_set1_epi8(8));
-                zeros[i] = 8.0f;
-            } else {
-                zeros[i] = (float)w->zero[ri[i] * w->zero_stride + g];
-            }
+            if (w->signed_nibbles) blk->v[i] = _mm256_xor_si256(blk->v[i], _mm256_set1_epi8(8));
         }
         if (is_signed) {
 #if KVNNI
             blk->v[i] = _mm256_xor_si256(blk->v[i], _mm256_set1_epi8((char)0x80));
-            zeros[i] += 128.0f;
 #else
             blk->abs[i] = _mm256_abs_epi8(blk->v[i]);
 #endif
         }
     }
-    blk->scale = fmt == F_I8 ? _mm256_set1_ps(1.0f) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)halves));
-    blk->zero = _mm256_loadu_ps(zeros);
+    if (fmt == F_I8) blk->scale = _mm256_set1_ps(1.0f);
+    else if (fmt == F_I4) blk->scale = _mm256_cvtph_ps(KNAME(halves8)(tr->scale, g));
+    else blk->scale = _mm256_cvtph_ps(KNAME(halves8)(block_start, 0));
+    if (KNAME(has_offset)(fmt)) blk->offset = _mm256_cvtph_ps(KNAME(halves8)(block_start, 1));   /* f16 m after d */
+    if (fmt == F_I4 && !w->signed_nibbles) {
+        const uint8_t *const *z = tr->zero;
+        blk->zero = _mm256_cvtepi32_ps(_mm256_setr_epi32(z[0][g], z[1][g], z[2][g], z[3][g], z[4][g], z[5][g], z[6][g],
+                                                         z[7][g]));
+    } else {
+        blk->zero = tr->fixed_zero;
+    }
 }
 
 /* One activation block against the eight rows: their eight integer dot products, as lanes. */
@@ -148,7 +173,7 @@ KTARGET static inline __m256i KNAME(dots)(const int fmt, const KNAME(block_t) *b
 #else
     const __m256i ones = _mm256_set1_epi16(1);
     for (int i = 0; i < ROWS; i++) {
-        __m256i pairs = fmt == F_I8 || fmt == F_Q8_0
+        __m256i pairs = KNAME(signed_format)(fmt)
             ? _mm256_maddubs_epi16(blk->abs[i], _mm256_sign_epi8(x, blk->v[i]))
             : _mm256_maddubs_epi16(blk->v[i], x);
         p[i] = _mm256_madd_epi16(pairs, ones);
@@ -160,22 +185,25 @@ KTARGET static inline __m256i KNAME(dots)(const int fmt, const KNAME(block_t) *b
 /* Rows [r, r + ROWS) (clamped copies past N) against activation rows [m0, m0 + T). `ahead` (or NULL):
  * bytes to bring into the cache meanwhile, `chunk` of them per block (a later tile's rows). */
 KTARGET static inline void KNAME(tile)(const int fmt, const int T, const weight_t *w, const act_t *a,
-                                       const uint8_t *const *rowp, const Py_ssize_t *ri, const float *row_zero,
-                                       Py_ssize_t m0, __m256 *acc, const uint8_t *ahead, Py_ssize_t chunk) {
+                                       const KNAME(tile_rows_t) *tr, Py_ssize_t m0, __m256 *acc, const uint8_t *ahead,
+                                       Py_ssize_t chunk) {
     const Py_ssize_t nb = w->nb;
+    Py_ssize_t g = 0, in_group = 0;                     /* block b's scale group (F_I4) */
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++) {
         KNAME(block_t) blk;
         if (ahead)
             for (Py_ssize_t at = b * chunk; at < (b + 1) * chunk; at += 64)
                 _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
-        KNAME(load_block)(fmt, w, rowp, ri, row_zero, b, &blk);
+        KNAME(load_block)(fmt, w, tr, b, g, &blk);
+        if (++in_group == w->group_blocks) in_group = 0, g++;
         for (int t = 0; t < T; t++) {
             Py_ssize_t at = (m0 + t) * nb + b;
             __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + at * QK));
             __m256 f = _mm256_cvtepi32_ps(KNAME(dots)(fmt, &blk, x));
             f = _mm256_fnmadd_ps(blk.zero, _mm256_set1_ps(a->s[at]), f);
             acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(blk.scale, _mm256_set1_ps(a->d[at])), acc[t]);
+            if (KNAME(has_offset)(fmt)) acc[t] = _mm256_fmadd_ps(blk.offset, _mm256_set1_ps(a->d[at] * a->s[at]), acc[t]);
         }
     }
 }
@@ -203,24 +231,32 @@ KTARGET static inline void KNAME(transpose8)(const __m256i *v, __m256i *u) {
 /* As tile, for TOKENS activation rows at once: the weight block is transposed once so that each
  * vpdpbusd takes four activations broadcast to all eight rows; no reduction per token. */
 KTARGET static inline void KNAME(tile_wide)(const int fmt, const weight_t *w, const act_t *a,
-                                            const uint8_t *const *rowp, const Py_ssize_t *ri, const float *row_zero,
-                                            Py_ssize_t m0, __m256 *acc) {
+                                            const KNAME(tile_rows_t) *tr, Py_ssize_t m0, __m256 *acc,
+                                            const uint8_t *ahead, Py_ssize_t chunk) {
     const Py_ssize_t nb = w->nb;
+    Py_ssize_t g = 0, in_group = 0;
     for (int t = 0; t < TOKENS; t++) acc[t] = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++) {
         KNAME(block_t) blk;
         __m256i u[8], sums[TOKENS];
-        KNAME(load_block)(fmt, w, rowp, ri, row_zero, b, &blk);
+        if (ahead)
+            for (Py_ssize_t at = b * chunk; at < (b + 1) * chunk; at += 64)
+                _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
+        KNAME(load_block)(fmt, w, tr, b, g, &blk);
+        if (++in_group == w->group_blocks) in_group = 0, g++;
         KNAME(transpose8)(blk.v, u);
         const int32_t *x = (const int32_t *)(a->q + (m0 * nb + b) * QK);
         for (int t = 0; t < TOKENS; t++) sums[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int j = 0; j < 8; j++)
+#pragma GCC unroll 8
             for (int t = 0; t < TOKENS; t++)
                 sums[t] = KDPBUSD(sums[t], u[j], _mm256_set1_epi32(x[t * nb * (QK / 4) + j]));
         for (int t = 0; t < TOKENS; t++) {
             Py_ssize_t at = (m0 + t) * nb + b;
             __m256 f = _mm256_fnmadd_ps(blk.zero, _mm256_set1_ps(a->s[at]), _mm256_cvtepi32_ps(sums[t]));
             acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(blk.scale, _mm256_set1_ps(a->d[at])), acc[t]);
+            if (KNAME(has_offset)(fmt)) acc[t] = _mm256_fmadd_ps(blk.offset, _mm256_set1_ps(a->d[at] * a->s[at]), acc[t]);
         }
     }
 }
@@ -230,31 +266,37 @@ KTARGET static inline void KNAME(rows_of)(const int fmt, const weight_t *w, cons
                                           Py_ssize_t r1) {
     for (Py_ssize_t r = r0; r < r1; r += ROWS) {
         int n = r1 - r < ROWS ? (int)(r1 - r) : ROWS;
-        const uint8_t *rowp[ROWS];
-        Py_ssize_t ri[ROWS];
+        KNAME(tile_rows_t) tr;
         float scale[ROWS], bias[ROWS], row_zero[ROWS];
         for (int i = 0; i < ROWS; i++) {
-            ri[i] = r + (i < n ? i : n - 1);
-            rowp[i] = w->w + ri[i] * w->w_stride;
-            scale[i] = row_scale(w, ri[i]);
-            bias[i] = w->bias ? w->bias[ri[i]] : 0.0f;
-            row_zero[i] = fmt == F_I8 && w->zero ? (float)(int8_t)w->zero[ri[i] * w->zero_stride] : 0.0f;
+            Py_ssize_t ri = r + (i < n ? i : n - 1);
+            tr.row[i] = w->w + ri * w->w_stride;
+            tr.scale[i] = fmt == F_I4 ? (const uint16_t *)w->scale + ri * w->scale_stride : NULL;
+            tr.zero[i] = fmt == F_I4 && w->zero ? w->zero + ri * w->zero_stride : NULL;
+            scale[i] = row_scale(w, ri);
+            bias[i] = w->bias ? w->bias[ri] : 0.0f;
+            row_zero[i] = fmt == F_I8 && w->zero ? (float)(int8_t)w->zero[ri * w->zero_stride]
+                        : fmt == F_Q4_0 || fmt == F_I4 ? 8.0f : fmt == F_Q5_0 ? 16.0f : 0.0f;
+#if KVNNI
+            if (KNAME(signed_format)(fmt)) row_zero[i] += 128.0f;   /* the levels are read as unsigned */
+#endif
         }
         __m256 vscale = _mm256_loadu_ps(scale), vbias = _mm256_loadu_ps(bias);
-        /* Few activation rows (decode): each weight byte is used once per row, and the rows
-         * PREFETCH_TILES tiles on are requested while this tile computes, so memory latency overlaps. */
+        tr.fixed_zero = _mm256_loadu_ps(row_zero);
+        /* The first pass over a tile's rows reads them from memory: the rows PREFETCH_TILES tiles on are
+         * requested meanwhile, so memory latency overlaps the arithmetic (later passes find them in cache). */
         Py_ssize_t next = r + PREFETCH_TILES * ROWS, rows_ahead = r1 - next < ROWS ? r1 - next : ROWS;
-        const uint8_t *ahead = PREFETCH_TILES > 0 && a->M < TOKENS && rows_ahead > 0 ? w->w + next * w->w_stride : NULL;
+        const uint8_t *ahead = PREFETCH_TILES > 0 && rows_ahead > 0 ? w->w + next * w->w_stride : NULL;
         Py_ssize_t chunk = ahead ? ((rows_ahead * w->w_stride + w->nb - 1) / w->nb + 63) / 64 * 64 : 0;
         for (Py_ssize_t m0 = 0; m0 < a->M;) {
             __m256 acc[TOKENS];
             int T = a->M - m0 >= TOKENS ? TOKENS : 1;
 #if KVNNI
-            if (T == TOKENS) KNAME(tile_wide)(fmt, w, a, rowp, ri, row_zero, m0, acc);
+            if (T == TOKENS) KNAME(tile_wide)(fmt, w, a, &tr, m0, acc, m0 == 0 ? ahead : NULL, chunk);
 #else
-            if (T == TOKENS) KNAME(tile)(fmt, TOKENS, w, a, rowp, ri, row_zero, m0, acc, NULL, 0);
+            if (T == TOKENS) KNAME(tile)(fmt, TOKENS, w, a, &tr, m0, acc, m0 == 0 ? ahead : NULL, chunk);
 #endif
-            else KNAME(tile)(fmt, 1, w, a, rowp, ri, row_zero, m0, acc, m0 == 0 ? ahead : NULL, chunk);
+            else KNAME(tile)(fmt, 1, w, a, &tr, m0, acc, m0 == 0 ? ahead : NULL, chunk);
             for (int t = 0; t < T; t++) {
                 float out[ROWS];
                 _mm256_storeu_ps(out, _mm256_fmadd_ps(acc[t], vscale, vbias));
@@ -270,6 +312,10 @@ KTARGET static void KNAME(rows)(const weight_t *w, const act_t *a, Py_ssize_t r0
     case F_I8: KNAME(rows_of)(F_I8, w, a, r0, r1); break;
     case F_Q8_0: KNAME(rows_of)(F_Q8_0, w, a, r0, r1); break;
     case F_Q4_0: KNAME(rows_of)(F_Q4_0, w, a, r0, r1); break;
-    default: KNAME(rows_of)(F_I4, w, a, r0, r1); break;
+    case F_I4: KNAME(rows_of)(F_I4, w, a, r0, r1); break;
+    case F_Q4_1: KNAME(rows_of)(F_Q4_1, w, a, r0, r1); break;
+    case F_Q5_0: KNAME(rows_of)(F_Q5_0, w, a, r0, r1); break;
+    case F_Q5_1: KNAME(rows_of)(F_Q5_1, w, a, r0, r1); break;
+    default: KNAME(rows_of)(F_IQ4_NL, w, a, r0, r1); break;
     }
 }

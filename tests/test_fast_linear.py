@@ -123,11 +123,13 @@ def test_layouts_without_a_kernel_keep_the_reference_path():
 # activations are int8 in blocks of 256 (q8_K), measured 0.0068-0.0072).
 GGUF_RTOL = 0.0115
 GGUF_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
-# (rows, columns): odd rows (the AVX2 kernels pair rows); whole blocks of the type (K types: 256)
-GGUF_SHAPES = {32: (13, 96), 256: (11, 512)}
-# 1 and 3: the AVX2 kernels' dot products on the stored blocks; 6 and 64: unpacked rows in 2 x 4 tiles, 6 with
-# a tail of 2 activation rows
-GGUF_BATCHES = (1, 3, 6, 64)
+# (rows, columns): odd rows (the K kernels pair rows; the blocks of 32 run in tiles of 8 rows: 37 is four
+# tiles and a clamped fifth, with rows two tiles on prefetched); whole blocks of the type (K types: 256)
+GGUF_SHAPES = {32: (37, 96), 256: (11, 512)}
+# K types: 1 and 3 the SIMD kernels' dot products on the stored blocks; 6, 11 and 64 unpacked rows in 2 x 4
+# tiles (6: a tail of 2 activation rows, 11: of 3). Blocks of 32: 1, 3, 6 one activation row at a time; 11 a tile
+# of 8 and 3 alone; 64 eight tiles of 8.
+GGUF_BATCHES = (1, 3, 6, 11, 64)
 
 
 @pytest.fixture(scope="module")
