@@ -58,6 +58,11 @@ class Geometry:
     head_dim: int
     intermediate: int
 
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate) < 1 or self.heads % self.kv_heads \
+                or self.head_dim % 2:
+            raise ConfigError(f"{self}: every width positive, heads a multiple of kv_heads, head_dim even")
+
 
 class DecodePlan:
     """Addresses and shapes of a block stack's weights for `_kernels.decode` (see the module docstring)."""
@@ -101,6 +106,13 @@ class DecodePlan:
         return out if self.head is not None else self.head_module(out)
 
 
+def _shapes(g: Geometry) -> tuple[tuple[int, int], ...]:
+    """(out, in) features of q, k, v, o, gate, up, down."""
+    q, kv = g.heads * g.head_dim, g.kv_heads * g.head_dim
+    return ((q, g.hidden), (kv, g.hidden), (kv, g.hidden), (g.hidden, q), (g.intermediate, g.hidden),
+            (g.intermediate, g.hidden), (g.hidden, g.intermediate))
+
+
 def plan(blocks: Sequence[Sequence[nn.Module]], final_norm: nn.Module, head: nn.Module, geometry: Geometry) -> DecodePlan | None:
     """A DecodePlan for the blocks, each (attention norm, q, k, v, o, MLP norm, gate, up, down), then the final
     norm and the output head; None when the kernels are not built or a product or norm is not one the step
@@ -114,11 +126,13 @@ def plan(blocks: Sequence[Sequence[nn.Module]], final_norm: nn.Module, head: nn.
     for i, block in enumerate(blocks):
         attn_norm, q, k, v, o, mlp_norm, gate, up, down = block
         fields: list[int] = []
-        for layer in (q, k, v, o, gate, up, down):
+        for layer, shape in zip((q, k, v, o, gate, up, down), _shapes(g), strict=True):
             found = _weight_fields(layer, keep)
             if found is None:
                 logger.debug("no fused decode: block %d has a product the kernels do not read (%s)", i, type(layer).__name__)
                 return None
+            if tuple(found[-2:]) != shape:
+                raise ConfigError(f"block {i}: a product of shape {tuple(found[-2:])} where {geometry} needs {shape}")
             fields += found
         norms = [_norm(n, g.hidden, keep) for n in (attn_norm, mlp_norm)]
         if None in norms:
@@ -131,6 +145,8 @@ def plan(blocks: Sequence[Sequence[nn.Module]], final_norm: nn.Module, head: nn.
         logger.debug("no fused decode: the final norm differs from the blocks' norms")
         return None
     head_fields = _weight_fields(head, keep)
+    if head_fields is not None and head_fields[-1] != g.hidden:
+        raise ConfigError(f"an output head of {head_fields[-1]} input features after a hidden size of {g.hidden}")
     head_tensor = None if head_fields is None else torch.tensor(head_fields, dtype=torch.int64)
     vocab = head_fields[-2] if head_fields is not None else 0
     table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), fast_linear.kernels().DECODE_LAYER_FIELDS)
