@@ -312,10 +312,9 @@ PyDoc_STRVAR(decode_doc,
 "One batch-1 decode step of `layers` Llama blocks (see _matmul_kernels_decode.h). `plan`: the address of\n"
 "(layers, DECODE_LAYER_FIELDS) int64 (each of q, k, v, o, gate, up, down as `linear`'s weight arguments\n"
 "fmt, w, w_stride, scale, scale_stride, zero, zero_stride, group_blocks, signed_nibbles, bias, N, K; then\n"
-"the attention and MLP norm weights). `x`: the token's embedding (hidden float32), updated in place to the\n"
-"residual stream after the last block. `cos`, `sin`: the rotary rows at `pos`; `keys`, `values`: layer\n"
-"0 of the sequence's cache slot, (kv_heads, window, head_dim) float32 per layer, `layer_stride` floats\n"
-"apart. `final_norm`: its weight; `head`: 0, or the address of the output head's DECODE_WEIGHT_FIELDS\n"
+"the attention and MLP norm weights). `x`: the token's embedding (hidden float32). `cos`, `sin`: the\n"
+"rotary rows at `pos`; `keys`, `values`: layer 0 of the sequence's cache slot, (kv_heads, window,\n"
+"head_dim) float32 per layer, `layer_stride` floats apart. `final_norm`: its weight; `head`: 0, or the address of the output head's DECODE_WEIGHT_FIELDS\n"
 "int64. `out`: the head's logits, or without a head the final-normed state (hidden floats). Every\n"
 "address is of contiguous memory the caller keeps alive. Releases the GIL while it runs.");
 
@@ -363,7 +362,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_ssize_t nb = (kmax + QK - 1) / QK;
     size_t act_bytes = (size_t)(nb * QK + 64) * ACT_KINDS + sizeof(float) * (size_t)(2 * nb * ACT_KINDS) +
                        sizeof(int16_t) * (size_t)(kmax / 16 + 16);
-    size_t work_floats = (size_t)(kmax + 2 * nq + 2 * nkv + hidden + 3 * inter + heads * window);
+    size_t work_floats = (size_t)(kmax + 2 * nq + 2 * nkv + 2 * hidden + 3 * inter + heads * window);
     uint8_t *memory = malloc(act_bytes + sizeof(float) * work_floats + 128);   /* + two alignments to 64 */
     if (!memory) return PyErr_NoMemory();
     act_bufs_t b;
@@ -379,8 +378,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     step_t s = {isa, threads < 1 ? 1 : threads, hidden, heads, kv_heads, hd, inter, window, pos, layer_stride, (float)eps,
                 (const float *)(uintptr_t)cos_ptr, (const float *)(uintptr_t)sin_ptr, (float *)(uintptr_t)keys_ptr,
                 (float *)(uintptr_t)values_ptr};
-    float *x = (float *)(uintptr_t)x_ptr, *out = (float *)(uintptr_t)out_ptr;
+    float *x = work + work_floats - hidden, *out = (float *)(uintptr_t)out_ptr;     /* the residual stream */
     Py_BEGIN_ALLOW_THREADS
+    memcpy(x, (const float *)(uintptr_t)x_ptr, sizeof(float) * (size_t)hidden);
     if (s.threads > 1) POLLING(1);
     decode_layers(&s, plan, layers, x, &b, work);
     float *normed = head_ptr ? work : out;

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,38 +72,63 @@ class DecodePlan:
                  final_norm: int, head: torch.Tensor | None, head_module: nn.Module, vocab: int) -> None:
         self.plan, self.keep, self.geometry, self.eps = plan, keep, geometry, eps
         self.final_norm, self.head, self.head_module, self.vocab = final_norm, head, head_module, vocab
+        self.head_address = 0 if head is None else head.data_ptr()
+        self.cache: tuple[Any, ...] = ()
 
-    def step(self, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-             values: torch.Tensor, slot: int, *, isa: str | None = None, threads: int | None = None) -> torch.Tensor:
-        """The logits (vocab,) after feeding the token whose embedding is `x` (hidden float32, overwritten) at
-        position `pos`; writes its keys and values at `pos` of cache `slot`.
+    def bind(self, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             embeddings: torch.Tensor | None = None) -> None:
+        """Use these rotary tables (window, head_dim), caches (layers, slots, kv_heads, window, head_dim) and
+        (optionally) float embedding table (vocab, hidden) for the steps that follow (kept alive here); all
+        float32, contiguous."""
+        g = self.geometry
+        for t in (cos, sin, keys, values, *([] if embeddings is None else [embeddings])):
+            if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+                raise ConfigError("a decode step needs contiguous float32 CPU tensors")
+        layers, slots, _, window, _ = keys.shape
+        if keys.shape != values.shape or layers != len(self.plan) or keys.shape[2:] != (g.kv_heads, window, g.head_dim) \
+                or cos.shape != (window, g.head_dim) or sin.shape != cos.shape:
+            raise ConfigError(f"a decode step on a cache of {tuple(keys.shape)} does not fit this plan")
+        if embeddings is not None and (embeddings.ndim != 2 or embeddings.shape[1] != g.hidden):
+            raise ConfigError(f"an embedding table of {tuple(embeddings.shape)} for a hidden size of {g.hidden}")
+        self.bound = (cos, sin, keys, values, embeddings)            # kept alive: the addresses below are theirs
+        per_slot = g.kv_heads * window * g.head_dim
+        self.cache = (slots, window, per_slot, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                      0 if embeddings is None else embeddings.data_ptr(), 0 if embeddings is None else len(embeddings))
+
+    def step(self, token: int | torch.Tensor, pos: int, slot: int, *, isa: str | None = None,
+             threads: int | None = None) -> torch.Tensor:
+        """The logits (vocab,) after feeding `token` (a row of the bound embedding table, or its embedding: hidden
+        float32 values, contiguous) at position `pos`; writes its keys and values at `pos` of cache `slot`.
 
         Args:
-            cos, sin: The rotary tables (window, head_dim) float32.
-            keys, values: The caches (layers, slots, kv_heads, window, head_dim) float32, contiguous.
             isa: A name of fast_linear.ISAS; default the chosen one.
             threads: Threads sharing each product; default torch's number.
         """
         isa = isa or fast_linear.ISA
         if isa is None:
             raise ConfigError("the packed-weight kernels are not available (modelkit was built without a C compiler)")
+        if not self.cache:
+            raise ConfigError("bind() the caches before a decode step")
+        # A step streams every weight through the CPU's caches, so each torch call after it runs cold (~30 us):
+        # the checks here are on Python ints where they can be.
+        slots, window, per_slot, cos, sin, keys, values, table, rows = self.cache
         g = self.geometry
-        layers, slots, _, window, _ = keys.shape
-        for t in (x, cos, sin, keys, values):
-            if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
-                raise ConfigError("a decode step needs contiguous float32 CPU tensors")
-        if x.shape != (g.hidden,) or keys.shape != values.shape or not 0 <= slot < slots or layers != len(self.plan) \
-                or keys.shape[2:] != (g.kv_heads, window, g.head_dim) or cos.shape != (window, g.head_dim):
-            raise ConfigError(f"a decode step on a cache of {tuple(keys.shape)} does not fit this plan")
-        slot_offset = slot * g.kv_heads * window * g.head_dim
-        row = pos * g.head_dim
+        if isinstance(token, int):
+            if not 0 <= token < rows:
+                raise ConfigError(f"token {token} is not a row of the bound embedding table ({rows} rows)")
+            x = table + 4 * token * g.hidden
+        elif token.dtype != torch.float32 or not token.is_contiguous() or token.shape != (g.hidden,):
+            raise ConfigError(f"a decode step's input is {g.hidden} float32 values")
+        else:
+            x = token.data_ptr()
+        if not 0 <= slot < slots or not 0 <= pos < window:
+            raise ConfigError(f"position {pos} of slot {slot} is outside a cache of {slots} slots of {window}")
         out = torch.empty(self.vocab if self.head is not None else g.hidden)
         fast_linear.kernels().decode(
-            isa, threads or torch.get_num_threads(), self.plan.data_ptr(), layers, x.data_ptr(), pos, g.hidden,
-            g.heads, g.kv_heads, g.head_dim, g.intermediate, self.eps, cos.data_ptr() + 4 * row,
-            sin.data_ptr() + 4 * row, keys.data_ptr() + 4 * slot_offset, values.data_ptr() + 4 * slot_offset,
-            slots * g.kv_heads * window * g.head_dim, window, self.final_norm,
-            0 if self.head is None else self.head.data_ptr(), out.data_ptr())
+            isa, threads or torch.get_num_threads(), self.plan.data_ptr(), len(self.plan), x, pos, g.hidden, g.heads,
+            g.kv_heads, g.head_dim, g.intermediate, self.eps, cos + 4 * pos * g.head_dim, sin + 4 * pos * g.head_dim,
+            keys + 4 * slot * per_slot, values + 4 * slot * per_slot, slots * per_slot, window, self.final_norm,
+            self.head_address, out.data_ptr())
         return out if self.head is not None else self.head_module(out)
 
 

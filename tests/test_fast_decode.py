@@ -130,8 +130,18 @@ def test_wrong_shapes_are_refused():
         fast_decode.plan(blocks, body.norm, model.lm_head, fast_decode.Geometry(96, 6, 3, 16, 160))
     with pytest.raises(ConfigError, match="head_dim even"):
         fast_decode.Geometry(96, 6, 2, 15, 160)
-    x = torch.zeros(96)
     with pytest.raises(ConfigError, match="does not fit this plan"):
-        decoder.plan.step(x, 0, decoder.cos, decoder.sin, decoder.keys[:1], decoder.values[:1], 0)
+        decoder.plan.bind(decoder.cos, decoder.sin, decoder.keys[:1], decoder.values[:1])
     with pytest.raises(ConfigError, match="contiguous float32"):
-        decoder.plan.step(x.double(), 0, decoder.cos, decoder.sin, decoder.keys, decoder.values, 0)
+        decoder.plan.bind(decoder.cos.double(), decoder.sin, decoder.keys, decoder.values)
+    x = torch.zeros(96)
+    with pytest.raises(ConfigError, match="input is 96 float32 values"):
+        decoder.plan.step(x.double(), 0, 0)
+    with pytest.raises(ConfigError, match="not a row of the bound embedding table"):
+        decoder.plan.step(1, 0, 0)                      # no table bound yet: the decoder binds one at its first step
+    with pytest.raises(ConfigError, match="an embedding table of"):
+        decoder.plan.bind(decoder.cos, decoder.sin, decoder.keys, decoder.values, torch.zeros(256, 95))
+    with pytest.raises(ConfigError, match="position 24 of slot 0 is outside"):
+        decoder.plan.step(x, WINDOW, 0)
+    with pytest.raises(ConfigError, match="slot 1 is outside"):
+        decoder.plan.step(x, 0, 1)

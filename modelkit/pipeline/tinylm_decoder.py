@@ -24,6 +24,9 @@ from torch.nn import functional as F
 from modelkit.quantizers import fast_linear
 
 
+TABLE_FLOATS = 1 << 20       # the fused step dequantizes an embedding table up to 4 MB (tinylm's 256 rows) once
+
+
 class Cached(Protocol):
     """What the decoder reads and writes of a sequence (serve's Job, generate's Stream)."""
 
@@ -58,6 +61,9 @@ class TinyLMDecoder:
         self.cos, self.sin = (t.to(self.dtype) for t in rotary_tables(cfg, self.window, self.device))
         self.owners: list[Cached] = []       # slot i holds owners[i]'s cache
         self.plan = self._plan() if fused and self.dtype == torch.float32 and self.device.type == "cpu" else None
+        if self.plan is not None:
+            self.plan.bind(self.cos, self.sin, self.keys, self.values)
+        self.table: torch.Tensor | None = None      # the embedding table in float, for the fused step
 
     def _plan(self) -> Any:
         from modelkit.quantizers import fast_decode
@@ -70,9 +76,15 @@ class TinyLMDecoder:
 
     def _fused_step(self, seq: Cached) -> torch.Tensor:
         """The next logits of one cached sequence, in one call of the kernels."""
-        # an embedding lookup returns new memory (the step writes the residual stream into it)
-        x = self.model.model.embed_tokens(torch.tensor([seq.ids[-1]]))[0].to(torch.float32).contiguous()
-        return self.plan.step(x, len(seq.ids) - 1, self.cos, self.sin, self.keys, self.values, seq.state)
+        if self.table is None:
+            embed, cfg = self.model.model.embed_tokens, self.model.config
+            if cfg.vocab_size * cfg.hidden_size > TABLE_FLOATS:
+                x = embed(torch.tensor([seq.ids[-1]]))[0].to(torch.float32).contiguous()
+                return self.plan.step(x, len(seq.ids) - 1, seq.state)
+            # a quantized table's row costs ~0.1 ms of torch ops to dequantize: a small table once, in float
+            self.table = embed(torch.arange(cfg.vocab_size)).to(torch.float32).contiguous()
+            self.plan.bind(self.cos, self.sin, self.keys, self.values, self.table)
+        return self.plan.step(seq.ids[-1], len(seq.ids) - 1, seq.state)
 
     def prefill(self, seq: Cached) -> torch.Tensor:
         """The logits after the prompt; fills a cache slot unless the prompt already fills the window."""
@@ -111,6 +123,9 @@ class TinyLMDecoder:
         """Feed each sequence its last token; the next logits of each, in order."""
         from modelkit.models.tinylm import apply_rotary
 
+        if len(seqs) == 1 and self.plan is not None and fast_linear.ISA is not None and seqs[0].state is not None \
+                and len(seqs[0].ids) <= self.window:
+            return [self._fused_step(seqs[0])]
         out: dict[int, torch.Tensor] = {}
         cached = []
         for seq in seqs:
@@ -118,9 +133,7 @@ class TinyLMDecoder:
                 out[id(seq)] = self._full(seq)
             else:
                 cached.append(seq)
-        if len(cached) == 1 and self.plan is not None and fast_linear.ISA is not None:
-            out[id(cached[0])] = self._fused_step(cached[0])
-        elif cached:
+        if cached:
             B = len(cached)
             slots = torch.tensor([s.state for s in cached], device=self.device)
             pos = torch.tensor([len(s.ids) - 1 for s in cached], device=self.device)        # the fed token's position
