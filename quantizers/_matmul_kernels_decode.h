@@ -46,51 +46,149 @@ static int plan_weight(const int64_t *f, weight_t *w) {
     return 1;
 }
 
-/* ---- float helpers: portable, and AVX2 where the kernels are ------------------------------------ */
+/* ---- attention of one query head and SwiGLU: portable, and AVX2 where the kernels are ------------- */
 
-typedef float (*dot_fn)(const float *, const float *, Py_ssize_t);
-typedef void (*axpy_fn)(float *, float, const float *, Py_ssize_t);
+typedef struct {
+    const float *q;                /* (heads, hd), rotated */
+    const float *keys, *values;    /* this layer's (kv_heads, window, hd) */
+    float *y, *scores;             /* (heads, hd); (heads, window) scratch */
+    Py_ssize_t groups, hd, window, positions;
+    float scale;
+} attention_t;
 
-static float dot_generic(const float *a, const float *b, Py_ssize_t n) {
-    float s[8] = {0};
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) s[j] += a[i + j] * b[i + j];
-    float tail = 0.0f;
-    for (; i < n; i++) tail += a[i] * b[i];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + tail;
+typedef void (*attend_fn)(const attention_t *, const float *q, const float *keys, const float *values, float *scores,
+                          float *y);
+typedef void (*swiglu_fn)(const float *gate, const float *up, float *act, Py_ssize_t n);
+
+/* y = softmax(q . keys[t] * scale over t < positions) . values */
+static void attend_generic(const attention_t *at, const float *q, const float *keys, const float *values, float *scores,
+                           float *y) {
+    const Py_ssize_t hd = at->hd;
+    float top = -INFINITY, total = 0.0f;
+    for (Py_ssize_t t = 0; t < at->positions; t++) {
+        const float *k = keys + t * hd;
+        float s[8] = {0}, tail = 0.0f;
+        Py_ssize_t i = 0;
+        for (; i + 8 <= hd; i += 8)
+            for (int j = 0; j < 8; j++) s[j] += q[i + j] * k[i + j];
+        for (; i < hd; i++) tail += q[i] * k[i];
+        scores[t] = (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + tail) * at->scale;
+        top = scores[t] > top ? scores[t] : top;
+    }
+    for (Py_ssize_t t = 0; t < at->positions; t++) total += scores[t] = expf(scores[t] - top);
+    memset(y, 0, sizeof(float) * (size_t)hd);
+    for (Py_ssize_t t = 0; t < at->positions; t++)
+        for (Py_ssize_t i = 0; i < hd; i++) y[i] += scores[t] * values[t * hd + i];
+    float inverse = 1.0f / total;
+    for (Py_ssize_t i = 0; i < hd; i++) y[i] *= inverse;
 }
 
-static void axpy_generic(float *y, float a, const float *x, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) y[i] += a * x[i];
+static void swiglu_generic(const float *gate, const float *up, float *act, Py_ssize_t n) {
+    for (Py_ssize_t r = 0; r < n; r++) act[r] = gate[r] / (1.0f + expf(-gate[r])) * up[r];
 }
 
 #ifdef HAVE_X86_KERNELS
-__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b, Py_ssize_t n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    Py_ssize_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    if (i + 8 <= n) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        i += 8;
-    }
-    s0 = _mm256_add_ps(s0, s1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    float total = _mm_cvtss_f32(h);
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
+#define AVX2_FMA __attribute__((target("avx2,fma")))
+
+/* e**x in each lane (Cody-Waite reduction to [-ln2/2, ln2/2], degree-6 polynomial: Cephes' expf
+ * coefficients; within 2 ulp of expf). Lanes below -87.3 give 0, above 88.37 e**88.37. */
+AVX2_FMA static inline __m256 exp_avx2(__m256 x) {
+    const __m256 low = _mm256_set1_ps(-87.33654f);
+    __m256 tiny = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, low), _mm256_set1_ps(88.3762626647949f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-__attribute__((target("avx2,fma"))) static void axpy_avx2(float *y, float a, const float *x, Py_ssize_t n) {
-    __m256 va = _mm256_set1_ps(a);
+/* Lane j: the sum of v[j]'s lanes. */
+AVX2_FMA static inline __m256 sum8(const __m256 *v) {
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* As attend_generic: scores of eight positions at a time (one register of sums), softmax in registers of
+ * eight, and the weighted values summed in four registers of the output at a time. */
+AVX2_FMA static void attend_avx2(const attention_t *at, const float *q, const float *keys, const float *values,
+                                 float *scores, float *y) {
+    const Py_ssize_t hd = at->hd, whole = hd / 8 * 8, P = at->positions;
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (Py_ssize_t t0 = 0; t0 < P; t0 += 8) {
+        int n = P - t0 < 8 ? (int)(P - t0) : 8;
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (Py_ssize_t i = 0; i < whole; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            for (int j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(keys + (t0 + j) * hd + i), qv, acc[j]);
+        }
+        float s[8];
+        _mm256_storeu_ps(s, sum8(acc));
+        for (int j = 0; j < n; j++) {
+            for (Py_ssize_t i = whole; i < hd; i++) s[j] += q[i] * keys[(t0 + j) * hd + i];
+            s[j] *= at->scale;
+        }
+        for (int j = n; j < 8; j++) s[j] = -INFINITY;
+        _mm256_storeu_ps(scores + t0, _mm256_loadu_ps(s));      /* the window's scratch row has room for 8 past P */
+        top = _mm256_max_ps(top, _mm256_loadu_ps(s));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    __m256 vtop = _mm256_set1_ps(_mm_cvtss_f32(m)), vtotal = _mm256_setzero_ps();
+    for (Py_ssize_t t0 = 0; t0 < P; t0 += 8) {
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + t0), vtop));      /* -inf past P: 0 */
+        _mm256_storeu_ps(scores + t0, e);
+        vtotal = _mm256_add_ps(vtotal, e);
+    }
+    __m256 totals[8] = {vtotal, vtotal, vtotal, vtotal, vtotal, vtotal, vtotal, vtotal};
+    __m256 inverse = _mm256_div_ps(_mm256_set1_ps(1.0f), sum8(totals));
     Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
+    for (; i + 32 <= whole; i += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (Py_ssize_t t = 0; t < P; t++) {
+            const float *v = values + t * hd + i;
+            __m256 p = _mm256_set1_ps(scores[t]);
+            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(a0, inverse));
+        _mm256_storeu_ps(y + i + 8, _mm256_mul_ps(a1, inverse));
+        _mm256_storeu_ps(y + i + 16, _mm256_mul_ps(a2, inverse));
+        _mm256_storeu_ps(y + i + 24, _mm256_mul_ps(a3, inverse));
+    }
+    for (; i < whole; i += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (Py_ssize_t t = 0; t < P; t++) a = _mm256_fmadd_ps(_mm256_set1_ps(scores[t]), _mm256_loadu_ps(values + t * hd + i), a);
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(a, inverse));
+    }
+    for (; i < hd; i++) {
+        float a = 0.0f;
+        for (Py_ssize_t t = 0; t < P; t++) a += scores[t] * values[t * hd + i];
+        y[i] = a * _mm256_cvtss_f32(inverse);
+    }
+}
+
+AVX2_FMA static void swiglu_avx2(const float *gate, const float *up, float *act, Py_ssize_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    Py_ssize_t r = 0;
+    for (; r + 8 <= n; r += 8) {
+        __m256 g = _mm256_loadu_ps(gate + r);
+        __m256 sigmoid = _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_xor_ps(g, sign))));
+        _mm256_storeu_ps(act + r, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + r)));
+    }
+    swiglu_generic(gate + r, up + r, act + r, n - r);
 }
 #endif
 
@@ -153,7 +251,7 @@ typedef struct {
     act_t a[MAX_PARTS];
     rows_fn rows[MAX_PARTS];
     int n;
-    int swiglu;                    /* parts 0 and 1 (gate, up; same N) in step: act = silu(gate) * up */
+    swiglu_fn swiglu;              /* or NULL: parts 0 and 1 (gate, up; same N) in step, act = silu(gate) * up */
     float *act;
     Py_ssize_t per_task[MAX_PARTS], first[MAX_PARTS + 1];   /* tiles per task; each part's first task */
 } products_t;
@@ -171,8 +269,7 @@ static void products_task(const void *ctx, Py_ssize_t task) {
     }
     p->rows[0](p->w[0], &p->a[0], r0, r1);
     p->rows[1](p->w[1], &p->a[1], r0, r1);
-    const float *gate = p->a[0].y, *up = p->a[1].y;
-    for (Py_ssize_t r = r0; r < r1; r++) p->act[r] = gate[r] / (1.0f + expf(-gate[r])) * up[r];
+    p->swiglu(p->a[0].y + r0, p->a[1].y + r0, p->act + r0, r1 - r0);
 }
 
 static Py_ssize_t weight_bytes(const weight_t *w) { return w->N * w->w_stride; }
@@ -199,30 +296,16 @@ static void run_products(products_t *p, int threads) {
 }
 
 typedef struct {
-    const float *q;                /* (heads, hd), rotated */
-    const float *keys, *values;    /* this layer's (kv_heads, window, hd) */
-    float *y, *scores;             /* (heads, hd); (heads, window) scratch */
-    Py_ssize_t groups, hd, window, positions;
-    float scale;
-    dot_fn dot;
-    axpy_fn axpy;
-} attention_t;
+    const attention_t *at;
+    attend_fn attend;
+} attention_job_t;
 
 static void attention_task(const void *ctx, Py_ssize_t h) {
-    const attention_t *at = ctx;
-    const float *q = at->q + h * at->hd;
-    const float *keys = at->keys + (h / at->groups) * at->window * at->hd;
-    const float *values = at->values + (h / at->groups) * at->window * at->hd;
-    float *scores = at->scores + h * at->window, *y = at->y + h * at->hd, top = -INFINITY, total = 0.0f;
-    for (Py_ssize_t t = 0; t < at->positions; t++) {
-        scores[t] = at->dot(q, keys + t * at->hd, at->hd) * at->scale;
-        top = scores[t] > top ? scores[t] : top;
-    }
-    for (Py_ssize_t t = 0; t < at->positions; t++) total += scores[t] = expf(scores[t] - top);
-    memset(y, 0, sizeof(float) * (size_t)at->hd);
-    for (Py_ssize_t t = 0; t < at->positions; t++) at->axpy(y, scores[t], values + t * at->hd, at->hd);
-    float inverse = 1.0f / total;
-    for (Py_ssize_t i = 0; i < at->hd; i++) y[i] *= inverse;
+    const attention_job_t *job = ctx;
+    const attention_t *at = job->at;
+    Py_ssize_t kv = (h / at->groups) * at->window * at->hd;
+    job->attend(at, at->q + h * at->hd, at->keys + kv, at->values + kv, at->scores + h * (at->window + 8),
+                at->y + h * at->hd);
 }
 
 /* ---- the step ---------------------------------------------------------------------------------- */
@@ -245,16 +328,14 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
     Py_ssize_t C = s->hidden, nq = s->heads * s->hd, nkv = s->kv_heads * s->hd;
     float *h = work, *q = h + (C > s->inter ? C : s->inter), *k = q + nq, *v = k + nkv, *y = v + nkv, *o = y + nq;
     float *gate = o + C, *up = gate + s->inter, *act = up + s->inter, *scores = act + s->inter;
-    int generic = strcmp(ALL_ISAS[s->isa].name, "generic") == 0;
-    dot_fn dot = dot_generic;
-    axpy_fn axpy = axpy_generic;
+    attend_fn attend = attend_generic;
+    swiglu_fn swiglu = swiglu_generic;
 #ifdef HAVE_X86_KERNELS
-    if (!generic) {
-        dot = dot_avx2;
-        axpy = axpy_avx2;
+    if (strcmp(ALL_ISAS[s->isa].name, "generic") != 0) {     /* every other ISA runs AVX2 and FMA */
+        attend = attend_avx2;
+        swiglu = swiglu_avx2;
     }
 #endif
-    (void)generic;
     for (Py_ssize_t l = 0; l < layers; l++) {
         const int64_t *f = plan + l * LAYER_FIELDS;
         weight_t w[DECODE_WEIGHTS];
@@ -276,10 +357,11 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
             memcpy(values + (g * s->window + s->pos) * s->hd, v + g * s->hd, sizeof(float) * (size_t)s->hd);
         }
         attention_t at = {q, keys, values, y, scores, s->heads / s->kv_heads, s->hd, s->window, s->pos + 1,
-                          1.0f / sqrtf((float)s->hd), dot, axpy};
+                          1.0f / sqrtf((float)s->hd)};
+        attention_job_t heads_job = {&at, attend};
         job_t job = {0};
         job.run = attention_task;
-        job.ctx = &at;
+        job.ctx = &heads_job;
         /* Heads share threads once each has a few thousand multiply-adds. */
         run_job(&job, s->heads, s->heads * (s->pos + 1) * s->hd >= 8192 ? s->threads : 1);
 
@@ -290,7 +372,7 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
         rmsnorm(x, mlp_norm, C, s->eps, h);
         input_t normed = {h, C, {0}};
         products_t mlp = {{&w[4], &w[5]}, {input_act(s->isa, b, &normed, &w[4], gate), input_act(s->isa, b, &normed, &w[5], up)},
-                          {0}, 2, 1, act};
+                          {0}, 2, swiglu, act};
         for (int i = 0; i < 2; i++) mlp.rows[i] = w[4 + i].fmt > F_I4 ? ALL_ISAS[s->isa].more_rows : ALL_ISAS[s->isa].rows;
         run_products(&mlp, s->threads);
 
@@ -362,7 +444,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_ssize_t nb = (kmax + QK - 1) / QK;
     size_t act_bytes = (size_t)(nb * QK + 64) * ACT_KINDS + sizeof(float) * (size_t)(2 * nb * ACT_KINDS) +
                        sizeof(int16_t) * (size_t)(kmax / 16 + 16);
-    size_t work_floats = (size_t)(kmax + 2 * nq + 2 * nkv + 2 * hidden + 3 * inter + heads * window);
+    size_t work_floats = (size_t)(kmax + 2 * nq + 2 * nkv + 2 * hidden + 3 * inter + heads * (window + 8));
     uint8_t *memory = malloc(act_bytes + sizeof(float) * work_floats + 128);   /* + two alignments to 64 */
     if (!memory) return PyErr_NoMemory();
     act_bufs_t b;
