@@ -73,6 +73,7 @@ class DecodePlan:
         self.plan, self.keep, self.geometry, self.eps = plan, keep, geometry, eps
         self.final_norm, self.head, self.head_module, self.vocab = final_norm, head, head_module, vocab
         self.head_address = 0 if head is None else head.data_ptr()
+        self.plan_address, self.layers = plan.data_ptr(), len(plan)
         self.cache: tuple[Any, ...] = ()
 
     def bind(self, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -85,7 +86,7 @@ class DecodePlan:
             if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
                 raise ConfigError("a decode step needs contiguous float32 CPU tensors")
         layers, slots, _, window, _ = keys.shape
-        if keys.shape != values.shape or layers != len(self.plan) or keys.shape[2:] != (g.kv_heads, window, g.head_dim) \
+        if keys.shape != values.shape or layers != self.layers or keys.shape[2:] != (g.kv_heads, window, g.head_dim) \
                 or cos.shape != (window, g.head_dim) or sin.shape != cos.shape:
             raise ConfigError(f"a decode step on a cache of {tuple(keys.shape)} does not fit this plan")
         if embeddings is not None and (embeddings.ndim != 2 or embeddings.shape[1] != g.hidden):
@@ -125,7 +126,7 @@ class DecodePlan:
             raise ConfigError(f"position {pos} of slot {slot} is outside a cache of {slots} slots of {window}")
         out = torch.empty(self.vocab if self.head is not None else g.hidden)
         fast_linear.kernels().decode(
-            isa, threads or torch.get_num_threads(), self.plan.data_ptr(), len(self.plan), x, pos, g.hidden, g.heads,
+            isa, threads or torch.get_num_threads(), self.plan_address, self.layers, x, pos, g.hidden, g.heads,
             g.kv_heads, g.head_dim, g.intermediate, self.eps, cos + 4 * pos * g.head_dim, sin + 4 * pos * g.head_dim,
             keys + 4 * slot * per_slot, values + 4 * slot * per_slot, slots * per_slot, window, self.final_norm,
             self.head_address, out.data_ptr())
