@@ -367,6 +367,7 @@ static void pool_after_fork(void) {   /* the child has no pool threads: start af
     pthread_mutex_init(&call_mu, NULL);
     pthread_cond_init(&pool_wake, NULL);
     pool_workers = 0;
+    pool_polling = 0;
 }
 
 static void run_job(const job_t *job, Py_ssize_t tasks, int threads) {
