@@ -192,6 +192,8 @@ AVX2_FMA static void swiglu_avx2(const float *gate, const float *up, float *act,
 }
 #endif
 
+/* ---- norms and rotary ------------------------------------------------------------------------- */
+
 /* out = x / sqrt(mean(x^2) + eps) * weight, as tinylm's RMSNorm (float32). */
 static void rmsnorm(const float *x, const float *weight, Py_ssize_t n, float eps, float *out) {
     float s[8] = {0};
