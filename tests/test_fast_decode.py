@@ -90,7 +90,8 @@ def test_every_kernel_and_one_thread(isa):
 
 
 def test_sequences_in_other_slots():
-    """Single steps of sequences in slots 1 and 2 of a shared cache write and read their own slot only."""
+    """Single steps of sequences in slots 1 and 0 of a shared cache write and read their own slot only, and
+    a batched (torch) step then reads what they wrote."""
     model = _model("gqa3", "q8_0")
     with torch.no_grad():
         fused, reference = TinyLMDecoder(model, 3), TinyLMDecoder(model, 3, fused=False)
@@ -109,6 +110,9 @@ def test_sequences_in_other_slots():
                 b.ids.append(token)
         assert [a.state for a, _ in pairs] == [None, 1, 0]
         assert float((fused.keys[:, :2] - reference.keys[:, :2]).abs().max()) <= RTOL * float(reference.keys.abs().max())
+        for got, expected in zip(fused.step([a for a, _ in pairs[1:]]), reference.step([b for _, b in pairs[1:]]),
+                                 strict=True):
+            assert float((got - expected).abs().max()) <= RTOL * float(expected.abs().max())
 
 
 def test_models_the_step_does_not_compute_keep_the_torch_path():
