@@ -23,7 +23,7 @@ KERNELS = Extension(
 MATMUL = Extension(
     "modelkit.quantizers._matmul_kernels",
     sources=["quantizers/_matmul_kernels.c"],
-    depends=["quantizers/_matmul_kernels_x86.h", "quantizers/_matmul_kernels_kquants.h"],
+    depends=["quantizers/_matmul_kernels_x86.h", "quantizers/_matmul_kernels_kquants.h", "quantizers/_matmul_kernels_decode.h"],
     # No -march: the SIMD kernels carry target attributes and are picked at run time.
     extra_compile_args=["-O3"],
     optional=True,

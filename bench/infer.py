@@ -24,7 +24,8 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    llama.cpp (llama-cpp-python, the same thread count) on the very GGUF files modelkit writes for a
    tinylm with the 100M body (hidden 768, 12 layers; its byte vocabulary, as llama.cpp reads tinylm),
    decode tokens/s against `modelkit generate` on those files (tinylm with serve's static key/value
-   cache), and against modelkit's layers from those files run in transformers' generate (its KV cache).
+   cache and its fused C step) and the same decoder's torch step, in interleaved rounds (`--rounds`), and
+   against modelkit's layers from those files run in transformers' generate (its KV cache).
    Goal: >= 0.5x llama.cpp for q8_0 and q4_0 (q4_k_m reported beside them).
 4. memory: resident memory (RSS growth in a fresh process) of load_module's model from modelkit's GGUF
    files of that tinylm (q4_k_m, q6_k, q4_0, q8_0) against the file's size. Goal: <= 1.15x.
@@ -278,19 +279,35 @@ def onnx_anchor() -> None:
 
 def own_generate_rates(model: nn.Module, *, prompt: int = 64, new: int = 32) -> tuple[float, float]:
     """(prompt tokens/s, decode tokens/s) of `modelkit generate` on a tinylm (pipeline.generate.generate_bytes:
-    serve's key/value cache), best of two."""
+    serve's key/value cache, its fused C step where the model's products are all packed)."""
     from modelkit.pipeline.generate import generate_bytes
 
-    text = bytes(range(1, prompt + 1)).decode("ascii")
-    best = (0.0, 0.0)
-    for _ in range(2):
-        g = generate_bytes(model, text, max_new_tokens=new)
-        best = (max(best[0], prompt / g.prompt_seconds), max(best[1], (new - 1) / g.decode_seconds))
-    return best
+    g = generate_bytes(model, bytes(range(1, prompt + 1)).decode("ascii"), max_new_tokens=new)
+    return prompt / g.prompt_seconds, (new - 1) / g.decode_seconds
 
 
-def llama_cpp_anchor(threads: int) -> None:
-    print(f"\n3c. llama.cpp on the GGUF files modelkit writes (tinylm with the 100M body), {threads} threads")
+def torch_path_decode_rate(model: nn.Module, *, prompt: int = 64, new: int = 32) -> float:
+    """Decode tokens/s of the same decoder with its torch step (TinyLMDecoder(fused=False)): the path before
+    the fused step, greedy like `modelkit generate`."""
+    from modelkit.pipeline.tinylm_decoder import Stream, TinyLMDecoder
+
+    decoder = TinyLMDecoder(model, slots=1, fused=False)
+    seq = Stream(list(range(1, prompt + 1)))
+    with torch.no_grad():
+        seq.ids.append(int(decoder.prefill(seq).argmax()))
+        started = time.perf_counter()
+        for _ in range(new - 1):
+            seq.ids.append(int(decoder.step([seq])[0].argmax()))
+    return (new - 1) / (time.perf_counter() - started)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
+
+
+def llama_cpp_anchor(threads: int, rounds: int) -> None:
+    print(f"\n3c. llama.cpp on the GGUF files modelkit writes (tinylm with the 100M body), {threads} threads, "
+          f"{rounds} interleaved rounds: median (range)")
     try:
         import llama_cpp
     except ImportError:
@@ -313,12 +330,12 @@ def llama_cpp_anchor(threads: int) -> None:
             for name, module in loaded.named_modules():
                 if type(module).__name__.startswith("Quantized"):
                     hf.set_submodule(name, module)
-            ours_prompt, ours_decode = generate_rates(hf, 256)
-            own_prompt, own_decode = own_generate_rates(loaded)
+            hf_prompt, hf_decode = generate_rates(hf, 256)
             llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=256, verbose=False)
             prompt = list(range(1, 65))
-            best_prompt = best_decode = 0.0
-            for _ in range(2):
+            runs: dict[str, list[float]] = {"llama_prompt": [], "llama": [], "own_prompt": [], "own": [], "torch_path": []}
+            own_generate_rates(loaded)                                  # warm-up
+            for _ in range(rounds):                # each round: llama.cpp, modelkit generate, the torch step
                 llm.reset()
                 t0 = time.perf_counter()
                 llm.eval(prompt)
@@ -326,14 +343,24 @@ def llama_cpp_anchor(threads: int) -> None:
                 for i in range(31):
                     llm.eval([(i * 7) % 256])
                 t2 = time.perf_counter()
-                best_prompt, best_decode = max(best_prompt, 64 / (t1 - t0)), max(best_decode, 31 / (t2 - t1))
+                runs["llama_prompt"].append(64 / (t1 - t0))
+                runs["llama"].append(31 / (t2 - t1))
+                own_prompt, own_decode = own_generate_rates(loaded)
+                runs["own_prompt"].append(own_prompt)
+                runs["own"].append(own_decode)
+                runs["torch_path"].append(torch_path_decode_rate(loaded))
             del llm
-            row("llama.cpp", scheme=scheme, llama_cpp_prompt_tok_s=best_prompt, llama_cpp_decode_tok_s=best_decode,
-                modelkit_prompt_tok_s=own_prompt, modelkit_decode_tok_s=own_decode,
-                hf_generate_prompt_tok_s=ours_prompt, hf_generate_decode_tok_s=ours_decode)
-            bar(f"{scheme} decode tokens/s, modelkit generate / llama.cpp", own_decode / best_decode, 0.5, higher=True)
+            ratio = [o / ll for o, ll in zip(runs["own"], runs["llama"], strict=True)]
+            before = [t / ll for t, ll in zip(runs["torch_path"], runs["llama"], strict=True)]
+            row("llama.cpp", scheme=scheme, llama_cpp_decode_tok_s=_spread(runs["llama"]),
+                modelkit_decode_tok_s=_spread(runs["own"]), torch_step_decode_tok_s=_spread(runs["torch_path"]),
+                modelkit_vs_llama_cpp=_spread(ratio), torch_step_vs_llama_cpp=_spread(before),
+                llama_cpp_prompt_tok_s=_spread(runs["llama_prompt"]), modelkit_prompt_tok_s=_spread(runs["own_prompt"]),
+                hf_generate_prompt_tok_s=hf_prompt, hf_generate_decode_tok_s=hf_decode)
+            bar(f"{scheme} decode tokens/s, modelkit generate / llama.cpp (median of rounds)", statistics.median(ratio),
+                0.5, higher=True)
             bar(f"{scheme} decode tokens/s, modelkit layers in transformers' generate / llama.cpp",
-                ours_decode / best_decode, 0.5, higher=True)
+                hf_decode / statistics.median(runs["llama"]), 0.5, higher=True)
 
 
 # ------------------------------------------------------------------------------------ 4. memory
@@ -390,6 +417,7 @@ def main() -> None:
     parser.add_argument("--only", default="probe,tinylm,llama,anchors,memory",
                         help="parts, comma-separated: probe, tinylm, llama, anchors (or torchao, onnx, llamacpp), memory")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the llama.cpp anchor")
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="the schemes of part 2, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="part 2: rounds of float and every scheme, interleaved")
     parser.add_argument("--cpu-time", action="store_true",
@@ -412,7 +440,7 @@ def main() -> None:
     if only & {"anchors", "onnx"}:
         onnx_anchor()
     if only & {"anchors", "llamacpp"}:
-        llama_cpp_anchor(args.threads)
+        llama_cpp_anchor(args.threads, args.rounds)
     if "memory" in only:
         memory()
     if args.json:

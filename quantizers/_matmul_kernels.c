@@ -299,9 +299,17 @@ static int isa_ok[N_ISAS];      /* this CPU runs ALL_ISAS[i]: set once, when the
  * that also carries the job's number, so a thread that wakes late cannot take a task of a later
  * job. The caller returns once every task of its job is done. */
 
-typedef struct { const weight_t *w; const act_t *a; rows_fn rows; Py_ssize_t tiles, per_task; } job_t;
+typedef struct {
+    const weight_t *w; const act_t *a; rows_fn rows; Py_ssize_t tiles, per_task;
+    void (*run)(const void *ctx, Py_ssize_t task);     /* or NULL: a task is `run(ctx, task)` (_matmul_kernels_decode.h) */
+    const void *ctx;
+} job_t;
 
 static void run_task(const job_t *job, Py_ssize_t task) {
+    if (job->run) {
+        job->run(job->ctx, task);
+        return;
+    }
     Py_ssize_t t0 = task * job->per_task, t1 = t0 + job->per_task < job->tiles ? t0 + job->per_task : job->tiles;
     Py_ssize_t r1 = t1 * ROWS < job->w->N ? t1 * ROWS : job->w->N;
     job->rows(job->w, job->a, t0 * ROWS, r1);
@@ -323,6 +331,7 @@ static const job_t *pool_job;
 static Py_ssize_t pool_tasks;
 static int64_t pool_claim;        /* generation << 32 | next task */
 static int64_t pool_finished;     /* tasks of the current job done */
+static int pool_polling;          /* set during a decode step: idle workers poll for its next job, not sleep */
 
 /* Take and run tasks of job `generation` until none is left; returns how many this thread ran. */
 static void claim_tasks(uint32_t generation, const job_t *job, Py_ssize_t tasks) {
@@ -333,6 +342,14 @@ static void claim_tasks(uint32_t generation, const job_t *job, Py_ssize_t tasks)
         run_task(job, (Py_ssize_t)(seen & 0xffffffff));
         __atomic_add_fetch(&pool_finished, 1, __ATOMIC_RELEASE);
     }
+}
+
+static inline void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
 }
 
 static void *pool_worker(void *arg) {
@@ -348,6 +365,8 @@ static void *pool_worker(void *arg) {
         Py_ssize_t tasks = pool_tasks;
         pthread_mutex_unlock(&pool_mu);
         claim_tasks(seen, job, tasks);
+        while (__atomic_load_n(&pool_polling, __ATOMIC_ACQUIRE) && __atomic_load_n(&pool_generation, __ATOMIC_ACQUIRE) == seen)
+            spin_pause();
         pthread_mutex_lock(&pool_mu);
     }
     return NULL;
@@ -358,6 +377,7 @@ static void pool_after_fork(void) {   /* the child has no pool threads: start af
     pthread_mutex_init(&call_mu, NULL);
     pthread_cond_init(&pool_wake, NULL);
     pool_workers = 0;
+    pool_polling = 0;
 }
 
 static void run_job(const job_t *job, Py_ssize_t tasks, int threads) {
@@ -377,7 +397,8 @@ static void run_job(const job_t *job, Py_ssize_t tasks, int threads) {
         if (failed) break;
         pool_workers++;
     }
-    uint32_t generation = ++pool_generation;
+    uint32_t generation = pool_generation + 1;
+    __atomic_store_n(&pool_generation, generation, __ATOMIC_RELEASE);   /* read unlocked by polling workers */
     pool_wanted = threads - 1;
     pool_job = job;
     pool_tasks = tasks;
@@ -463,8 +484,12 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- batch-1 decode steps ------------------------------------------------------------------------ */
+#include "_matmul_kernels_decode.h"
+
 static PyMethodDef METHODS[] = {
     {"linear", linear, METH_VARARGS, linear_doc},
+    {"decode", decode, METH_VARARGS, decode_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -506,6 +531,11 @@ PyMODINIT_FUNC PyInit__matmul_kernels(void) {
     }
     if (isas == NULL || PyModule_AddObject(module, "ISAS", isas) < 0) {
         Py_XDECREF(isas);
+        Py_DECREF(module);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(module, "DECODE_LAYER_FIELDS", LAYER_FIELDS) < 0 ||
+        PyModule_AddIntConstant(module, "DECODE_WEIGHT_FIELDS", WEIGHT_FIELDS) < 0) {
         Py_DECREF(module);
         return NULL;
     }

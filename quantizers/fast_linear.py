@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -139,7 +140,7 @@ def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _weight_args(packed: Packed) -> tuple[int, ...]:
+def weight_args(packed: Packed) -> tuple[int, ...]:
     """The kernel call's weight arguments (addresses and geometry), worked out once per Packed."""
     found = packed.__dict__.get("_args")
     if found is None:
@@ -147,6 +148,11 @@ def _weight_args(packed: Packed) -> tuple[int, ...]:
                  _address(packed.zero), packed.zero_stride, packed.group_blocks, int(packed.signed_nibbles))
         object.__setattr__(packed, "_args", found)
     return found
+
+
+def kernels() -> Any:
+    """The compiled kernels module (_matmul_kernels.c), or None where modelkit was built without them."""
+    return _kernels
 
 
 def threads_for(M: int, N: int, K: int) -> int:
@@ -178,7 +184,7 @@ def matmul(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None, *,
     y = flat.new_empty((*x.shape[:-1], N))
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.detach().to(torch.float32).contiguous()
-    _kernels.linear(isa, threads or threads_for(M, N, K), *_weight_args(packed), _address(bias), N, K,
+    _kernels.linear(isa, threads or threads_for(M, N, K), *weight_args(packed), _address(bias), N, K,
                     flat.data_ptr(), M, y.data_ptr(), int(rowwise))
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 

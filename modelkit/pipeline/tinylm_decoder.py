@@ -5,6 +5,11 @@ A cache of (layers, slots, kv_heads, window, head_dim); each sequence holds a sl
 keep slots 0..n-1, so a step reads views, not copies). tinylm's `generate` crops the context to the
 model's window and re-runs it; a sequence that outgrows the window does the same here, one full pass
 per token, so the text stays equal.
+
+A step of one cached sequence on a float32 model whose products are all packed quantized weights
+(a GGUF or int8/int4 file) runs as one call of the C kernels (quantizers/fast_decode.py): norms,
+rotary, attention over this cache and SwiGLU in C around the same weight products; anything else runs
+the torch path below.
 """
 from __future__ import annotations
 
@@ -15,6 +20,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from modelkit.quantizers import fast_linear
+
+
+TABLE_FLOATS = 1 << 20       # the fused step dequantizes an embedding table up to 4 MB (tinylm's 256 rows) once
 
 
 class Cached(Protocol):
@@ -35,7 +45,8 @@ class Stream:
 class TinyLMDecoder:
     """tinylm with a key/value cache (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, slots: int) -> None:
+    def __init__(self, model: nn.Module, slots: int, *, fused: bool = True) -> None:
+        """`fused`: run single-sequence steps in one C call where the model allows (see the module docstring)."""
         from modelkit.models.tinylm import rotary_tables
 
         self.model = model.eval()
@@ -49,6 +60,31 @@ class TinyLMDecoder:
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cos, self.sin = (t.to(self.dtype) for t in rotary_tables(cfg, self.window, self.device))
         self.owners: list[Cached] = []       # slot i holds owners[i]'s cache
+        self.plan = self._plan() if fused and self.dtype == torch.float32 and self.device.type == "cpu" else None
+        if self.plan is not None:
+            self.plan.bind(self.cos, self.sin, self.keys, self.values)
+        self.table: torch.Tensor | None = None      # the embedding table in float, for the fused step
+
+    def _plan(self) -> Any:
+        from modelkit.quantizers import fast_decode
+
+        cfg, body = self.model.config, self.model.model
+        blocks = [(b.input_layernorm, b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj, b.self_attn.o_proj,
+                   b.post_attention_layernorm, b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj) for b in body.layers]
+        geometry = fast_decode.Geometry(cfg.hidden_size, self.heads, self.kv_heads, self.head_dim, cfg.intermediate_size)
+        return fast_decode.plan(blocks, body.norm, self.model.lm_head, geometry)
+
+    def _fused_step(self, seq: Cached) -> torch.Tensor:
+        """The next logits of one cached sequence, in one call of the kernels."""
+        if self.table is None:
+            embed, cfg = self.model.model.embed_tokens, self.model.config
+            if cfg.vocab_size * cfg.hidden_size > TABLE_FLOATS:
+                x = embed(torch.tensor([seq.ids[-1]]))[0].to(torch.float32).contiguous()
+                return self.plan.step(x, len(seq.ids) - 1, seq.state)
+            # a quantized table's row costs ~0.1 ms of torch ops to dequantize: a small table once, in float
+            self.table = embed(torch.arange(cfg.vocab_size)).to(torch.float32).contiguous()
+            self.plan.bind(self.cos, self.sin, self.keys, self.values, self.table)
+        return self.plan.step(seq.ids[-1], len(seq.ids) - 1, seq.state)
 
     def prefill(self, seq: Cached) -> torch.Tensor:
         """The logits after the prompt; fills a cache slot unless the prompt already fills the window."""
@@ -87,6 +123,9 @@ class TinyLMDecoder:
         """Feed each sequence its last token; the next logits of each, in order."""
         from modelkit.models.tinylm import apply_rotary
 
+        if len(seqs) == 1 and self.plan is not None and fast_linear.ISA is not None and seqs[0].state is not None \
+                and len(seqs[0].ids) <= self.window:
+            return [self._fused_step(seqs[0])]
         out: dict[int, torch.Tensor] = {}
         cached = []
         for seq in seqs:
