@@ -476,7 +476,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     Py_ssize_t even = (tiles + 4 * (Py_ssize_t)threads - 1) / (4 * (Py_ssize_t)threads);
     if (per_task < even) per_task = even;
     if (per_task < 1) per_task = 1;
-    job_t job = {&w, &a, rows, tiles, per_task};
+    job_t job = {&w, &a, rows, tiles, per_task, NULL, NULL};
     run_job(&job, (tiles + per_task - 1) / per_task, threads);
     Py_END_ALLOW_THREADS
     free(q);
