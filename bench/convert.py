@@ -131,15 +131,15 @@ def measure(src: Path, dst: Path, kind: str, runs: int = 5) -> dict[str, float]:
     return best
 
 
-def run_once(src: Path, dst: Path, kind: str) -> dict[str, float]:
+def run_once(src: Path, dst: Path, kind: str, python: str = sys.executable) -> dict[str, float]:
     """One run in a fresh subprocess after `sync` (no run pays for an earlier one's write-back), the output
     deleted first: wall seconds, CPU seconds of the process (all threads, user + system), peak anonymous
-    memory above its baseline."""
+    memory above its baseline. `python`: the interpreter (another install of modelkit to compare with)."""
     folder = dst.parent if dst.name == "model.json" else dst        # a TF.js model is its folder
     if folder.exists():
         folder.unlink() if folder.is_file() else __import__("shutil").rmtree(folder)
     subprocess.run(["sync"], check=False)
-    result = subprocess.run([sys.executable, "-c", _HARNESS, str(src), str(dst), kind],
+    result = subprocess.run([python, "-c", _HARNESS, str(src), str(dst), kind],
                             capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"{kind} {src.name} -> {dst.name} failed:\n{result.stderr[-2000:]}")
@@ -147,11 +147,14 @@ def run_once(src: Path, dst: Path, kind: str) -> dict[str, float]:
 
 
 def arguments(description: str, *, runs: bool = False) -> argparse.Namespace:
-    """--size-mib, --dir (and --runs): the options of this bench and of those that reuse its harness."""
+    """--size-mib, --dir (and --runs, --baseline-python): the options of this bench and of those that reuse its harness."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--size-mib", type=int, default=1024)
     if runs:
         parser.add_argument("--runs", type=int, default=5, help="timed runs of each conversion (after a warm-up)")
+        parser.add_argument("--baseline-python", default=None,
+                            help="also run each conversion under this interpreter (another modelkit install), "
+                                 "in the same rounds")
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     return parser.parse_args()
 

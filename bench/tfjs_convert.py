@@ -3,6 +3,7 @@ fsynced copy of the same bytes measured in the same rounds (issue 21's bar: <= 1
 <= one shard plus 64 MiB).
 
     .venv/bin/python bench/tfjs_convert.py [--size-mib 1024] [--runs 5] [--dir /tmp/bench]
+                                           [--baseline-python OTHER/.venv/bin/python]
 
 The model is the zoo's mlp made wide (hidden layers of 4096: 64 MiB Dense kernels, which TF.js stores
 transposed, (in, out), in 4 MiB shards), so the conversion does what a real one does: transpose every
@@ -13,7 +14,9 @@ conversion without verification, verified conversion, for each direction), `--ru
 warm-up round, so each conversion has a copy taken beside it under the same load. Printed per conversion:
 the median of the rounds' ratios to their copy (with the range), the best conversion against the best
 copy, the CPU seconds (process time, all threads) as a ratio to the copy's in the same round (median),
-and the highest peak of anonymous memory. The machine may be shared: read the ratios, not the seconds.
+and the highest peak of anonymous memory. `--baseline-python` runs each conversion a second time per round
+under another install (an earlier commit's checkout), marked [baseline]. The machine may be shared: read the
+ratios, not the seconds.
 """
 from __future__ import annotations
 
@@ -59,27 +62,30 @@ def main() -> None:
         print(f"checkpoint: {st.stat().st_size / 2**20:.0f} MiB of float32 mlp weights (4096-wide Dense kernels)\n")
         plan = (("safetensors -> tfjs", st, folder / "out" / "model.json", st),
                 ("tfjs -> safetensors", web, folder / "back.safetensors", web.parent))
+        kinds = ["noverify", "verify"] + (["baseline noverify", "baseline verify"] if args.baseline_python else [])
         runs: dict[tuple[str, str], list[dict[str, float]]] = {}
         for round_ in range(args.runs + 1):
             for label, src, dst, copy_src in plan:
-                figures = {kind: run_once(src, dst, kind) for kind in ("noverify", "verify")}
+                figures = {kind: run_once(src, dst, kind.split()[-1], python=args.baseline_python if "baseline" in kind
+                                          else sys.executable) for kind in kinds}
                 figures["copy"] = run_once(copy_src, folder / "copy.bin", "copy")
                 if round_:                                       # the first round warms up, untimed
                     for kind, f in figures.items():
                         runs.setdefault((label, kind), []).append(f)
-        print(f"{'conversion':40s} {'median x copy (range)':>22s} {'best x':>7s} {'CPU x':>6s} {'peak MiB':>9s}  bars")
+        print(f"{'conversion':50s} {'median x copy (range)':>22s} {'best x':>7s} {'CPU x':>6s} {'peak MiB':>9s}  bars")
         for label, _, _, _ in plan:
             copies = runs[(label, "copy")]
-            for kind in ("noverify", "verify"):
+            for kind in kinds:
                 mine = runs[(label, kind)]
                 ratios = [m["seconds"] / c["seconds"] for m, c in zip(mine, copies, strict=True)]
                 cpu = statistics.median(m["cpu"] / c["cpu"] for m, c in zip(mine, copies, strict=True))
                 best = min(m["seconds"] for m in mine) / min(c["seconds"] for c in copies)
                 median = statistics.median(ratios)
                 peak = max(m["peak_above_base"] for m in mine) / 2**20
-                name = f"{label} ({'verified' if kind == 'verify' else 'no verify'})"
+                name = f"{label} ({'verified' if kind.endswith(' verify') or kind == 'verify' else 'no verify'})"
+                name = f"{name} [baseline]" if "baseline" in kind else name
                 spread = f"{median:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-                print(f"{name:40s} {spread:>22s} {best:7.2f} {cpu:6.2f} {peak:9.1f}  memory "
+                print(f"{name:50s} {spread:>22s} {best:7.2f} {cpu:6.2f} {peak:9.1f}  memory "
                       f"{'ok' if peak <= MEMORY_BAR else 'MISSED'}, time {'ok' if median <= TIME_BAR_RATIO else 'MISSED'}")
         seconds = {label: statistics.median(c["seconds"] for c in runs[(label, "copy")]) for label, *_ in plan}
         cpu_s = {label: statistics.median(c["cpu"] for c in runs[(label, "copy")]) for label, *_ in plan}
