@@ -83,7 +83,7 @@ def test_row_blocks_from_pieces_cut_anywhere(path, cuts):
     w = _matrix((30, 52), np.float32, seed=2)
     data = np.frombuffer(w.tobytes(), dtype=np.uint8)
     bounds = sorted({0, *[c for c in cuts if c < data.size], data.size})
-    pieces = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    pieces = [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     blocks = transpose.RowBlocks.of_bytes(pieces, (30, 52), np.float32)
     assert blocks.transposed().tobytes() == w.T.tobytes()
     assert b"".join(band.tobytes() for band in blocks.transposed_chunks(7 * 30 * 4)) == w.T.tobytes()

@@ -5,7 +5,9 @@ converts to ONNX and TorchScript without `--arch`.
 Not a model of the zoo: nothing trains it, and its ArchSpec is the file's own topology, given by the reader
 (`ArchSpec("keras", {"topology": <the Keras model config>})`): plain JSON data that names Keras layer classes
 from a closed table, never code. Sequential and functional models (Keras 2 / TF.js `inbound_nodes`, and
-Keras 3's `args` with `keras_history`) of these layers build:
+Keras 3's `args` with `keras_history`) of these layers build, with shared layers (a layer called more than once:
+one node per call, one set of weights) and nested Sequential and functional models (a model used as a layer runs
+its own graph; called more than once, its weights are made once):
 
     InputLayer, Dense, Conv1D, Conv2D, DepthwiseConv2D, MaxPooling1D/2D, AveragePooling1D/2D,
     GlobalAveragePooling1D/2D, GlobalMaxPooling1D/2D, Flatten, Reshape, Dropout, BatchNormalization,
@@ -19,7 +21,8 @@ dilation, use_bias, and the activations TF.js and Keras name (linear, relu, relu
 softmax, log_softmax, softplus, softsign, swish/silu, gelu (exact), gelu_new (tanh), mish, exponential).
 Weights keep Keras's layouts (Dense kernel (in, out), Conv kernel (*k, in, out)) under the names the file
 stores them by: `<layer name>/<variable>` as TF.js's manifest names them (`dense_Dense1/kernel`,
-`batch_normalization/moving_mean`). Anything else is refused when the module is built, naming the layer and
+`batch_normalization/moving_mean`, nested or not), or Keras 3's path through the nested models
+(`layers/sequential/layers/dense_1/vars/0`). Anything else is refused when the module is built, naming the layer and
 its class. The Keras classes are `plugin.KERAS_CLASSES`, the table the Keras writers (keras_map, the zoo's
 keras_layers) name their layers from.
 """
