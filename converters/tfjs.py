@@ -31,7 +31,8 @@ Reading (ours and TF.js's or tensorflowjs_converter's): the topology with or wit
 wrapper, any number of groups and shards, float32, int32, float16 (plain or as quantization), and the
 quantized uint8/uint16 weights with `quantization: {dtype, min, scale}` or `{dtype, scale, original_dtype}`
 (decoded as TF.js does: q * scale + min in double precision, then float32). Shards are mapped into memory
-and weights are views of them (a Dense kernel is transposed straight from the pages into torch's layout).
+and weights are views of them (a Dense kernel is transposed straight from the pages into torch's layout, streamed
+to writers in bands, and compared with an array in the shards' own layout: storage.transpose.RowBlocks).
 The JSON and the manifest are read by modelkit.parse.tfjs
 (size caps, every shard path inside the folder, the shards' sizes equal to what the manifest declares)
 and the file goes through the scanner's gate (a Lambda layer carrying code is refused). A file whose
