@@ -36,7 +36,7 @@ def _kernel_takes(*arrays: np.ndarray) -> bool:
 def _bands(rows: int, nbytes: int, threads: int | None) -> list[slice]:
     """`rows` cut into one band per thread (one band for a small matrix)."""
     n = max(1, min(threads or WORKERS, rows)) if nbytes >= _PARALLEL else 1
-    step = -(-rows // n)
+    step = max(1, -(-rows // n))
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)] or [slice(0, 0)]
 
 
