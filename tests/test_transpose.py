@@ -94,3 +94,10 @@ def test_row_blocks_from_pieces_cut_anywhere(path, cuts):
     assert not blocks.equals_transposed(changed)
     with pytest.raises(ValueError, match="not a float32 matrix"):
         transpose.RowBlocks.of_bytes(pieces[:-1] if len(pieces) > 1 else [data[:-4]], (30, 52), np.float32)
+
+
+def test_row_blocks_of_empty_matrices(path):
+    for shape in ((0, 4), (4, 0)):
+        blocks = transpose.RowBlocks.of_bytes([], shape, np.float32)
+        assert blocks.transposed().shape == shape[::-1] and blocks.equals_transposed(np.empty(shape[::-1], np.float32))
+        assert b"".join(band.tobytes() for band in blocks.transposed_chunks(64)) == b""

@@ -102,6 +102,8 @@ class RowBlocks:
         dtype = np.dtype(dtype)
         rows, cols = shape
         row_bytes = cols * dtype.itemsize
+        if row_bytes == 0 and not any(len(p) for p in pieces):        # rows of no items
+            return cls([(0, np.empty((rows, 0), dtype=dtype))], shape, dtype)
         blocks: list[tuple[int, np.ndarray]] = []
         row, carry, held = 0, [], 0
         for data in pieces:
@@ -114,7 +116,7 @@ class RowBlocks:
                     continue
                 blocks.append((row, np.concatenate(carry).view(dtype).reshape(1, cols)))
                 row, carry, held = row + 1, [], 0
-            whole = len(data) // row_bytes if row_bytes else 0
+            whole = len(data) // row_bytes if row_bytes else 0       # (bytes with rows of none: refused below)
             if whole:
                 blocks.append((row, data[:whole * row_bytes].view(dtype).reshape(whole, cols)))
                 row += whole
