@@ -1,10 +1,12 @@
-"""The compiled parts: GGUF block quantization kernels (quantizers/_gguf_kernels.c) and matrix
-products on packed quantized weights (quantizers/_matmul_kernels.c).
+"""The compiled parts: GGUF block quantization kernels (quantizers/_gguf_kernels.c), matrix
+products on packed quantized weights (quantizers/_matmul_kernels.c), and the transposes of the Keras
+layouts (modelkit/storage/_transpose.c).
 
-Everything else is configured in pyproject.toml. Both extensions are optional: where no C compiler
+Everything else is configured in pyproject.toml. The extensions are optional: where no C compiler
 is found the install still succeeds; gguf_blocks.py then quantizes with eager torch (same bytes,
-slower; `modelkit.quantizers.gguf_blocks.ACCELERATED` tells which) and quantized layers compute by
-dequantizing one layer at a time (`modelkit.quantizers.fast_linear.ISA` is None).
+slower; `modelkit.quantizers.gguf_blocks.ACCELERATED` tells which), quantized layers compute by
+dequantizing one layer at a time (`modelkit.quantizers.fast_linear.ISA` is None), and transposes run
+in numpy tiles (`modelkit.storage.transpose.ACCELERATED`).
 """
 from setuptools import Extension, setup
 
@@ -29,4 +31,11 @@ MATMUL = Extension(
     optional=True,
 )
 
-setup(ext_modules=[KERNELS, MATMUL])
+TRANSPOSE = Extension(
+    "modelkit.storage._transpose",
+    sources=["modelkit/storage/_transpose.c"],
+    extra_compile_args=["-O3"],          # SSE2 (x86-64's base instruction set) where the compiler has it
+    optional=True,
+)
+
+setup(ext_modules=[KERNELS, MATMUL, TRANSPOSE])

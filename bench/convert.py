@@ -62,7 +62,7 @@ _HARNESS = textwrap.dedent('''
     base = rss_anon()
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     if kind == "copy" and os.path.isdir(src):     # a folder (TF.js shards): each file copied and fsynced
         tmp = dst + ".tmp"
         shutil.copytree(src, tmp)
@@ -83,11 +83,11 @@ _HARNESS = textwrap.dedent('''
             os.fsync(f.fileno())
     else:
         modelkit.convert(src, dst, verify=(kind == "verify"))
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     done.set()
     thread.join()
     peak[0] = max(peak[0], rss_anon())
-    print(json.dumps({"seconds": seconds, "peak_above_base": peak[0] - base, "base": base}))
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_above_base": peak[0] - base, "base": base}))
 ''')
 
 
@@ -123,15 +123,7 @@ def measure(src: Path, dst: Path, kind: str, runs: int = 5) -> dict[str, float]:
     copy baseline and every conversion get the same treatment."""
     best: dict[str, float] | None = None
     for attempt in range(runs + 1):
-        folder = dst.parent if dst.name == "model.json" else dst        # a TF.js model is its folder
-        if folder.exists():
-            folder.unlink() if folder.is_file() else __import__("shutil").rmtree(folder)
-        subprocess.run(["sync"], check=False)
-        result = subprocess.run([sys.executable, "-c", _HARNESS, str(src), str(dst), kind],
-                                capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise SystemExit(f"{kind} {src.name} -> {dst.name} failed:\n{result.stderr[-2000:]}")
-        figures = json.loads(result.stdout.strip().splitlines()[-1])
+        figures = run_once(src, dst, kind)
         if attempt and (best is None or figures["seconds"] < best["seconds"]):
             best = {**figures, "peak_above_base": max(figures["peak_above_base"],
                                                       best["peak_above_base"] if best else 0)}
@@ -139,12 +131,30 @@ def measure(src: Path, dst: Path, kind: str, runs: int = 5) -> dict[str, float]:
     return best
 
 
+def run_once(src: Path, dst: Path, kind: str, python: str = sys.executable) -> dict[str, float]:
+    """One run in a fresh subprocess after `sync` (no run pays for an earlier one's write-back), the output
+    deleted first: wall seconds, CPU seconds of the process (all threads, user + system), peak anonymous
+    memory above its baseline. `python`: the interpreter (another install of modelkit to compare with)."""
+    folder = dst.parent if dst.name == "model.json" else dst        # a TF.js model is its folder
+    if folder.exists():
+        folder.unlink() if folder.is_file() else __import__("shutil").rmtree(folder)
+    subprocess.run(["sync"], check=False)
+    result = subprocess.run([python, "-c", _HARNESS, str(src), str(dst), kind],
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise SystemExit(f"{kind} {src.name} -> {dst.name} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def arguments(description: str, *, runs: bool = False) -> argparse.Namespace:
-    """--size-mib, --dir (and --runs): the options of this bench and of those that reuse its harness."""
+    """--size-mib, --dir (and --runs, --baseline-python): the options of this bench and of those that reuse its harness."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--size-mib", type=int, default=1024)
     if runs:
         parser.add_argument("--runs", type=int, default=5, help="timed runs of each conversion (after a warm-up)")
+        parser.add_argument("--baseline-python", default=None,
+                            help="also run each conversion under this interpreter (another modelkit install), "
+                                 "in the same rounds")
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     return parser.parse_args()
 

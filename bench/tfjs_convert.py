@@ -1,24 +1,32 @@
 """TF.js conversion speed and memory: a ~1 GiB safetensors to a TF.js Layers model and back, against an
-fsynced copy of the same bytes measured in the same run (issue 21's bar: <= 1.5x the copy, peak memory
+fsynced copy of the same bytes measured in the same rounds (issue 21's bar: <= 1.5x the copy, peak memory
 <= one shard plus 64 MiB).
 
     .venv/bin/python bench/tfjs_convert.py [--size-mib 1024] [--runs 5] [--dir /tmp/bench]
+                                           [--baseline-python OTHER/.venv/bin/python]
 
 The model is the zoo's mlp made wide (hidden layers of 4096: 64 MiB Dense kernels, which TF.js stores
 transposed, (in, out), in 4 MiB shards), so the conversion does what a real one does: transpose every
-kernel and cut the stream into shards, and back. Each figure is the fastest of `--runs` runs after a
-warm-up, each run in a fresh subprocess with the source in the page cache (bench/convert.py's harness,
-which also gives the copy baseline: shutil's copy and fsync, a folder file by file). The machine may be
-shared: read the ratios, which compare runs taken side by side, not the seconds.
+kernel and cut the stream into shards, and back. Each run is a fresh subprocess with the source read into
+the page cache first and everything synced before it (bench/convert.py's harness, which also gives the
+copy baseline: shutil's copy and fsync, a folder file by file). The runs are interleaved in rounds (copy,
+conversion without verification, verified conversion, for each direction), `--runs` rounds after one
+warm-up round, so each conversion has a copy taken beside it under the same load. Printed per conversion:
+the median of the rounds' ratios to their copy (with the range), the best conversion against the best
+copy, the CPU seconds (process time, all threads) as a ratio to the copy's in the same round (median),
+and the highest peak of anonymous memory. `--baseline-python` runs each conversion a second time per round
+under another install (an earlier commit's checkout), marked [baseline]. The machine may be shared: read the
+ratios, not the seconds.
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert import MEMORY_BAR_MIB, arguments, measure  # noqa: E402  (bench/convert.py, beside this file)
+from convert import MEMORY_BAR_MIB, arguments, run_once  # noqa: E402  (bench/convert.py, beside this file)
 
 TIME_BAR_RATIO = 1.5
 SHARD_MIB = 4
@@ -52,22 +60,40 @@ def main() -> None:
         web = folder / "web" / "model.json"
         __import__("modelkit").convert(st, web)                 # the TF.js model the reverse runs read
         print(f"checkpoint: {st.stat().st_size / 2**20:.0f} MiB of float32 mlp weights (4096-wide Dense kernels)\n")
-        rows = []
-        for label, src, dst, copy_src in (("safetensors -> tfjs", st, folder / "out" / "model.json", st),
-                                          ("tfjs -> safetensors", web, folder / "back.safetensors", web.parent)):
-            copy = measure(copy_src, folder / "copy.bin", "copy", runs=args.runs)
-            for kind in ("noverify", "verify"):
-                figures = measure(src, dst, kind, runs=args.runs)
-                rows.append((f"{label} ({'verified' if kind == 'verify' else 'no verify'})", figures, copy))
-        print(f"{'conversion':40s} {'seconds':>8s} {'copy s':>7s} {'x copy':>7s} {'peak MiB':>9s}  bars")
-        for label, figures, copy in rows:
-            ratio = figures["seconds"] / copy["seconds"]
-            peak = figures["peak_above_base"] / 2**20
-            print(f"{label:40s} {figures['seconds']:8.2f} {copy['seconds']:7.2f} {ratio:7.2f} {peak:9.1f}  "
-                  f"memory {'ok' if peak <= MEMORY_BAR else 'MISSED'}, time {'ok' if ratio <= TIME_BAR_RATIO else 'MISSED'}")
-        print(f"\nbars: time <= {TIME_BAR_RATIO}x the fsynced copy of the same bytes in the same run; peak anonymous "
-              f"memory <= {MEMORY_BAR} MiB above the baseline (one {SHARD_MIB} MiB shard plus 64; bench/convert.py's "
-              f"general bar is {MEMORY_BAR_MIB} MiB)")
+        plan = (("safetensors -> tfjs", st, folder / "out" / "model.json", st),
+                ("tfjs -> safetensors", web, folder / "back.safetensors", web.parent))
+        kinds = ["noverify", "verify"] + (["baseline noverify", "baseline verify"] if args.baseline_python else [])
+        runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+        for round_ in range(args.runs + 1):
+            for label, src, dst, copy_src in plan:
+                figures = {kind: run_once(src, dst, kind.split()[-1], python=args.baseline_python if "baseline" in kind
+                                          else sys.executable) for kind in kinds}
+                figures["copy"] = run_once(copy_src, folder / "copy.bin", "copy")
+                if round_:                                       # the first round warms up, untimed
+                    for kind, f in figures.items():
+                        runs.setdefault((label, kind), []).append(f)
+        print(f"{'conversion':50s} {'median x copy (range)':>22s} {'best x':>7s} {'CPU x':>6s} {'peak MiB':>9s}  bars")
+        for label, _, _, _ in plan:
+            copies = runs[(label, "copy")]
+            for kind in kinds:
+                mine = runs[(label, kind)]
+                ratios = [m["seconds"] / c["seconds"] for m, c in zip(mine, copies, strict=True)]
+                cpu = statistics.median(m["cpu"] / c["cpu"] for m, c in zip(mine, copies, strict=True))
+                best = min(m["seconds"] for m in mine) / min(c["seconds"] for c in copies)
+                median = statistics.median(ratios)
+                peak = max(m["peak_above_base"] for m in mine) / 2**20
+                name = f"{label} ({'verified' if kind.endswith(' verify') or kind == 'verify' else 'no verify'})"
+                name = f"{name} [baseline]" if "baseline" in kind else name
+                spread = f"{median:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+                print(f"{name:50s} {spread:>22s} {best:7.2f} {cpu:6.2f} {peak:9.1f}  memory "
+                      f"{'ok' if peak <= MEMORY_BAR else 'MISSED'}, time {'ok' if median <= TIME_BAR_RATIO else 'MISSED'}")
+        seconds = {label: statistics.median(c["seconds"] for c in runs[(label, "copy")]) for label, *_ in plan}
+        cpu_s = {label: statistics.median(c["cpu"] for c in runs[(label, "copy")]) for label, *_ in plan}
+        print(f"\ncopy baselines (median of {args.runs}): " + "; ".join(
+            f"{label.split(' -> ')[0]} {seconds[label]:.2f} s wall, {cpu_s[label]:.2f} s CPU" for label in seconds))
+        print(f"bars: time <= {TIME_BAR_RATIO}x the fsynced copy of the same bytes taken in the same round (median); "
+              f"peak anonymous memory <= {MEMORY_BAR} MiB above the baseline (one {SHARD_MIB} MiB shard plus 64; "
+              f"bench/convert.py's general bar is {MEMORY_BAR_MIB} MiB)")
 
 
 if __name__ == "__main__":

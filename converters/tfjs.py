@@ -31,7 +31,8 @@ Reading (ours and TF.js's or tensorflowjs_converter's): the topology with or wit
 wrapper, any number of groups and shards, float32, int32, float16 (plain or as quantization), and the
 quantized uint8/uint16 weights with `quantization: {dtype, min, scale}` or `{dtype, scale, original_dtype}`
 (decoded as TF.js does: q * scale + min in double precision, then float32). Shards are mapped into memory
-and weights are views of them (a Dense kernel is transposed straight from the pages into torch's layout).
+and weights are views of them (a Dense kernel is transposed straight from the pages into torch's layout, streamed
+to writers in bands, and compared with an array in the shards' own layout: storage.transpose.RowBlocks).
 The JSON and the manifest are read by modelkit.parse.tfjs
 (size caps, every shard path inside the folder, the shards' sizes equal to what the manifest declares)
 and the file goes through the scanner's gate (a Lambda layer carrying code is refused). A file whose
@@ -66,7 +67,6 @@ from modelkit.models.keras_plan import (
     names_record,
     torch_names,
     torch_shape,
-    transpose_into,
 )
 from modelkit.models.plugin import KERAS_TOPOLOGY_MODEL
 from modelkit.parse import keras as keras_json
@@ -77,6 +77,7 @@ from modelkit.storage import dtypes
 from modelkit.storage.atomic import file_finished
 from modelkit.storage.mapped import FileSpan, MappedFile
 from modelkit.storage.tensors import decode_tfjs_codes
+from modelkit.storage.transpose import RowBlocks
 
 MODEL_JSON = "model.json"
 DEFAULT_SHARD_SIZE = 4 * 1024 * 1024        # tensorflowjs_converter's weight_shard_size_bytes default
@@ -232,24 +233,16 @@ def _span(files: list[_Shard], offset: int, nbytes: int) -> FileSpan | None:
     return None
 
 
-def _dense_kernel_from_pieces(pieces: list[np.ndarray], dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """A Keras Dense kernel (in, out) stored across `pieces` (uint8 views of the shards), transposed straight
-    into torch's (out, in): each piece's whole rows tile by tile, a row cut by a shard boundary joined first."""
-    rows, cols = shape
-    result = np.empty((cols, rows), dtype=dtype)
-    row_bytes, row, carry = cols * dtype.itemsize, 0, None
-    for data in pieces:
-        if carry is not None:                      # the rest of a row the last shard began
-            need = row_bytes - len(carry)
-            result[:, row] = np.concatenate([carry, data[:need]]).view(dtype)
-            data, row, carry = data[need:], row + 1, None
-        whole = len(data) // row_bytes
-        if whole:
-            transpose_into(result[:, row:row + whole], data[:whole * row_bytes].view(dtype).reshape(whole, cols))
-            row += whole
-        if len(data) > whole * row_bytes:
-            carry = data[whole * row_bytes:]
-    return result
+def _dense_kernel(pieces: Callable[[], list[np.ndarray]], stored: LazyTensor, shape: tuple[int, ...]) -> LazyTensor:
+    """torch's (out, in) Dense kernel of a Keras (in, out) one stored across the shards (`pieces`: uint8
+    views of them), never joined first: made by transposing each shard's rows straight from the mapped
+    pages, streamed to a writer in bands (`chunks`), and compared with an array in the stored layout
+    (`equals`: verification reads the shards, not a transposed copy of them)."""
+    def blocks() -> RowBlocks:
+        return RowBlocks.of_bytes(pieces(), stored.shape, stored.dtype.numpy)
+    return LazyTensor(stored.dtype, shape, lambda: blocks().transposed(), stored.source,
+                      equals=lambda array: blocks().equals_transposed(array),
+                      chunks=lambda nbytes: blocks().transposed_chunks(nbytes))
 
 
 def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None,
@@ -265,9 +258,7 @@ def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None,
         weight, transform = entry["weight"], entry["transform"]
         stored, shape = ckpt.tensors[weight], tensors[name].shape
         if transform == "dense_kernel" and len(shape) == 2 and weight in pieces:
-            # straight from the mapped shards into torch's layout, no joined copy first
-            tensors[name] = LazyTensor(stored.dtype, shape, lambda w=pieces[weight], s=stored: _dense_kernel_from_pieces(
-                w(), s.dtype.numpy, s.shape), stored.source)
+            tensors[name] = _dense_kernel(pieces[weight], stored, shape)
         elif transform == "same" and stored.span is not None:      # the same bytes: writers copy them file to file
             tensors[name] = LazyTensor(stored.dtype, shape, stored.reader, stored.source, span=stored.span)
     return Checkpoint(tensors=tensors, metadata=ckpt.metadata, arch=ckpt.arch)

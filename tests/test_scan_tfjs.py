@@ -193,9 +193,11 @@ def _marshal_in_a_custom_field() -> dict:
 
 @pytest.mark.parametrize("layer", [payloads.keras_marshal_lambda(), _renamed_lambda(), _marshal_in_a_custom_field()],
                          ids=["Lambda", "function_type-lambda", "marshal-string"])
-@pytest.mark.parametrize("wrap", ["to_json", "model_config", "tfjs", "tfjs-model_config", "keras-archive"])
+@pytest.mark.parametrize("wrap", ["to_json", "model_config", "tfjs", "tfjs-model_config", "keras-archive", "tfjs-nested"])
 def test_code_in_a_keras_config_is_dangerous_however_wrapped(tmp_path, layer, wrap):
     config = payloads.keras_sequential([_DENSE, layer])
+    if wrap == "tfjs-nested":                       # inside a Sequential nested in the model (keras_graph builds those)
+        config = payloads.keras_sequential([_DENSE, config])
     if wrap == "to_json":
         data, name = json.dumps(config).encode(), "model.json"
     elif wrap == "model_config":

@@ -378,3 +378,89 @@ def test_without_torch_the_layout_is_checked_against_the_checkpoint_layer_to_lay
     assert layout_shapes(layout, narrow, "cnn") == "tensor 'fc1.weight' is [16, 1024], the cnn layout expects [128, 1024]"
     other = Checkpoint.from_module(build("cnn", {"channels": [32, 8]})).tensors
     assert "conv2.weight" in layout_shapes(layout, other, "cnn")
+
+
+def _kernels_checkpoint(tmp_path):
+    """An mlp whose Dense kernels span several shards (rows cut between them) at a shard size of 999,999."""
+    from modelkit.checkpoint import ArchSpec
+
+    spec = ArchSpec("mlp", {"in_features": 3, "hidden": [700, 300], "num_classes": 2})
+    rng = np.random.default_rng(1)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in modelkit.models.build_from_spec(spec).state_dict().items()}
+    state = {k: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+    modelkit.save(Checkpoint.from_state_dict(state, arch=spec), tmp_path / "w.safetensors")
+    return tmp_path / "w.safetensors", state
+
+
+def test_verification_compares_kernels_in_the_shards_layout_and_finds_one_flipped_bit(tmp_path, monkeypatch):
+    """The verified write reads every Dense kernel back from the shards and compares it with the source in the
+    shards' own (Keras) layout, never making a transposed copy; a bit flipped on its way to a shard fails the
+    write and leaves nothing behind."""
+    from modelkit.errors import VerificationError
+    from modelkit.storage.transpose import RowBlocks
+
+    src, _ = _kernels_checkpoint(tmp_path)
+
+    def never(self):
+        raise AssertionError("a kernel was transposed whole")
+    monkeypatch.setattr(RowBlocks, "transposed", never)
+    report = modelkit.convert(src, tmp_path / "web" / "model.json", shard_size=999_999)
+    assert report.verify["method"] == "bit-exact" and report.verify["tensors_checked"] == 6
+
+    monkeypatch.undo()                                 # a failed check makes the kernel whole to say how far off it is
+    tfjs = sys.modules["modelkit.converters.tfjs"]
+    write = tfjs._Shards._write
+    calls = []
+
+    def flip(self, array):
+        calls.append(array.nbytes)
+        if len(calls) == 3:                            # a piece of the first kernel, 5 bytes in
+            array = array.copy()
+            array.reshape(-1).view(np.uint8)[5] ^= 0x10
+        write(self, array)
+    monkeypatch.setattr(tfjs._Shards, "_write", flip)
+    with pytest.raises(VerificationError, match="differs"):
+        modelkit.convert(src, tmp_path / "bad" / "model.json", shard_size=999_999)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_kernels_read_back_stream_in_bands_and_are_compared_where_they_lie(tmp_path, monkeypatch):
+    """TF.js -> safetensors: each Dense kernel is written to the new file in bands transposed straight from the
+    shards (no kernel-sized array) and verified against the shards in their layout; the file holds torch's
+    layout, bit for bit; a flipped bit in a band fails the conversion."""
+    from modelkit.errors import VerificationError
+    from modelkit.storage import safetensors_files
+    from modelkit.storage.transpose import RowBlocks
+
+    transposed = RowBlocks.transposed
+    src, state = _kernels_checkpoint(tmp_path)
+    modelkit.convert(src, tmp_path / "web" / "model.json", shard_size=999_999)
+    monkeypatch.setattr(safetensors_files, "_CHUNK", 1 << 16)     # the first kernel (840,000 bytes) in 13 bands
+
+    def never(self):
+        raise AssertionError("a kernel was transposed whole")
+    monkeypatch.setattr(RowBlocks, "transposed", never)
+    seen = []                                                     # progress reporting keeps the bands (write.py)
+    report = modelkit.convert(tmp_path / "web" / "model.json", tmp_path / "back.safetensors",
+                              progress=lambda done, total: seen.append((done, total)))
+    assert report.verify["method"] == "bit-exact"
+    assert seen[-1] == (sum(v.numel() * 4 for v in state.values()),) * 2
+    from safetensors.numpy import load_file
+
+    back = load_file(tmp_path / "back.safetensors")
+    assert all(back[k].tobytes() == v.numpy().tobytes() for k, v in state.items())
+
+    monkeypatch.setattr(RowBlocks, "transposed", transposed)
+    chunks = RowBlocks.transposed_chunks
+
+    def flip(self, nbytes):
+        for n, band in enumerate(chunks(self, nbytes)):
+            if n == 1:
+                band = band.copy()
+                band.reshape(-1).view(np.uint8)[7] ^= 0x01
+            yield band
+    monkeypatch.setattr(RowBlocks, "transposed_chunks", flip)
+    with pytest.raises(VerificationError, match="differs"):
+        modelkit.convert(tmp_path / "web" / "model.json", tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()

@@ -5,7 +5,9 @@ converts to ONNX and TorchScript without `--arch`.
 Not a model of the zoo: nothing trains it, and its ArchSpec is the file's own topology, given by the reader
 (`ArchSpec("keras", {"topology": <the Keras model config>})`): plain JSON data that names Keras layer classes
 from a closed table, never code. Sequential and functional models (Keras 2 / TF.js `inbound_nodes`, and
-Keras 3's `args` with `keras_history`) of these layers build:
+Keras 3's `args` with `keras_history`) of these layers build, with shared layers (a layer called more than once:
+one node per call, one set of weights) and nested Sequential and functional models (a model used as a layer runs
+its own graph; called more than once, its weights are made once):
 
     InputLayer, Dense, Conv1D, Conv2D, DepthwiseConv2D, MaxPooling1D/2D, AveragePooling1D/2D,
     GlobalAveragePooling1D/2D, GlobalMaxPooling1D/2D, Flatten, Reshape, Dropout, BatchNormalization,
@@ -19,7 +21,8 @@ dilation, use_bias, and the activations TF.js and Keras name (linear, relu, relu
 softmax, log_softmax, softplus, softsign, swish/silu, gelu (exact), gelu_new (tanh), mish, exponential).
 Weights keep Keras's layouts (Dense kernel (in, out), Conv kernel (*k, in, out)) under the names the file
 stores them by: `<layer name>/<variable>` as TF.js's manifest names them (`dense_Dense1/kernel`,
-`batch_normalization/moving_mean`). Anything else is refused when the module is built, naming the layer and
+`batch_normalization/moving_mean`, nested or not), or Keras 3's path through the nested models
+(`layers/sequential/layers/dense_1/vars/0`). Anything else is refused when the module is built, naming the layer and
 its class. The Keras classes are `plugin.KERAS_CLASSES`, the table the Keras writers (keras_map, the zoo's
 keras_layers) name their layers from.
 """
@@ -82,15 +85,31 @@ def _same_padding(size: int, kernel: int, stride: int, dilation: int = 1) -> tup
     return total // 2, total - total // 2
 
 
+Ref = tuple[str, int, int]      # a tensor: (layer name, call of the layer, output of the call)
+
+
 @dataclass
 class _Node:
-    """One layer of the graph: its name, Keras class, config, and the tensors it takes (name, node, tensor index)."""
+    """One call of a layer: its name, Keras class, config, the tensors it takes, and which call of the layer it
+    is (a shared layer is called more than once, with one set of weights); a nested model's own graph."""
 
     name: str
     cls: str
     config: dict[str, Any]
-    inputs: list[tuple[str, int, int]] = field(default_factory=list)
-    path: str = ""              # Keras 3's name for it in a .weights.h5: the class in snake case, numbered (dense_1)
+    inputs: list[Ref] = field(default_factory=list)
+    path: str = ""              # Keras 3's name for it in a .weights.h5: the class in snake case, numbered (dense_1),
+                                # under its model's (sequential/layers/dense_1); unique in the whole model
+    call: int = 0
+    sub: _Graph | None = None
+
+
+@dataclass
+class _Graph:
+    """A model: its inputs (name, batch shape, dtype), its layer calls in an order that runs, its outputs."""
+
+    inputs: list[tuple[str, tuple, str]]
+    nodes: list[_Node]
+    outputs: list[Ref]
 
 
 @dataclass(frozen=True)
@@ -120,7 +139,8 @@ class KerasGraph(nn.Module):
     def __init__(self, config: KerasGraphConfig | None = None) -> None:
         super().__init__()
         self.config = config or KerasGraphConfig()
-        self._inputs, self._nodes, self._outputs = _graph(self.config.topology)
+        self._graph = _graph(self.config.topology)
+        self._inputs = self._graph.inputs
         if len(self._inputs) > _MAX_INPUTS:
             raise ConfigError(f"the Keras model takes {len(self._inputs)} inputs; modelkit builds at most {_MAX_INPUTS}")
         self._keys: dict[tuple[str, str], str] = {}
@@ -131,7 +151,7 @@ class KerasGraph(nn.Module):
     # -- the inputs the topology declares ------------------------------------------------------------------------
 
     def _example_shapes(self, batch: int) -> list[tuple[str, tuple[int, ...], str]]:
-        embedded = {ref[0] for node in self._nodes if node.cls == "Embedding" for ref in node.inputs}
+        embedded = _embedded_inputs(self._graph)
         out = []
         for name, shape, dtype in self._inputs:
             dims = tuple(batch if i == 0 else (_FREE_SIZE if d is None else d) for i, d in enumerate(shape))
@@ -142,7 +162,7 @@ class KerasGraph(nn.Module):
     def input_specs(self) -> list[str]:
         """Example inputs as `--input-shape` specs ("image=2x9x9x3:float32"; token ids in [0, the smallest
         Embedding's input_dim)): what graph exports and their checks run on when the caller gives none."""
-        vocab = min((int(n.config["input_dim"]) for n in self._nodes if n.cls == "Embedding"), default=None)
+        vocab = min((int(n.config["input_dim"]) for n in _calls(self._graph) if n.cls == "Embedding"), default=None)
         specs = []
         for name, dims, dtype in self._example_shapes(_EXAMPLE_BATCH):
             label = f"{name}=" if name.isidentifier() else ""
@@ -159,30 +179,49 @@ class KerasGraph(nn.Module):
         return self._run([x for x in (x0, x1, x2, x3, x4, x5, x6, x7) if x is not None])
 
     def _run(self, inputs: list[torch.Tensor], *, build: bool = False) -> Any:
-        if len(inputs) != len(self._inputs):
-            raise ConfigError(f"the Keras model takes {len(self._inputs)} input(s), got {len(inputs)}")
-        values: dict[tuple[str, int, int], torch.Tensor] = {
-            (name, 0, 0): x for (name, _, _), x in zip(self._inputs, inputs, strict=True)}
-        for node in self._nodes:
-            args = [values[ref] for ref in node.inputs]
-            values[(node.name, 0, 0)] = self._layer(node, args, build)
-        outs = tuple(values[ref] for ref in self._outputs)
+        outs = self._run_graph(self._graph, inputs, build)
         return outs[0] if len(outs) == 1 else outs
+
+    def _run_graph(self, graph: _Graph, inputs: list[torch.Tensor], build: bool) -> tuple[torch.Tensor, ...]:
+        """A model's layer calls in order; a nested model's graph on the tensors its call takes."""
+        if len(inputs) != len(graph.inputs):
+            raise ConfigError(f"the Keras model takes {len(graph.inputs)} input(s), got {len(inputs)}")
+        values: dict[Ref, torch.Tensor] = {(name, 0, 0): x for (name, _, _), x in zip(graph.inputs, inputs, strict=True)}
+        for node in graph.nodes:
+            args = [values[ref] for ref in node.inputs]
+            if node.sub is not None:
+                outs = self._run_graph(node.sub, args, build)
+            else:
+                outs = (self._layer(node, args, build),)
+            for index, y in enumerate(outs):
+                values[(node.name, node.call, index)] = y
+        missing = next((ref for ref in graph.outputs if ref not in values), None)
+        if missing is not None:
+            raise ConfigError(f"the model's output {list(missing)} is not an output of layer {missing[0]!r}")
+        return tuple(values[ref] for ref in graph.outputs)
 
     def _weight(self, node: _Node, variable: str, shape: tuple[int, ...] | None) -> torch.Tensor:
         """The layer's Keras variable; made (uninitialized, `shape`) on the building pass, named as the file
-        names it: `layer/variable` (TF.js) or `layers/<path>/vars/<i>` (Keras 3's .weights.h5)."""
-        if shape is not None:
+        names it: `layer/variable` (TF.js) or `layers/<path>/vars/<i>` (Keras 3's .weights.h5). A shared layer's
+        later calls take the weights its first call made."""
+        if shape is not None and (node.path, variable) in self._keys:
+            made = self._parameters[self._keys[(node.path, variable)]]
+            if tuple(made.shape) != tuple(shape):
+                raise ConfigError(f"layer {node.name!r} ({node.cls}) is called on inputs that need its {variable} "
+                                  f"{list(made.shape)} and {list(shape)}")
+        elif shape is not None:
             if self.config.weights == "keras3":
-                index = sum(1 for layer, _ in self._keys if layer == node.name)
+                index = sum(1 for layer, _ in self._keys if layer == node.path)
                 key = f"layers/{node.path}/vars/{index}"
             else:
                 key = f"{node.name}/{variable}"
             if "." in key:
                 raise ConfigError(f"layer {node.name!r} ({node.cls}): a layer name with '.' cannot name a weight")
-            self._keys[(node.name, variable)] = key
+            if key in self._parameters:
+                raise ConfigError(f"two layers are named {node.name!r}, so their weights would share the name {key!r}")
+            self._keys[(node.path, variable)] = key
             self.register_parameter(key, nn.Parameter(torch.empty(shape), requires_grad=False))
-        return self._parameters[self._keys[(node.name, variable)]]
+        return self._parameters[self._keys[(node.path, variable)]]
 
     def _layer(self, node: _Node, args: list[torch.Tensor], build: bool) -> torch.Tensor:
         c, where = node.config, f"layer {node.name!r} ({node.cls})"
@@ -361,7 +400,12 @@ def _pool(kind: str, c: dict[str, Any], x: torch.Tensor, channels_first: bool, w
 # ---------------------------------------------------------------------------------------------
 # The topology: layers, their inputs, the model's inputs and outputs (Sequential or functional)
 
-def _graph(topology: dict[str, Any]) -> tuple[list[tuple[str, tuple, str]], list[_Node], list[tuple[str, int, int]]]:
+_MODELS = {"Sequential": "sequential", "Functional": "functional", "Model": "functional"}    # nested models: Keras 3's
+                                                                                          # name for each in a path
+
+
+def _graph(topology: dict[str, Any], prefix: str = "") -> _Graph:
+    """The model a topology describes; `prefix`: the path of the model it is nested in (Keras 3's weight names)."""
     if not topology:
         raise ConfigError("a Keras model is built from a file's topology (a TF.js model.json or Keras architecture "
                           "JSON); this one names none")
@@ -372,24 +416,39 @@ def _graph(topology: dict[str, Any]) -> tuple[list[tuple[str, tuple, str]], list
         raise ConfigError(f"the Keras {cls} has no list of layers")
     layers = [_layer_entry(entry, i) for i, entry in enumerate(config["layers"])]
     for name, layer_cls, _, _ in layers:
-        if layer_cls not in _KINDS or layer_cls in ("Sequential", "Model", "Functional"):
+        if layer_cls not in _KINDS and layer_cls not in _MODELS:
             raise ConfigError(f"layer {name!r} is a {layer_cls}, which modelkit does not build into a torch module "
-                              f"(it builds {', '.join(sorted(_KINDS))})")
-    if cls == "Sequential":
-        graph = _sequential(layers)
-    elif cls in ("Model", "Functional"):
-        graph = _functional(config, layers)
-    else:
-        raise ConfigError(f"the model is a {cls!r}; modelkit builds Keras Sequential and functional models")
+                              f"(it builds {', '.join(sorted([*_KINDS, *_MODELS]))})")
     counts: dict[str, int] = {}
     paths = {}
-    for name, layer_cls, _, _ in layers:            # Keras 3 numbers layers per class in the model's order
-        kind = _KINDS[layer_cls]
+    for name, layer_cls, _, _ in layers:            # Keras 3 numbers a model's layers per class, in its order
+        kind = _KINDS.get(layer_cls) or _MODELS[layer_cls]
         n = counts[kind] = counts.get(kind, -1) + 1
-        paths[name] = kind if n == 0 else f"{kind}_{n}"
-    for node in graph[1]:
-        node.path = paths[node.name]
-    return graph
+        paths[name] = prefix + (kind if n == 0 else f"{kind}_{n}")
+    subs = {name: _graph({"class_name": layer_cls, "config": layer_config}, f"{paths[name]}/layers/")
+            for name, layer_cls, layer_config, _ in layers if layer_cls in _MODELS}
+    if cls == "Sequential":
+        return _sequential(layers, paths, subs)
+    if cls in ("Model", "Functional"):
+        return _functional(config, layers, paths, subs)
+    raise ConfigError(f"the model is a {cls!r}; modelkit builds Keras Sequential and functional models")
+
+
+def _calls(graph: _Graph) -> list[_Node]:
+    """Every layer call of the model, nested models' included."""
+    return [call for node in graph.nodes for call in ([node] if node.sub is None else _calls(node.sub))]
+
+
+def _embedded_inputs(graph: _Graph) -> set[str]:
+    """The model's inputs an Embedding takes (token ids), through nested models too."""
+    names: set[str] = set()
+    for node in graph.nodes:
+        if node.cls == "Embedding":
+            names |= {ref[0] for ref in node.inputs}
+        elif node.sub is not None:
+            inner = _embedded_inputs(node.sub)
+            names |= {ref[0] for ref, (name, _, _) in zip(node.inputs, node.sub.inputs, strict=False) if name in inner}
+    return names
 
 
 def _layer_entry(entry: Any, index: int) -> tuple[str, str, dict[str, Any], Any]:
@@ -413,18 +472,22 @@ def _input_of(name: str, config: dict[str, Any], where: str | None = None) -> tu
     return name, tuple(shape), dtype if isinstance(dtype, str) else "float32"
 
 
-def _sequential(layers: list[tuple[str, str, dict, Any]]):
+def _sequential(layers: list[tuple[str, str, dict, Any]], paths: dict[str, str], subs: dict[str, _Graph]) -> _Graph:
     first_name, first_cls, first_config, _ = layers[0]
-    inputs = [_input_of("input", first_config, f"the first layer, {first_name!r} ({first_cls}),")
-              if first_cls != "InputLayer" else _input_of(first_name, first_config)]
+    if first_cls == "InputLayer":
+        inputs = [_input_of(first_name, first_config)]
+    elif first_name in subs and len(subs[first_name].inputs) == 1:      # a nested model first: its input
+        inputs = [("input", *subs[first_name].inputs[0][1:])]
+    else:
+        inputs = [_input_of("input", first_config, f"the first layer, {first_name!r} ({first_cls}),")]
     previous = inputs[0][0]
     nodes = []
     for name, cls, config, _ in layers[1:] if first_cls == "InputLayer" else layers:
         if cls == "InputLayer":
             raise ConfigError(f"layer {name!r} is an InputLayer inside a Sequential")
-        nodes.append(_Node(name, cls, config, [(previous, 0, 0)]))
+        nodes.append(_Node(name, cls, config, [(previous, 0, 0)], paths[name], sub=subs.get(name)))
         previous = name
-    return inputs, nodes, [(previous, 0, 0)]
+    return _Graph(inputs, nodes, [(previous, 0, 0)])
 
 
 def _refs(value: Any, where: str) -> list[tuple[str, int, int]]:
@@ -443,51 +506,70 @@ def _refs(value: Any, where: str) -> list[tuple[str, int, int]]:
     return []
 
 
-def _functional(config: dict[str, Any], layers: list[tuple[str, str, dict, Any]]):
-    by_name = {}
+def _functional(config: dict[str, Any], layers: list[tuple[str, str, dict, Any]], paths: dict[str, str],
+                subs: dict[str, _Graph]) -> _Graph:
+    """A functional model: one node per call of each layer (inbound_nodes lists the calls), in an order that runs.
+
+    A tensor is [layer, node, output]. Keras 3 (calls as {"args": ...}) counts a layer's nodes from its first
+    call; Keras 2 and TF.js count a nested model's from 1, its own node 0 being the one that made it (measured on
+    what TF.js 4.22 writes: ["sequential_1", 1, 0] is the first call)."""
+    by_name: dict[str, tuple[str, dict[str, Any], Any]] = {}
     for name, cls, layer_config, inbound in layers:
         if name in by_name:
             raise ConfigError(f"two layers are named {name!r}")
         by_name[name] = (cls, layer_config, inbound)
-    inputs, nodes = [], {}
+    keras3 = any(isinstance(node, dict) for _, _, _, inbound in layers if isinstance(inbound, list) for node in inbound)
+    calls = {name: 1 if cls == "InputLayer" else len(inbound) if isinstance(inbound, list) else 0
+             for name, (cls, _, inbound) in by_name.items()}
+
+    def tensor(ref: Ref, where: str) -> Ref:
+        layer, node, output = ref
+        if layer not in by_name:
+            raise ConfigError(f"{where} takes {layer!r}, which no layer of the model makes")
+        call = node - (1 if layer in subs and not keras3 else 0)
+        if not 0 <= call < calls[layer]:
+            raise ConfigError(f"{where} takes node {node} of layer {layer!r}, which is called {calls[layer]} time(s)")
+        outputs = len(subs[layer].outputs) if layer in subs else 1
+        if not 0 <= output < outputs:
+            raise ConfigError(f"{where} takes output {output} of layer {layer!r}, which has {outputs}")
+        return layer, call, output
+
+    inputs, nodes = [], []
     for name, (cls, layer_config, inbound) in by_name.items():
         where = f"layer {name!r} ({cls})"
         if cls == "InputLayer":
             continue
-        if not isinstance(inbound, list) or len(inbound) != 1:
-            raise ConfigError(f"{where} is called {len(inbound) if isinstance(inbound, list) else 0} times; modelkit "
-                              "builds layers called once (shared layers are not built)")
-        node = inbound[0]
-        refs = _refs(node.get("args", []) if isinstance(node, dict) else node, where)
-        if not refs:
+        if not calls[name]:
             raise ConfigError(f"{where} has no input tensors")
-        nodes[name] = _Node(name, cls, layer_config, refs)
+        for call, node in enumerate(inbound):                      # a shared layer: one node per call
+            refs = _refs(node.get("args", []) if isinstance(node, dict) else node, where)
+            if not refs:
+                raise ConfigError(f"{where} has no input tensors")
+            nodes.append(_Node(name, cls, layer_config, [tensor(ref, where) for ref in refs], paths[name], call,
+                               subs.get(name)))
     for name, _, _ in _refs(config.get("input_layers", []), "input_layers"):
         if name not in by_name or by_name[name][0] != "InputLayer":
             raise ConfigError(f"input_layers names {name!r}, which is not an InputLayer of the model")
         inputs.append(_input_of(name, by_name[name][1]))
-    outputs = _refs(config.get("output_layers", []), "output_layers")
+    outputs = [tensor(ref, "output_layers") for ref in _refs(config.get("output_layers", []), "output_layers")]
     if not inputs or not outputs:
         raise ConfigError("the functional model names no input_layers or output_layers")
-    known = {name for name, _, _ in inputs}
+    known = {(name, 0) for name, _, _ in inputs}
     order: list[_Node] = []
-    pending = list(nodes.values())
-    while pending:                                                 # each layer after the layers it takes
-        ready = [n for n in pending if all(ref[0] in known for ref in n.inputs)]
+    pending = nodes
+    while pending:                                                 # each call after the calls it takes
+        ready = [n for n in pending if all(ref[:2] in known for ref in n.inputs)]
         if not ready:
-            missing = next(ref[0] for n in pending for ref in n.inputs if ref[0] not in known)
-            raise ConfigError(f"layer {pending[0].name!r} takes {missing!r}, which no layer of the model makes")
-        for n in ready:
-            if any(ref[1:] != (0, 0) for ref in n.inputs):
-                raise ConfigError(f"layer {n.name!r} ({n.cls}) takes a second call or output of a layer; "
-                                  "modelkit builds layers called once with one output")
-            order.append(n)
-            known.add(n.name)
-        pending = [n for n in pending if n not in ready]
+            missing = next(ref for n in pending for ref in n.inputs if ref[:2] not in known)
+            raise ConfigError(f"layer {pending[0].name!r} takes {missing[0]!r}, which no layer of the model makes "
+                              "from the model's inputs")
+        order += ready
+        known |= {(n.name, n.call) for n in ready}
+        pending = [n for n in pending if not any(n is r for r in ready)]
     for ref in outputs:
-        if ref[0] not in known:
+        if ref[:2] not in known:
             raise ConfigError(f"output_layers names {ref[0]!r}, which is not a layer of the model")
-    return inputs, order, outputs
+    return _Graph(inputs, order, outputs)
 
 
 CONFIG = KerasGraphConfig

@@ -10,7 +10,7 @@ the graph's outputs and the caller's own checks (`also`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -124,8 +124,13 @@ def _with_progress(ckpt: Checkpoint, progress: ProgressFn | None) -> Checkpoint:
             data = t.reader()          # numpy or torch, as the source gives it: LazyTensor checks it
             advance()
             return data
+        def chunks(nbytes: int) -> Iterator[Any]:
+            assert t.chunks is not None
+            yield from t.chunks(nbytes)
+            advance()
         span = None if t.span is None else replace(t.span, copied=advance)     # copied file to file: counted there
-        return LazyTensor(t.dtype, t.shape, read, t.source, span=span)
+        return LazyTensor(t.dtype, t.shape, read, t.source, span=span, equals=t.equals,
+                          chunks=None if t.chunks is None else chunks)
 
     tensors = {n: wrap(t) if isinstance(t, LazyTensor) else replace(t, parts={k: wrap(p) for k, p in t.parts.items()})
                for n, t in ckpt.tensors.items()}

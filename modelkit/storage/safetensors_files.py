@@ -32,6 +32,7 @@ from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 from modelkit.storage.tensors import LazyTensor, QuantizedTensor
 
 _ALIGN = 8
+_CHUNK = 4 << 20           # bytes at a time of a tensor made in bands as it is written (LazyTensor.chunks)
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -148,6 +149,9 @@ def write_file(path: Path, tensors: Mapping[str, LazyTensor], metadata: Mapping[
         for entry in tensors.values():
             if entry.span is not None:          # unchanged bytes of a file: copied in the kernel
                 copy_span(entry.span, out)
+            elif entry.chunks is not None:      # made in bands (a transposed kernel), never whole
+                for chunk in entry.chunks(_CHUNK):
+                    out.write(tensor_bytes(chunk))
             else:
                 out.write(tensor_bytes(entry.array()))
 

@@ -8,7 +8,7 @@ containers: safetensors, GGUF, HDF5, torch's own serialization read by modelkit)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,13 @@ class LazyTensor:
     # Where load()'s exact bytes lie in a file, when they do (raw little-endian, contiguous, no
     # transformation): writers copy such spans file to file in the kernel (modelkit.storage.mapped.copy_span).
     span: FileSpan | None = field(default=None, repr=False)
+    # For a tensor a reader makes from a file in another layout (a TF.js Dense kernel, stored transposed):
+    # `equals(array)` compares its bits with an array of its dtype and shape in the file's own layout,
+    # without making the tensor (modelkit.pipeline.verify); `chunks(nbytes)` gives its bytes in C order as
+    # contiguous arrays of about `nbytes`, each valid until the one after next is asked for, so a writer
+    # streams it instead of making it whole.
+    equals: Callable[[np.ndarray], bool] | None = field(default=None, repr=False)
+    chunks: Callable[[int], Iterator[np.ndarray]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))

@@ -1,0 +1,103 @@
+"""modelkit.storage.transpose: the C kernels and the numpy path give the same transposes and verdicts, bit
+for bit, on every item size, strided bands, odd shapes, NaN payloads and signed zeros; RowBlocks makes,
+streams and compares a matrix stored across pieces (rows cut between them) without joining it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from modelkit.storage import transpose
+
+PATHS = ["numpy"] + (["c"] if transpose.ACCELERATED else [])
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """Each test once through the numpy path and once through the C kernels (where they were built)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(transpose, "_kernel", None)
+    return request.param
+
+
+def _matrix(shape, dtype, seed=0):
+    """Random bits (NaNs among them): compare with .tobytes(), not np.array_equal."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(*shape, np.dtype(dtype).itemsize), dtype=np.uint8).view(dtype)[..., 0]
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (67, 5), (129, 257), (0, 5), (4, 0)])
+def test_transpose_and_compare_every_item_size(path, dtype, shape):
+    w = _matrix(shape, dtype)
+    out = np.empty(shape[::-1], dtype=dtype)
+    transpose.transpose_into(out, w)
+    assert out.tobytes() == np.ascontiguousarray(w.T).tobytes()
+    assert transpose.transposed_equal(w, out)
+    if out.size:
+        out.view(np.uint8)[-1, -1] ^= 1                    # one bit of the last item
+        assert not transpose.transposed_equal(w, out)
+
+
+def test_bands_of_a_larger_matrix_and_threads(path, monkeypatch):
+    """A band of columns (a strided view) transposes into a band of rows; a matrix over the threshold is
+    shared out between threads, and a difference in any thread's band is found."""
+    monkeypatch.setattr(transpose, "_PARALLEL", 1 << 12)
+    monkeypatch.setattr(transpose, "WORKERS", 3)
+    w = _matrix((300, 500), np.float32, seed=1)
+    out = np.zeros((600, 300), dtype=np.float32)
+    transpose.transpose_into(out[100:400], w[:, 100:400], threads=None)
+    assert out[100:400].tobytes() == np.ascontiguousarray(w[:, 100:400].T).tobytes()
+    assert not out[:100].any() and not out[400:].any()
+    whole = np.ascontiguousarray(w.T)
+    assert transpose.transposed_equal(w, whole)
+    for row in (0, 150, 299):                              # a difference in the first, middle and last band
+        changed = whole.copy()
+        changed.view(np.uint32)[7, row] ^= 1 << 31              # the sign bit
+        assert not transpose.transposed_equal(w, changed)
+
+
+def test_compared_as_bits_not_as_floats(path):
+    """NaN equals its own bits (a float comparison would fail it); -0.0 differs from 0.0 (a float comparison
+    would pass it)."""
+    w = np.array([[np.nan, 0.0], [1.0, -0.0]], dtype=np.float32)
+    assert transpose.transposed_equal(w, w.T.copy())
+    other = w.T.copy()
+    other[1, 1] = 0.0                                      # w[1, 1] is -0.0
+    assert not transpose.transposed_equal(w, other)
+    payload = w.T.copy()
+    payload.view(np.uint32)[0, 0] ^= 1                     # another NaN
+    assert not transpose.transposed_equal(w, payload)
+
+
+def test_shapes_and_dtypes_that_do_not_match():
+    w = np.zeros((3, 4), np.float32)
+    assert not transpose.transposed_equal(w, np.zeros((3, 4), np.float32))
+    assert not transpose.transposed_equal(w, np.zeros((4, 3), np.int32))
+    with pytest.raises(ValueError, match="cannot transpose"):
+        transpose.transpose_into(np.empty((3, 4), np.float32), w)
+
+
+@pytest.mark.parametrize("cuts", [[0, 4096], [1000, 1001, 5000], list(range(0, 4 * 30 * 52, 97))])
+def test_row_blocks_from_pieces_cut_anywhere(path, cuts):
+    """A (30, 52) float32 matrix as uint8 pieces cut at arbitrary bytes (rows split between two or more
+    pieces): made whole, streamed in bands and compared, all equal to the transpose."""
+    w = _matrix((30, 52), np.float32, seed=2)
+    data = np.frombuffer(w.tobytes(), dtype=np.uint8)
+    bounds = sorted({0, *[c for c in cuts if c < data.size], data.size})
+    pieces = [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    blocks = transpose.RowBlocks.of_bytes(pieces, (30, 52), np.float32)
+    assert blocks.transposed().tobytes() == w.T.tobytes()
+    assert b"".join(band.tobytes() for band in blocks.transposed_chunks(7 * 30 * 4)) == w.T.tobytes()
+    assert blocks.equals_transposed(np.ascontiguousarray(w.T))
+    changed = np.ascontiguousarray(w.T)
+    changed.view(np.uint32)[51, 29] ^= 1 << 31
+    assert not blocks.equals_transposed(changed)
+    with pytest.raises(ValueError, match="not a float32 matrix"):
+        transpose.RowBlocks.of_bytes(pieces[:-1] if len(pieces) > 1 else [data[:-4]], (30, 52), np.float32)
+
+
+def test_row_blocks_of_empty_matrices(path):
+    for shape in ((0, 4), (4, 0)):
+        blocks = transpose.RowBlocks.of_bytes([], shape, np.float32)
+        assert blocks.transposed().shape == shape[::-1] and blocks.equals_transposed(np.empty(shape[::-1], np.float32))
+        assert b"".join(band.tobytes() for band in blocks.transposed_chunks(64)) == b""
