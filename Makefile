@@ -7,7 +7,7 @@ TORCH  := torch==2.13.0
 .PHONY: demo test lint bench clean
 
 # torch first, pinned: the local CPU wheel; the project's own floor (torch>=2.4) is then already met.
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard quantizers/_gguf_kernels*.[ch] quantizers/_matmul_kernels*.[ch])
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard quantizers/_gguf_kernels*.[ch] quantizers/_matmul_kernels*.[ch] modelkit/storage/_*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
