@@ -1,7 +1,7 @@
 """Inference speed of quantized models: float against each scheme, and against other runtimes (issue 16).
 
     .venv/bin/python bench/infer.py [--threads 2] [--only probe,tinylm,llama,anchors,memory] [--schemes q4_k,...] [--json out.json]
-                                    [--rounds 3] [--cpu-time]
+                                    [--rounds 5] [--cpu-time]
     PYTHONPATH=/work/llama/site .venv/bin/python bench/infer.py      # with llama.cpp (llama-cpp-python)
 
 Every figure is a ratio to a baseline timed in the same process, just before it (float32 on the same
@@ -417,9 +417,9 @@ def main() -> None:
     parser.add_argument("--only", default="probe,tinylm,llama,anchors,memory",
                         help="parts, comma-separated: probe, tinylm, llama, anchors (or torchao, onnx, llamacpp), memory")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the llama.cpp anchor")
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="the schemes of part 2, comma-separated")
-    parser.add_argument("--rounds", type=int, default=3, help="part 2: rounds of float and every scheme, interleaved")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds: part 2 (float and every scheme) and the llama.cpp anchor")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time in this thread's CPU time (needs --threads 1: other threads' time would not count)")
     args = parser.parse_args()
