@@ -242,7 +242,8 @@ def test_fsync_failure_during_verification_leaves_no_output(tmp_path, mlp, monke
     real_fsync = os.fsync
 
     def failing_fsync(fd):
-        if "modelkit-fsync" in __import__("threading").current_thread().name:
+        # the single file's write-back thread, or the fsync threads of a folder's files
+        if __import__("threading").current_thread().name.startswith(("modelkit-write-back", "modelkit-fsync")):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
 
