@@ -245,9 +245,10 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     ENV.update({k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
                PYTHONPYCACHEPREFIX=str(folder / "pycache"))
+    folder = folder.resolve()
+    os.chdir(folder)          # not the checkout: `python -m modelkit` there would import its source folder
     for python in pythons:        # modelkit's own modules compiled now, the rest on the warm-up runs
         subprocess.run([python, "-c", COMPILE], check=True, capture_output=True, env=ENV)
-    os.chdir(folder)          # not the checkout: `python -m modelkit` there would import its source folder
     names = {"safetensors": "model.safetensors", "pth": "model.pth", "gguf": "model.gguf", "sharded": "sharded"}
     if options.reuse and all((folder / name).exists() for name in names.values()):
         paths = {kind: folder / name for kind, name in names.items()}
