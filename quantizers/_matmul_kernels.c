@@ -294,6 +294,11 @@ static const struct {
 #define N_ISAS ((int)(sizeof ALL_ISAS / sizeof ALL_ISAS[0]))
 static int isa_ok[N_ISAS];      /* this CPU runs ALL_ISAS[i]: set once, when the module loads */
 
+/* The kernel that reads weights of format `fmt` with ALL_ISAS[isa]: `linear` and the decode step choose here. */
+static rows_fn rows_for(int isa, int fmt) {
+    return fmt <= F_I4 ? ALL_ISAS[isa].rows : is_k_format(fmt) ? ALL_ISAS[isa].more_rows : ALL_ISAS[isa].legacy_rows;
+}
+
 /* ---- thread pool ------------------------------------------------------------------------------ */
 /* The caller and up to MAX_WORKERS pool threads claim tasks (ranges of row tiles) from one counter
  * that also carries the job's number, so a thread that wakes late cannot take a task of a later
@@ -441,7 +446,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     quantize_k_fn quantize_k = NULL;
     for (int i = 0; i < N_ISAS; i++)
         if (strcmp(isa, ALL_ISAS[i].name) == 0 && isa_ok[i]) {
-            rows = fmt <= F_I4 ? ALL_ISAS[i].rows : is_k_format(fmt) ? ALL_ISAS[i].more_rows : ALL_ISAS[i].legacy_rows;
+            rows = rows_for(i, fmt);
             quantize = ALL_ISAS[i].quantize;
             quantize_k = ALL_ISAS[i].quantize_k;
         }

@@ -321,7 +321,7 @@ typedef struct {
 } step_t;
 
 static void one_product(const step_t *s, const act_bufs_t *b, input_t *in, const weight_t *w, float *y) {
-    products_t p = {{w}, {input_act(s->isa, b, in, w, y)}, {w->fmt > F_I4 ? ALL_ISAS[s->isa].more_rows : ALL_ISAS[s->isa].rows}, 1};
+    products_t p = {{w}, {input_act(s->isa, b, in, w, y)}, {rows_for(s->isa, w->fmt)}, 1};
     run_products(&p, s->threads);
 }
 
@@ -350,7 +350,7 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
         input_t in = {h, C, {0}};
         products_t qkv = {{&w[0], &w[1], &w[2]}, {input_act(s->isa, b, &in, &w[0], q), input_act(s->isa, b, &in, &w[1], k),
                           input_act(s->isa, b, &in, &w[2], v)}, {0}, 3};
-        for (int i = 0; i < 3; i++) qkv.rows[i] = w[i].fmt > F_I4 ? ALL_ISAS[s->isa].more_rows : ALL_ISAS[s->isa].rows;
+        for (int i = 0; i < 3; i++) qkv.rows[i] = rows_for(s->isa, w[i].fmt);
         run_products(&qkv, s->threads);
         rotate(q, s->heads, s->hd, s->cos, s->sin);
         rotate(k, s->kv_heads, s->hd, s->cos, s->sin);
@@ -375,7 +375,7 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
         input_t normed = {h, C, {0}};
         products_t mlp = {{&w[4], &w[5]}, {input_act(s->isa, b, &normed, &w[4], gate), input_act(s->isa, b, &normed, &w[5], up)},
                           {0}, 2, swiglu, act};
-        for (int i = 0; i < 2; i++) mlp.rows[i] = w[4 + i].fmt > F_I4 ? ALL_ISAS[s->isa].more_rows : ALL_ISAS[s->isa].rows;
+        for (int i = 0; i < 2; i++) mlp.rows[i] = rows_for(s->isa, w[4 + i].fmt);
         run_products(&mlp, s->threads);
 
         input_t activated = {act, s->inter, {0}};

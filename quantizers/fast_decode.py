@@ -32,6 +32,7 @@ def _weight_fields(layer: nn.Module, keep: list[torch.Tensor]) -> list[int] | No
     packed = layer.packed()
     if packed is None:
         return None
+    keep.append(packed)          # the plan holds the addresses of its buffers: they live as long as the plan
     bias = layer.bias
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()

@@ -73,7 +73,8 @@ def _compare(model: torch.nn.Module, *, isa: str | None = None, threads: int = 2
 
 # Each kind of activations the step rounds (q8_0 blocks; int4's pair order; q8_K super-blocks, and q4_k_m's
 # q5_0/q8_0 stand-ins at rows of 96), each grouped-query ratio.
-CASES = [("gqa1", "q8_0"), ("gqa3", "int4"), ("gqa3", "q4_k_m"), ("gqa8", "q4_0"), ("gqa8", "int8"), ("k256", "q4_k_m")]
+CASES = [("gqa1", "q8_0"), ("gqa3", "int4"), ("gqa3", "q4_k_m"), ("gqa8", "q4_0"), ("gqa8", "int8"), ("k256", "q4_k_m"),
+         ("gqa3", "q5_0"), ("gqa8", "q4_1")]      # q5_0 / q4_1: the legacy kernels (q4_k_m stores some rows so too)
 
 
 @pytest.mark.parametrize(("config", "scheme"), CASES, ids=[f"{c}-{s}" for c, s in CASES])
