@@ -55,7 +55,13 @@ def write_output(target: PathLike, write: Callable[[Path], None], *, verify: Ver
             if back is not None:
                 back.abandon()                       # the writer's error is the one to report
             raise
-        wait_synced = back.finish() if back is not None else sync_in_background(tmp)   # disk writes while the CPU verifies
+        if back is not None:
+            wait_synced = back.finish()              # disk writes while the CPU verifies
+        elif verify is not None:
+            wait_synced = sync_in_background(tmp)
+        else:                                        # nothing to overlap: the commit fsyncs the folder's files
+            def wait_synced(check: bool = True) -> None:
+                return None
         result = None
         if verify is not None:
             try:
@@ -124,13 +130,14 @@ def _with_progress(ckpt: Checkpoint, progress: ProgressFn | None) -> Checkpoint:
             data = t.reader()          # numpy or torch, as the source gives it: LazyTensor checks it
             advance()
             return data
+        source_chunks = t.chunks
+
         def chunks(nbytes: int) -> Iterator[Any]:
-            assert t.chunks is not None
-            yield from t.chunks(nbytes)
+            yield from source_chunks(nbytes)
             advance()
         span = None if t.span is None else replace(t.span, copied=advance)     # copied file to file: counted there
         return LazyTensor(t.dtype, t.shape, read, t.source, span=span, equals=t.equals,
-                          chunks=None if t.chunks is None else chunks)
+                          chunks=None if source_chunks is None else chunks)
 
     tensors = {n: wrap(t) if isinstance(t, LazyTensor) else replace(t, parts={k: wrap(p) for k, p in t.parts.items()})
                for n, t in ckpt.tensors.items()}
