@@ -86,6 +86,9 @@ class DecodePlan:
         for t in (cos, sin, keys, values, *([] if embeddings is None else [embeddings])):
             if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
                 raise ConfigError("a decode step needs contiguous float32 CPU tensors")
+        if keys.ndim != 5:
+            raise ConfigError(f"a decode step on a cache of {tuple(keys.shape)} does not fit this plan "
+                              "(layers, slots, kv heads, window, head size)")
         layers, slots, _, window, _ = keys.shape
         if keys.shape != values.shape or layers != self.layers or keys.shape[2:] != (g.kv_heads, window, g.head_dim) \
                 or cos.shape != (window, g.head_dim) or sin.shape != cos.shape:
