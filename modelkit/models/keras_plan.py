@@ -23,7 +23,7 @@ from modelkit.errors import ConfigError, UnknownModelError
 from modelkit.models.plugin import KerasLayer, KerasLayout, KerasWeight
 from modelkit.storage.dtypes import dtype_name
 from modelkit.storage.tensors import LazyTensor
-from modelkit.storage.transpose import transpose_into
+from modelkit.storage.transpose import RowBlocks, transpose_into
 
 Transform = Callable[[np.ndarray], np.ndarray]
 KERAS_DTYPES = ("float16", "float32", "float64", "bfloat16")
@@ -50,12 +50,7 @@ def keras_pieces(target: KerasTarget, array: np.ndarray, piece_bytes: int) -> It
     if target.spec.transform != "dense_kernel" or array.ndim != 2 or array.size < 1 << 20:
         yield np.ascontiguousarray(target.to_keras(array))
         return
-    rows = max(1, piece_bytes // (array.shape[0] * array.itemsize))      # Keras rows = the source's columns
-    buffers = [np.empty((min(rows, array.shape[1]), array.shape[0]), dtype=array.dtype) for _ in range(2)]
-    for n, start in enumerate(range(0, array.shape[1], rows)):
-        band = buffers[n % 2][:min(rows, array.shape[1] - start)]
-        transpose_into(band, array[:, start:start + rows])
-        yield band
+    yield from RowBlocks([(0, array)], array.shape, array.dtype).transposed_chunks(piece_bytes)
 
 
 def _conv_kernel(w: np.ndarray) -> np.ndarray:
