@@ -347,15 +347,8 @@ def test_large_kernels_stream_in_bands_and_read_back_across_shards(tmp_path):
     """A Dense kernel over 2^20 weights is written transposed band by band (keras_pieces) and read back
     straight from the mapped shards (rows cut by shard boundaries included): the same bytes as the whole
     transposed array, and the same tensor back."""
-    from modelkit.checkpoint import ArchSpec
-
-    spec = ArchSpec("mlp", {"in_features": 2, "hidden": [1100, 1030], "num_classes": 2})
-    rng = np.random.default_rng(0)
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in modelkit.models.build_from_spec(spec).state_dict().items()}
-    state = {k: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
-    modelkit.save(Checkpoint.from_state_dict(state, arch=spec), tmp_path / "w.safetensors")
-    report = modelkit.convert(tmp_path / "w.safetensors", tmp_path / "web" / "model.json", shard_size=999_999)
+    src, state = _random_mlp(tmp_path, in_features=2, hidden=[1100, 1030], seed=0)
+    report = modelkit.convert(src, tmp_path / "web" / "model.json", shard_size=999_999)
     assert report.verify["method"] == "bit-exact"
     stream = b"".join(p.read_bytes() for p in sorted((tmp_path / "web").glob("*.bin"),
                                                      key=lambda p: int(p.name.split("shard")[1].split("of")[0])))
@@ -382,10 +375,15 @@ def test_without_torch_the_layout_is_checked_against_the_checkpoint_layer_to_lay
 
 def _kernels_checkpoint(tmp_path):
     """An mlp whose Dense kernels span several shards (rows cut between them) at a shard size of 999,999."""
+    return _random_mlp(tmp_path, in_features=3, hidden=[700, 300], seed=1)
+
+
+def _random_mlp(tmp_path, *, in_features, hidden, seed):
+    """An mlp of random float32 weights saved as tmp_path/w.safetensors: (its path, its state dict)."""
     from modelkit.checkpoint import ArchSpec
 
-    spec = ArchSpec("mlp", {"in_features": 3, "hidden": [700, 300], "num_classes": 2})
-    rng = np.random.default_rng(1)
+    spec = ArchSpec("mlp", {"in_features": in_features, "hidden": hidden, "num_classes": 2})
+    rng = np.random.default_rng(seed)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in modelkit.models.build_from_spec(spec).state_dict().items()}
     state = {k: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
