@@ -22,6 +22,7 @@ from typing import BinaryIO
 import numpy as np
 
 from modelkit.errors import FormatError
+from modelkit.storage.copy_check import span_copied
 
 _CHUNK = 64 << 20           # bytes per read on the fallback path
 _PIPE = 1 << 20             # splice pipe size: the default pipe-max-size, and what makes unaligned copies fast
@@ -55,6 +56,7 @@ def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
     """
     out.flush()
     fd = out.fileno()
+    start = os.lseek(fd, 0, os.SEEK_CUR) if at is None else at
     with open(span.path, "rb") as src:
         done = _splice(src.fileno(), fd, span, at)
         if done < span.nbytes and hasattr(os, "copy_file_range"):
@@ -81,6 +83,8 @@ def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
             done += len(chunk)
     if at is None:
         out.seek(os.lseek(fd, 0, os.SEEK_CUR))          # the file object's position follows the descriptor's
+    if isinstance(getattr(out, "name", None), str):
+        span_copied(span, out.name, start)              # compared with the source now if the output is checked
     if span.copied is not None:
         span.copied()
 
