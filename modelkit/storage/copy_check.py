@@ -41,6 +41,7 @@ class CopyCheck:
         self._jobs: queue.Queue[tuple[FileSpan, Path, int] | None] = queue.Queue()
         self._equal: dict[tuple[str, int, int], tuple[str, int]] = {}    # (output, offset, n) -> source
         self._closed = False
+        self._abandoned = False
         self._thread = threading.Thread(target=self._run, name="modelkit-copy-check", daemon=True)
         self._thread.start()
 
@@ -52,6 +53,8 @@ class CopyCheck:
         left, right = bytearray(_BUFFER), bytearray(_BUFFER)
         while (job := self._jobs.get()) is not None:
             source, output, offset = job
+            if self._abandoned:
+                continue
             try:
                 same = _same_bytes(source, output, offset, left, right)
             except OSError:
@@ -59,8 +62,10 @@ class CopyCheck:
             if same:
                 self._equal[(_key(output), offset, source.nbytes)] = (_key(source.path), source.offset)
 
-    def close(self) -> None:
-        """Wait for every comparison submitted so far; later copies are not compared here."""
+    def close(self, *, abandon: bool = False) -> None:
+        """Wait for every comparison submitted so far (`abandon`: for the one running only, when the write
+        failed and nothing will ask); later copies are not compared here."""
+        self._abandoned = self._abandoned or abandon
         if not self._closed:
             self._closed = True
             self._jobs.put(None)
@@ -99,6 +104,9 @@ def checking_copies(folder: Path) -> Iterator[CopyCheck]:
     check = _checks[_key(folder)] = CopyCheck(folder)
     try:
         yield check
+    except BaseException:
+        check.close(abandon=True)
+        raise
     finally:
         _checks.pop(_key(folder), None)
         check.close()

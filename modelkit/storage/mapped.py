@@ -49,7 +49,8 @@ def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
 
     splice through a 1 MiB pipe first, then copy_file_range (neither copies through user space);
     where the kernel or filesystem refuses both (another filesystem on old kernels, special
-    files), ordinary reads and writes.
+    files), ordinary reads and writes. The copy is then reported to storage.copy_check, which compares
+    it with the source on another thread when the output is being checked.
 
     Raises:
         FormatError: the source file ends before the span does (truncated since it was opened).
