@@ -1,5 +1,6 @@
 """Spans copied file to file are compared with their source while the writer goes on (storage.copy_check):
-the check after the writer then skips them, and a copy that went wrong is still caught."""
+the check after the writer then skips them (small ones are left to it), and a copy that went wrong is still
+caught."""
 from __future__ import annotations
 
 import os
@@ -37,7 +38,7 @@ def test_copied_tensors_are_not_compared_again_after_the_write(source, tmp_path,
     monkeypatch.setattr(verify, "_same_bits", lambda a, b: compared.append(a.nbytes) or original(a, b))
     report = modelkit.convert(source, tmp_path / target, **options)
     assert report.verify["passed"] and report.verify["tensors_checked"] == 4
-    assert compared == []                          # every tensor was a span copy, compared while writing
+    assert sorted(compared) == [7 * 8, 100 * 100 * 4]    # the 1.5 MiB copies were compared while writing
     back = modelkit.load(tmp_path / target)
     assert np.array_equal(back.tensors["b.weight"].array(), modelkit.load(source).tensors["b.weight"].array())
 
