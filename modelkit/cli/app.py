@@ -188,17 +188,19 @@ def _exit_now(code: object) -> None:
         return
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         return
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):
+    if not _flushed():
         return
     import atexit
 
     atexit._run_exitfuncs()          # noqa: SLF001  (what the interpreter calls; it clears them: they run once)
+    if _flushed():
+        os._exit(code or 0)
+
+
+def _flushed() -> bool:
     try:
         sys.stdout.flush()
         sys.stderr.flush()
-    except (OSError, ValueError):
-        return
-    os._exit(code or 0)
+    except (OSError, ValueError, AttributeError):       # a closed pipe, a closed file, no stdout at all
+        return False
+    return True

@@ -12,8 +12,8 @@ the graph's outputs and the caller's own checks (`also`).
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any

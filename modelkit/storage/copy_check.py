@@ -86,7 +86,7 @@ def _same_bytes(source: FileSpan, output: Path, offset: int) -> bool:
     """Whether `source`'s bytes are at `offset` in `output`: both mapped read-only and compared by memcmp
     (numpy's comparison where the C library has none).
 
-    Mapped and compared by memcmp: 0.22 s of CPU for the 980 MiB of bench/slim.py's checkpoint (45 spans, 1 GiB
+    Measured: 0.22 s of CPU for the 980 MiB of bench/slim.py's checkpoint (45 spans, 1 GiB
     on each side), against 0.27 s read 1 MiB at a time into two buffers and compared there, and 0.28 s for the
     check after the writer as it was (both files mapped whole, numpy's comparison in chunks); five interleaved
     rounds each, 2026-11-28, the 2-core VM."""
