@@ -2,7 +2,9 @@
 
 `write_output` is the mechanism: the writer writes a temporary file (or folder) beside the target
 (modelkit.storage.atomic), write-back to disk runs on another thread while it writes and fsync while
-the output is verified (the disk's work overlaps both), and only a verified, synced output is renamed into place. Any error, a
+the output is verified (the disk's work overlaps both), bytes the writer copies file to file are compared
+with their source on a third thread as soon as they are copied (modelkit.storage.copy_check), and only a
+verified, synced output is renamed into place. Any error, a
 failed verification included, leaves no output and no temporary file. `write_checkpoint` is the
 common case: a Checkpoint through its format's writer, read back and checked bit for bit, plus
 the graph's outputs and the caller's own checks (`also`).
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +22,7 @@ from modelkit.checkpoint import Checkpoint, LazyTensor
 from modelkit.formats import FORMATS, ReadOptions, WriteOptions, load_format, output_folder
 from modelkit.pipeline.verify import verify_graph, verify_weights
 from modelkit.storage.atomic import WriteBack, atomic_dir, atomic_path, sync_in_background
+from modelkit.storage.copy_check import checking_copies
 
 if TYPE_CHECKING:
     from torch import nn
@@ -47,7 +51,7 @@ def write_output(target: PathLike, write: Callable[[Path], None], *, verify: Ver
     """
     target = Path(target)
     opener = atomic_dir(target, force=force) if folder else atomic_path(target, force=force, companions=companions)
-    with opener as tmp:
+    with opener as tmp, checking_copies(tmp if folder else tmp.parent) if verify is not None else nullcontext():
         back = None if folder else WriteBack(tmp.parent)     # the disk writes while the writer still writes
         try:
             write(tmp)                               # a folder's shards are synced as they are finished

@@ -22,6 +22,7 @@ from typing import BinaryIO
 import numpy as np
 
 from modelkit.errors import FormatError
+from modelkit.storage.copy_check import span_copied
 
 _CHUNK = 64 << 20           # bytes per read on the fallback path
 _PIPE = 1 << 20             # splice pipe size: the default pipe-max-size, and what makes unaligned copies fast
@@ -48,13 +49,15 @@ def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
 
     splice through a 1 MiB pipe first, then copy_file_range (neither copies through user space);
     where the kernel or filesystem refuses both (another filesystem on old kernels, special
-    files), ordinary reads and writes.
+    files), ordinary reads and writes. The copy is then reported to storage.copy_check, which compares
+    it with the source on another thread when the output is being checked.
 
     Raises:
         FormatError: the source file ends before the span does (truncated since it was opened).
     """
     out.flush()
     fd = out.fileno()
+    start = os.lseek(fd, 0, os.SEEK_CUR) if at is None else at
     with open(span.path, "rb") as src:
         done = _splice(src.fileno(), fd, span, at)
         if done < span.nbytes and hasattr(os, "copy_file_range"):
@@ -81,6 +84,8 @@ def copy_span(span: FileSpan, out: BinaryIO, *, at: int | None = None) -> None:
             done += len(chunk)
     if at is None:
         out.seek(os.lseek(fd, 0, os.SEEK_CUR))          # the file object's position follows the descriptor's
+    if isinstance(getattr(out, "name", None), str):
+        span_copied(span, out.name, start)              # compared with the source now if the output is checked
     if span.copied is not None:
         span.copied()
 
