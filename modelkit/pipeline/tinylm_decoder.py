@@ -9,7 +9,8 @@ per token, so the text stays equal.
 A step of one cached sequence on a float32 model whose products are all packed quantized weights
 (a GGUF or int8/int4 file) runs as one call of the C kernels (quantizers/fast_decode.py): norms,
 rotary, attention over this cache and SwiGLU in C around the same weight products; anything else runs
-the torch path below.
+the torch path below. Hugging Face Llama-family models run through the same class
+(pipeline/hf_llama_decoder.py overrides the family's rotary tables, per-head norms and prefill).
 """
 from __future__ import annotations
 
@@ -45,34 +46,50 @@ class Stream:
 class TinyLMDecoder:
     """tinylm with a key/value cache (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, slots: int, *, fused: bool = True) -> None:
-        """`fused`: run single-sequence steps in one C call where the model allows (see the module docstring)."""
-        from modelkit.models.tinylm import rotary_tables
-
+    def __init__(self, model: nn.Module, slots: int, *, fused: bool = True, window: int | None = None) -> None:
+        """`fused`: run single-sequence steps in one C call where the model allows (see the module docstring);
+        `window`: positions a slot holds (default the model's max_position_embeddings)."""
         self.model = model.eval()
         cfg = model.config
-        self.window = cfg.max_position_embeddings
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.window = window or cfg.max_position_embeddings
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.device = next(model.parameters()).device
         self.dtype = model.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device)).dtype
         shape = (cfg.num_hidden_layers, slots, self.kv_heads, self.window, self.head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.cos, self.sin = (t.to(self.dtype) for t in rotary_tables(cfg, self.window, self.device))
+        self.cos, self.sin = (t.to(self.dtype).contiguous() for t in self._rotary_tables())
         self.owners: list[Cached] = []       # slot i holds owners[i]'s cache
         self.plan = self._plan() if fused and self.dtype == torch.float32 and self.device.type == "cpu" else None
         if self.plan is not None:
             self.plan.bind(self.cos, self.sin, self.keys, self.values)
         self.table: torch.Tensor | None = None      # the embedding table in float, for the fused step
 
+    # ---- what a family changes (HFLlamaDecoder overrides these) ----
+
+    def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each (window, head_dim), in the rotate-half layout."""
+        from modelkit.models.tinylm import rotary_tables
+
+        return rotary_tables(self.model.config, self.window, self.device)
+
+    def _block(self, layer: nn.Module) -> tuple[nn.Module, ...]:
+        """A layer's modules as fast_decode.plan takes them."""
+        a, m = layer.self_attn, layer.mlp
+        return (layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj, layer.post_attention_layernorm,
+                m.gate_proj, m.up_proj, m.down_proj)
+
+    def _head_norms(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys (B, T, heads, head_dim) before the rotary; tinylm has no per-head norms."""
+        return q, k
+
     def _plan(self) -> Any:
         from modelkit.quantizers import fast_decode
 
         cfg, body = self.model.config, self.model.model
-        blocks = [(b.input_layernorm, b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj, b.self_attn.o_proj,
-                   b.post_attention_layernorm, b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj) for b in body.layers]
         geometry = fast_decode.Geometry(cfg.hidden_size, self.heads, self.kv_heads, self.head_dim, cfg.intermediate_size)
-        return fast_decode.plan(blocks, body.norm, self.model.lm_head, geometry)
+        return fast_decode.plan([self._block(b) for b in body.layers], body.norm, self.model.lm_head, geometry)
 
     def _fused_step(self, seq: Cached) -> torch.Tensor:
         """The next logits of one cached sequence, in one call of the kernels."""
@@ -102,8 +119,9 @@ class TinyLMDecoder:
         groups = self.heads // self.kv_heads
         for i, layer in enumerate(self.model.model.layers):
             attn, h = layer.self_attn, layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, T, self.heads, self.head_dim).transpose(1, 2)     # (1, nh, T, hd)
-            k = attn.k_proj(h).view(1, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (1, nkv, T, hd)
+            q, k = self._head_norms(attn, attn.q_proj(h).view(1, T, self.heads, self.head_dim),
+                                    attn.k_proj(h).view(1, T, self.kv_heads, self.head_dim))
+            q, k = q.transpose(1, 2), k.transpose(1, 2)                                  # (1, nh / nkv, T, hd)
             v = attn.v_proj(h).view(1, T, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             self.keys[i, slot, :, :T], self.values[i, slot, :, :T] = k[0], v[0]
@@ -145,8 +163,9 @@ class TinyLMDecoder:
             contiguous = bool((slots == torch.arange(B, device=self.device)).all())
             for i, layer in enumerate(self.model.model.layers):
                 attn, h = layer.self_attn, layer.input_layernorm(x)                          # (B, 1, C)
-                q = attn.q_proj(h).view(B, 1, self.heads, self.head_dim).transpose(1, 2)     # (B, nh, 1, hd)
-                k = attn.k_proj(h).view(B, 1, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, 1, hd)
+                q, k = self._head_norms(attn, attn.q_proj(h).view(B, 1, self.heads, self.head_dim),
+                                        attn.k_proj(h).view(B, 1, self.kv_heads, self.head_dim))
+                q, k = q.transpose(1, 2), k.transpose(1, 2)                              # (B, nh / nkv, 1, hd)
                 v = attn.v_proj(h).view(B, 1, self.kv_heads, self.head_dim).transpose(1, 2)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
                 self.keys[i, slots, :, pos], self.values[i, slots, :, pos] = k[:, :, 0], v[:, :, 0]

@@ -1,0 +1,163 @@
+"""Hugging Face Llama-family models on the fused C decode step (pipeline/hf_llama_decoder.py,
+quantizers/fast_decode.py) against transformers' own forward with its DynamicCache on the same packed layers.
+
+Tiny random-weight models of transformers' own classes (norms and biases away from 1 / 0, so a missed
+norm, bias or Q/K permutation shows): Llama from a q8_0 GGUF file (Q/K rows permuted in the file),
+Llama-3 rope scaling, Mistral, Qwen2 (q/k/v biases, tied embeddings), Qwen3 (per-head q/k norms).
+Worst measured difference, 2026-11-28, over the cases below, 20 steps, every kernel (avx512vnni, avx2,
+generic) at 1 and 2 threads, and the GGUF file: 2.9e-07 of the largest logit (the products are the same
+kernels on the same rounded activations; only float summation order differs). Pinned at test_fast_decode's
+RTOL (0.03), which also covers an int8 rounding tie going the other way in one of them.
+"""
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import modelkit
+from modelkit import schemes
+from modelkit.pipeline.generate import generate_tokens
+from modelkit.pipeline.hf_llama_decoder import HFLlamaDecoder, llama_decoder, unsupported
+from modelkit.pipeline.load import load_language_model
+from modelkit.pipeline.quantize import quantize, quantize_module
+from modelkit.pipeline.tinylm_decoder import Stream
+from modelkit.quantizers import fast_decode, fast_linear
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(fast_linear.kernels() is None, reason="modelkit was built without its C kernels")
+
+RTOL = 0.03          # test_fast_decode's; worst measured 2.9e-07 (module docstring)
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+CONFIGS = {
+    "llama3-rope": lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3),
+    "llama-bias": lambda: transformers.LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32),
+}
+CASES = [("llama3-rope", "q8_0"), ("llama-bias", "int4"), ("mistral", "q4_0"), ("qwen2", "int8"), ("qwen3", "q4_0")]
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "llama_cpp" / "hf"
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    with torch.no_grad():               # norms around 1, biases around 0, neither exactly
+        for key, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn_like(p) * 0.2 + (0 if key.endswith("bias") else 1))
+    return model
+
+
+def _quantized(name: str, scheme: str) -> torch.nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_module(_model(name), schemes.load_scheme(scheme)()).eval()
+
+
+def _worst(model: torch.nn.Module, steps: int = 12) -> float:
+    """Greedy from a 5-token prompt, both fed transformers' tokens: the largest |fused - transformers| logit
+    difference over the steps, as a fraction of the largest logit; the fused step taken every time."""
+    from transformers.cache_utils import DynamicCache
+
+    from modelkit.testing.causal_lm import _cache_argument, returned_cache
+
+    cache = _cache_argument(model)
+    decoder = llama_decoder(model, 1, 5 + steps)
+    assert decoder is not None and decoder.plan is not None
+    seq, worst = Stream([3, 17, 99, 250, 7]), 0.0
+    calls = 0
+    original = decoder.plan.step
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    decoder.plan.step = counted
+    with torch.no_grad():
+        got = decoder.prefill(seq)
+        out = model(input_ids=torch.tensor([seq.ids]), use_cache=True, **{cache: DynamicCache(config=model.config)})
+        for _ in range(steps):
+            expected = out.logits[0, -1]
+            worst = max(worst, float((got - expected).abs().max()) / float(expected.abs().max()))
+            token = int(expected.argmax())
+            seq.ids.append(token)
+            got = decoder.step([seq])[0]
+            out = model(input_ids=torch.tensor([[token]]), use_cache=True, **{cache: returned_cache(out)})
+    assert calls == steps
+    return worst
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.mark.parametrize(("name", "scheme"), CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_the_fused_step_equals_transformers(name, scheme):
+    assert _worst(_quantized(name, scheme)) <= RTOL
+
+
+def test_the_portable_kernels_on_one_thread():
+    """What a CPU without AVX2 runs, with Qwen3's per-head norms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with fast_linear.use_isa("generic"):
+            assert _worst(_quantized("qwen3", "q8_0")) <= RTOL
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory) -> Path:
+    """A q8_0 GGUF of a Llama folder with the llama3 tokenizer fixture (Q/K rows permuted in the file)."""
+    root = tmp_path_factory.mktemp("hf-fused")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(root / "llama")
+    for f in (FIXTURES / "llama3").iterdir():
+        shutil.copy(f, root / "llama" / f.name)
+    quantize(root / "llama", root / "llama.gguf", scheme="q8_0")
+    return root / "llama.gguf"
+
+
+def test_a_gguf_file_decodes_fused_as_transformers(llama_gguf, monkeypatch):
+    """`modelkit generate` (complete) on the GGUF: the fused step every token after the first, the tokens of
+    transformers' generate, greedy and sampled."""
+    loaded = load_language_model(llama_gguf)
+    assert _worst(loaded.model) <= RTOL
+    calls = []
+    step = fast_decode.DecodePlan.step
+    monkeypatch.setattr(fast_decode.DecodePlan, "step", lambda self, *a, **k: calls.append(1) or step(self, *a, **k))
+    for options in ({}, {"temperature": 0.9, "top_k": 40, "top_p": 0.9, "seed": 3}):
+        calls.clear()
+        fused = modelkit.complete(llama_gguf, "Hello there", max_new_tokens=16, **options)
+        assert len(calls) == fused.new_tokens - 1 and fused.new_tokens > 1
+        reference = generate_tokens(loaded.model, loaded.tokenizer, "Hello there", max_new_tokens=16, fused=False,
+                                    **options)
+        assert fused.token_ids == reference.token_ids and fused.stopped == reference.stopped
+
+
+def test_what_the_step_does_not_take_keeps_transformers():
+    """A float model has no plan; a sliding window inside the cache, a length-dependent rope type and another
+    family are refused with their reason."""
+    assert llama_decoder(_model("mistral"), 1, 16) is None
+    sliding = transformers.MistralConfig(**COMMON, sliding_window=8)
+    assert "sliding window of 8" in unsupported(transformers.MistralForCausalLM(sliding), 16)
+    assert unsupported(transformers.MistralForCausalLM(sliding), 8) is None
+    dynamic = transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    assert "rope type dynamic" in unsupported(transformers.LlamaForCausalLM(dynamic), 16)
+    phi = transformers.Phi3Config(**COMMON, pad_token_id=0)
+    assert "not a model of" in unsupported(transformers.Phi3ForCausalLM(phi), 16)
+    with pytest.raises(ValueError, match="not a model of"):
+        HFLlamaDecoder(transformers.Phi3ForCausalLM(phi), 1, window=16)
