@@ -24,7 +24,7 @@ from modelkit.pipeline.generate import generate_tokens
 from modelkit.pipeline.hf_llama_decoder import HFLlamaDecoder, llama_decoder, unsupported
 from modelkit.pipeline.load import load_language_model
 from modelkit.pipeline.quantize import quantize, quantize_module
-from modelkit.pipeline.tinylm_decoder import Stream
+from modelkit.pipeline.tinylm_decoder import Stream, row_reader
 from modelkit.quantizers import fast_decode, fast_linear
 
 transformers = pytest.importorskip("transformers")
@@ -119,6 +119,23 @@ def test_the_portable_kernels_on_one_thread():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q6_k", "int8"])
+def test_an_embedding_row_is_the_layers_row(scheme):
+    """row_reader (the fused step's lookup in a table too large to dequantize whole): the layer's rows, bit for
+    bit, from the GGUF block bytes (q8_0, q4_0 in numpy; K-quants in C) or the layer itself (int8)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        embed = quantize_module(transformers.LlamaForCausalLM(config), schemes.load_scheme(scheme)()).model.embed_tokens
+    read = row_reader(embed)
+    with torch.no_grad():
+        for token in (0, 17, 39):
+            row = read(token)
+            assert row.dtype == torch.float32 and row.is_contiguous() and torch.equal(row, embed(torch.tensor([token]))[0])
+
+
 @pytest.fixture(scope="module")
 def llama_gguf(tmp_path_factory) -> Path:
     """A q8_0 GGUF of a Llama folder with the llama3 tokenizer fixture (Q/K rows permuted in the file)."""
@@ -161,3 +178,34 @@ def test_what_the_step_does_not_take_keeps_transformers():
     assert "not a model of" in unsupported(transformers.Phi3ForCausalLM(phi), 16)
     with pytest.raises(ValueError, match="not a model of"):
         HFLlamaDecoder(transformers.Phi3ForCausalLM(phi), 1, window=16)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral"])
+def test_serve_decodes_packed_models_with_the_static_cache(name):
+    """serve's decoder for a packed Llama-family model: sequences of different lengths prefilled, decoded
+    together (batched torch steps), one leaving early, then the last alone (fused steps); each sequence's
+    greedy tokens equal transformers' generate alone. A float model keeps HFDecoder."""
+    from modelkit.pipeline.serve_text import HFDecoder, Job, Sampling, hf_decoder
+
+    model = _quantized(name, "q8_0")
+    assert type(hf_decoder(_model(name), 4)) is HFDecoder
+    decoder = hf_decoder(model, 4)
+    assert type(decoder) is HFLlamaDecoder and decoder.window == COMMON["max_position_embeddings"]
+    prompts = [[5, 9, 200], [7] * 9, [300, 2, 11, 45, 8, 1]]
+    jobs = [Job(list(p), Sampling(12), lambda event: None) for p in prompts]
+    with torch.no_grad():
+        for job in jobs:
+            job.ids.append(int(decoder.prefill(job).argmax()))
+        for step in range(11):
+            if step == 3:
+                decoder.release(jobs[1])            # its slot goes to the last sequence
+            if step == 6:
+                decoder.release(jobs[2])            # the first runs alone: fused steps
+            running = [j for i, j in enumerate(jobs) if not (i == 1 and step >= 3) and not (i == 2 and step >= 6)]
+            for job, logits in zip(running, decoder.step(running), strict=True):
+                job.ids.append(int(logits.argmax()))
+        expected = model.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False)[0].tolist()
+    assert jobs[0].ids == expected
+    for job, prompt, n in ((jobs[1], prompts[1], 4), (jobs[2], prompts[2], 7)):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0].tolist()
+        assert job.ids == alone

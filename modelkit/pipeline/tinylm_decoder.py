@@ -14,10 +14,11 @@ the torch path below. Hugging Face Llama-family models run through the same clas
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -26,6 +27,43 @@ from modelkit.quantizers import fast_linear
 
 
 TABLE_FLOATS = 1 << 20       # the fused step dequantizes an embedding table up to 4 MB (tinylm's 256 rows) once
+
+
+def row_reader(embed: nn.Module) -> Callable[[int], torch.Tensor]:
+    """token -> its embedding (hidden float32 values, contiguous) for a table too large to dequantize whole.
+
+    A GGUF table's row is dequantized from its block bytes in numpy (q8_0, q4_0) or the C K-quant
+    dequantizer: ~10 us, where the layer's own lookup (torch ops, after a step has streamed the weights
+    through the caches) took 0.3-0.8 ms a token on llama-100m's 32000 x 768 table. Other tables: the layer."""
+    def by_layer(token: int) -> torch.Tensor:
+        return embed(torch.tensor([token]))[0].to(torch.float32).contiguous()
+
+    qdata = getattr(embed, "qdata", None)
+    if getattr(embed, "layout", None) != "gguf" or not isinstance(qdata, torch.Tensor) or qdata.ndim != 2 \
+            or embed.params.get("transposed") or embed.weight_dtype != torch.float32:
+        return by_layer
+    kind, rows = str(embed.params.get("ggml_type", "")).lower(), qdata.numpy()
+    if kind in ("q8_0", "q4_0"):
+        size = 34 if kind == "q8_0" else 18
+        if rows.shape[1] % size:
+            return by_layer
+        blocks = rows.reshape(len(rows), -1, size)
+
+        def legacy(token: int) -> torch.Tensor:
+            b = blocks[token]
+            scale = b[:, :2].copy().view(np.float16).astype(np.float32)                 # (blocks, 1)
+            if kind == "q8_0":
+                values = b[:, 2:].view(np.int8).astype(np.float32)
+            else:      # q4_0: low nibbles are weights 0-15 of a block, high nibbles 16-31; each minus 8
+                values = np.concatenate((b[:, 2:] & 15, b[:, 2:] >> 4), axis=1).astype(np.float32) - 8.0
+            return torch.from_numpy((values * scale).reshape(-1))
+
+        return legacy
+    from modelkit.quantizers.gguf_arrays import KERNEL_TYPES, dequantize_kquants
+
+    if kind in KERNEL_TYPES and fast_linear.kernels() is not None:
+        return lambda token: torch.from_numpy(dequantize_kquants(rows[token], kind, threads=1))
+    return by_layer
 
 
 class Cached(Protocol):
@@ -65,6 +103,7 @@ class TinyLMDecoder:
         if self.plan is not None:
             self.plan.bind(self.cos, self.sin, self.keys, self.values)
         self.table: torch.Tensor | None = None      # the embedding table in float, for the fused step
+        self.row: Callable[[int], torch.Tensor] | None = None      # or a reader of one row (row_reader)
 
     # ---- what a family changes (HFLlamaDecoder overrides these) ----
 
@@ -93,15 +132,20 @@ class TinyLMDecoder:
 
     def _fused_step(self, seq: Cached) -> torch.Tensor:
         """The next logits of one cached sequence, in one call of the kernels."""
-        if self.table is None:
+        if self.table is None and self.row is None:
             embed, cfg = self.model.model.embed_tokens, self.model.config
-            if cfg.vocab_size * cfg.hidden_size > TABLE_FLOATS:
-                x = embed(torch.tensor([seq.ids[-1]]))[0].to(torch.float32).contiguous()
-                return self.plan.step(x, len(seq.ids) - 1, seq.state)
-            # a quantized table's row costs ~0.1 ms of torch ops to dequantize: a small table once, in float
-            self.table = embed(torch.arange(cfg.vocab_size)).to(torch.float32).contiguous()
-            self.plan.bind(self.cos, self.sin, self.keys, self.values, self.table)
-        return self.plan.step(seq.ids[-1], len(seq.ids) - 1, seq.state)
+            weight = getattr(embed, "weight", None)
+            if type(embed) is nn.Embedding and weight.dtype == torch.float32 and weight.is_contiguous():
+                self.table = weight.detach()                    # a float table: its rows as they are
+            elif cfg.vocab_size * cfg.hidden_size <= TABLE_FLOATS:
+                # a quantized table's row costs ~0.1 ms of torch ops to dequantize: a small table once, in float
+                self.table = embed(torch.arange(cfg.vocab_size)).to(torch.float32).contiguous()
+            else:
+                self.row = row_reader(embed)
+            if self.table is not None:
+                self.plan.bind(self.cos, self.sin, self.keys, self.values, self.table)
+        token = seq.ids[-1] if self.row is None else self.row(seq.ids[-1])
+        return self.plan.step(token, len(seq.ids) - 1, seq.state)
 
     def prefill(self, seq: Cached) -> torch.Tensor:
         """The logits after the prompt; fills a cache slot unless the prompt already fills the window."""
