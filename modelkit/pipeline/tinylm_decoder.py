@@ -134,9 +134,9 @@ class TinyLMDecoder:
         """The next logits of one cached sequence, in one call of the kernels."""
         if self.table is None and self.row is None:
             embed, cfg = self.model.model.embed_tokens, self.model.config
-            weight = getattr(embed, "weight", None)
-            if type(embed) is nn.Embedding and weight.dtype == torch.float32 and weight.is_contiguous():
-                self.table = weight.detach()                    # a float table: its rows as they are
+            # (not `embed.weight` of a quantized layer: that property dequantizes the whole table)
+            if type(embed) is nn.Embedding and embed.weight.dtype == torch.float32 and embed.weight.is_contiguous():
+                self.table = embed.weight.detach()              # a float table: its rows as they are
             elif cfg.vocab_size * cfg.hidden_size <= TABLE_FLOATS:
                 # a quantized table's row costs ~0.1 ms of torch ops to dequantize: a small table once, in float
                 self.table = embed(torch.arange(cfg.vocab_size)).to(torch.float32).contiguous()
