@@ -107,7 +107,9 @@ class HFLlamaDecoder(TinyLMDecoder):
 def llama_decoder(model: nn.Module, slots: int, window: int) -> HFLlamaDecoder | None:
     """An HFLlamaDecoder whose single-sequence steps run fused, or None where the model is not one it takes or
     its products are not all packed weights (the caller keeps transformers' path)."""
-    if unsupported(model, window) is not None:
-        return None
+    from modelkit.quantizers._modules import QuantizedLinear
+
+    if unsupported(model, window) is not None or type(model.model.layers[0].self_attn.q_proj) is not QuantizedLinear:
+        return None         # (the second test only spares a float model the cache; the plan checks every layer)
     decoder = HFLlamaDecoder(model, slots, window=window)
     return decoder if decoder.plan is not None else None
