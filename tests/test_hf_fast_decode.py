@@ -20,6 +20,7 @@ import torch
 
 import modelkit
 from modelkit import schemes
+from modelkit.errors import ConfigError
 from modelkit.pipeline.generate import generate_tokens
 from modelkit.pipeline.hf_llama_decoder import HFLlamaDecoder, llama_decoder, unsupported
 from modelkit.pipeline.load import load_language_model
@@ -196,7 +197,7 @@ def test_what_the_step_does_not_take_keeps_transformers():
     assert "rope type dynamic" in unsupported(transformers.LlamaForCausalLM(dynamic), 16)
     phi = transformers.Phi3Config(**COMMON, pad_token_id=0)
     assert "not a model of" in unsupported(transformers.Phi3ForCausalLM(phi), 16)
-    with pytest.raises(ValueError, match="not a model of"):
+    with pytest.raises(ConfigError, match="does not take this model: not a model of"):
         HFLlamaDecoder(transformers.Phi3ForCausalLM(phi), 1, window=16)
 
 

@@ -22,6 +22,7 @@ import math
 import torch
 from torch import nn
 
+from modelkit.errors import ConfigError
 from modelkit.pipeline.tinylm_decoder import Cached, TinyLMDecoder
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -60,7 +61,7 @@ class HFLlamaDecoder(TinyLMDecoder):
 
         reason = unsupported(model, window)
         if reason is not None:
-            raise ValueError(f"HFLlamaDecoder: {reason}")
+            raise ConfigError(f"the fused Llama-family decoder does not take this model: {reason}")
         self.cache_argument = _cache_argument(model)
         super().__init__(model, slots, fused=fused, window=window)
 
