@@ -186,6 +186,43 @@ def test_a_tied_gguf_loads_with_one_table_and_decodes_fused(tmp_path):
     assert _worst(model) <= RTOL
 
 
+def _as_llama_cpp_writes_it(path: Path, out: Path) -> Path:
+    """The GGUF without modelkit's own keys (as tests/test_hf.py rewrites one): what llama.cpp's converter
+    writes, so the config comes from llama.cpp's keys and the family from general.architecture."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "modelkit.", "general.architecture")):
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_file_as_llama_cpp_writes_it_decodes_fused(family, llama_gguf, tmp_path):
+    """No modelkit keys: Llama's Q/K rows permuted by llama.cpp's rule, Qwen2 tied (no output.weight). The
+    model read back has every product packed and the fused step equals transformers on it."""
+    if family == "llama":
+        source = llama_gguf
+    else:
+        folder = tmp_path / "qwen2"
+        _model("qwen2").save_pretrained(folder)
+        for f in (FIXTURES / "qwen2").iterdir():
+            shutil.copy(f, folder / f.name)
+        quantize(folder, tmp_path / "qwen2.gguf", scheme="q4_0")
+        source = tmp_path / "qwen2.gguf"
+    model = load_language_model(_as_llama_cpp_writes_it(source, tmp_path / "plain.gguf")).model
+    assert model.config.model_type == family and _worst(model) <= RTOL
+    with torch.no_grad():
+        ids = torch.tensor([[1, 2, 3, 400, 5]])
+        assert torch.allclose(model(ids).logits, load_language_model(source).model(ids).logits, atol=1e-5)
+
+
 def test_what_the_step_does_not_take_keeps_transformers():
     """A float model has no plan; a sliding window inside the cache, a length-dependent rope type and another
     family are refused with their reason."""
