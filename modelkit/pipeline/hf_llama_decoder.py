@@ -19,6 +19,7 @@ rotate-half layout, as the C step's rotary expects.
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 

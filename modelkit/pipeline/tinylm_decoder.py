@@ -25,7 +25,6 @@ from torch.nn import functional as F
 
 from modelkit.quantizers import fast_linear
 
-
 TABLE_FLOATS = 1 << 20       # the fused step dequantizes an embedding table up to 4 MB (tinylm's 256 rows) once
 
 
