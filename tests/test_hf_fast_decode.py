@@ -3,7 +3,7 @@ quantizers/fast_decode.py) against transformers' own forward with its DynamicCac
 
 Tiny random-weight models of transformers' own classes (norms and biases away from 1 / 0, so a missed
 norm, bias or Q/K permutation shows): Llama from a q8_0 GGUF file (Q/K rows permuted in the file),
-Llama-3 rope scaling, Mistral, Qwen2 (q/k/v biases, tied embeddings), Qwen3 (per-head q/k norms).
+Llama-3 and YaRN rope scaling, Mistral, Qwen2 (q/k/v biases, tied embeddings), Qwen3 (per-head q/k norms).
 Worst measured difference, 2026-11-28, over the cases below, 20 steps, every kernel (avx512vnni, avx2,
 generic) at 1 and 2 threads, and the GGUF file: 2.9e-07 of the largest logit (the products are the same
 kernels on the same rounded activations; only float summation order differs). Pinned at test_fast_decode's
@@ -38,12 +38,14 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_fre
           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 CONFIGS = {
     "llama3-rope": lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3),
+    "llama-yarn": lambda: transformers.LlamaConfig(**COMMON, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}),
     "llama-bias": lambda: transformers.LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32),
 }
-CASES = [("llama3-rope", "q8_0"), ("llama-bias", "int4"), ("mistral", "q4_0"), ("qwen2", "int8"), ("qwen3", "q4_0")]
+CASES = [("llama3-rope", "q8_0"), ("llama-yarn", "int8"), ("llama-bias", "int4"), ("mistral", "q4_0"), ("qwen2", "int8"), ("qwen3", "q4_0")]
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "llama_cpp" / "hf"
 
 
