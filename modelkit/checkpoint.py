@@ -72,7 +72,12 @@ def _with_checkpoint_entries(ckpt: Checkpoint, module: nn.Module) -> Checkpoint:
         elif replacements[owner] is not None:
             tensors.update(replacements[owner])
             replacements[owner] = None       # emitted once, where the submodule's first key was
-    return Checkpoint(tensors, ckpt.metadata, ckpt.arch, ckpt.assets)
+    metadata = dict(ckpt.metadata)
+    if ALIASES_KEY in metadata:              # ties between replaced keys (a tied quantized head's parts) are gone
+        aliases = {a: t for a, t in json.loads(metadata.pop(ALIASES_KEY)).items() if a in tensors and t in tensors}
+        if aliases:
+            metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    return Checkpoint(tensors, metadata, ckpt.arch, ckpt.assets)
 
 
 @dataclass

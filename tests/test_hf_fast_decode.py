@@ -20,6 +20,7 @@ import torch
 
 import modelkit
 from modelkit import schemes
+from modelkit.checkpoint import Checkpoint
 from modelkit.errors import ConfigError
 from modelkit.pipeline.generate import generate_tokens
 from modelkit.pipeline.hf_llama_decoder import HFLlamaDecoder, llama_decoder, unsupported
@@ -182,9 +183,11 @@ def test_a_tied_gguf_loads_with_one_table_and_decodes_fused(tmp_path):
     head, table = model.lm_head, model.model.embed_tokens
     assert type(head).__name__ == "QuantizedLinear" and head.qdata.data_ptr() == table.qdata.data_ptr()
     assert llama_decoder(model, 1, 8).plan.head is not None
+    modelkit.save(Checkpoint.from_module(model), tmp_path / "again.gguf")      # writable again (head stored apart)
     with torch.no_grad():
         ids = torch.tensor([[1, 2, 3, 400, 5]])
         assert float((model(ids).logits - float_model(ids).logits).abs().max()) <= 0.03
+        assert torch.equal(load_language_model(tmp_path / "again.gguf").model(ids).logits, model(ids).logits)
     assert _worst(model) <= RTOL
 
 
