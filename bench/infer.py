@@ -27,6 +27,12 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    cache and its fused C step) and the same decoder's torch step, in interleaved rounds (`--rounds`), and
    against modelkit's layers from those files run in transformers' generate (its KV cache).
    Goal: >= 0.5x llama.cpp for q8_0 and q4_0 (q4_k_m reported beside them).
+   hfllama (part of anchors): the same against a transformers LlamaForCausalLM of llama-100m's shape
+   (vocabulary 32000, 12 heads / 4 KV heads), saved with save_pretrained (the llama3 tokenizer fixture) and
+   quantized from that folder to GGUF by `modelkit quantize`: llama.cpp on the file against `modelkit
+   generate` on it (pipeline.generate.generate_tokens: the fused step, pipeline/hf_llama_decoder.py) and
+   against transformers' generate on the same loaded layers (the path before it), interleaved rounds; also
+   the CPU time (process time) per decoded token of llama.cpp and of the fused decoder's steps.
 4. memory: resident memory (RSS growth in a fresh process) of load_module's model from modelkit's GGUF
    files of that tinylm (q4_k_m, q6_k, q4_0, q8_0) against the file's size. Goal: <= 1.15x.
 
@@ -363,6 +369,70 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
                 hf_decode / statistics.median(runs["llama"]), 0.5, higher=True)
 
 
+def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
+    """3d: see the module docstring (hfllama)."""
+    print(f"\n3d. llama.cpp on GGUF files of a transformers Llama (llama-100m, vocabulary 32000), {threads} threads, "
+          f"{rounds} interleaved rounds: median (range)")
+    try:
+        import llama_cpp
+    except ImportError:
+        print("  llama_cpp not importable: run with PYTHONPATH=/work/llama/site (llama-cpp-python 0.3.36)")
+        return
+    import shutil
+
+    from modelkit.pipeline.generate import generate_tokens
+    from modelkit.pipeline.hf_llama_decoder import llama_decoder
+    from modelkit.pipeline.load import load_language_model
+    from modelkit.pipeline.quantize import quantize as quantize_file
+    from modelkit.pipeline.tinylm_decoder import Stream
+
+    text = " ".join(f"w{i}" for i in range(40))
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        folder = Path(tmp) / "llama"
+        hf_llama(LLAMA_100M).save_pretrained(folder)
+        for f in (Path(__file__).resolve().parent.parent / "fixtures" / "llama_cpp" / "hf" / "llama3").iterdir():
+            shutil.copy(f, folder / f.name)
+        for scheme in ("q8_0", "q4_0", "q4_k_m"):
+            path = Path(tmp) / f"{scheme}.gguf"
+            quantize_file(folder, path, scheme=scheme)
+            lm = load_language_model(path)
+            ids = list(lm.tokenizer(text)["input_ids"])
+            llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=256, verbose=False)
+            runs: dict[str, list[float]] = {k: [] for k in ("llama", "own", "hf", "llama_cpu", "own_cpu")}
+            generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=4)                     # warm-up
+            for _ in range(rounds):      # each round: llama.cpp, modelkit generate, transformers' generate, CPU times
+                llm.reset()
+                llm.eval(ids)
+                t1, c1 = time.perf_counter(), time.process_time()
+                for i in range(31):
+                    llm.eval([(i * 7919) % 32000])
+                runs["llama"].append(31 / (time.perf_counter() - t1))
+                runs["llama_cpu"].append((time.process_time() - c1) / 31)
+                g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32)
+                runs["own"].append((g.new_tokens - 1) / g.decode_seconds)
+                g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32, fused=False)
+                runs["hf"].append((g.new_tokens - 1) / g.decode_seconds)
+                decoder, seq = llama_decoder(lm.model, 1, len(ids) + 32), Stream(list(ids))
+                with torch.no_grad():
+                    seq.ids.append(int(decoder.prefill(seq).argmax()))
+                    c1 = time.process_time()
+                    for _ in range(31):
+                        seq.ids.append(int(decoder.step([seq])[0].argmax()))
+                runs["own_cpu"].append((time.process_time() - c1) / 31)
+            del llm
+            ratio = [o / ll for o, ll in zip(runs["own"], runs["llama"], strict=True)]
+            before = [h / ll for h, ll in zip(runs["hf"], runs["llama"], strict=True)]
+            cpu = [ll / o for o, ll in zip(runs["own_cpu"], runs["llama_cpu"], strict=True)]
+            row("llama.cpp, transformers Llama", scheme=scheme, file_mib=round(path.stat().st_size / 2**20, 1),
+                llama_cpp_decode_tok_s=_spread(runs["llama"]), modelkit_decode_tok_s=_spread(runs["own"]),
+                transformers_generate_decode_tok_s=_spread(runs["hf"]), modelkit_vs_llama_cpp=_spread(ratio),
+                transformers_generate_vs_llama_cpp=_spread(before),
+                cpu_time_per_token_llama_cpp_over_modelkit=_spread(cpu))
+            bar(f"{scheme} transformers-Llama GGUF decode tokens/s, modelkit generate / llama.cpp (median of rounds)",
+                statistics.median(ratio), 0.5, higher=True)
+
+
 # ------------------------------------------------------------------------------------ 4. memory
 
 _RSS_PROBE = """
@@ -415,7 +485,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", default="probe,tinylm,llama,anchors,memory",
-                        help="parts, comma-separated: probe, tinylm, llama, anchors (or torchao, onnx, llamacpp), memory")
+                        help="parts, comma-separated: probe, tinylm, llama, anchors (or torchao, onnx, llamacpp, "
+                             "hfllama), memory")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="the schemes of part 2, comma-separated")
     parser.add_argument("--rounds", type=int, default=5,
@@ -441,6 +512,8 @@ def main() -> None:
         onnx_anchor()
     if only & {"anchors", "llamacpp"}:
         llama_cpp_anchor(args.threads, args.rounds)
+    if only & {"anchors", "hfllama"}:
+        hf_llama_cpp_anchor(args.threads, args.rounds)
     if "memory" in only:
         memory()
     if args.json:

@@ -72,7 +72,12 @@ def _with_checkpoint_entries(ckpt: Checkpoint, module: nn.Module) -> Checkpoint:
         elif replacements[owner] is not None:
             tensors.update(replacements[owner])
             replacements[owner] = None       # emitted once, where the submodule's first key was
-    return Checkpoint(tensors, ckpt.metadata, ckpt.arch, ckpt.assets)
+    metadata = dict(ckpt.metadata)
+    if ALIASES_KEY in metadata:              # ties between replaced keys (a tied quantized head's parts) are gone
+        aliases = {a: t for a, t in json.loads(metadata.pop(ALIASES_KEY)).items() if a in tensors and t in tensors}
+        if aliases:
+            metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    return Checkpoint(tensors, metadata, ckpt.arch, ckpt.assets)
 
 
 @dataclass
@@ -218,7 +223,16 @@ def instantiate(ckpt: Checkpoint, *, arch: ArchSpec | str | None = None, source:
     model, label = _build(ckpt, arch, source, target)
     quantized = {} if dequantize else {n: t for n, t in ckpt.tensors.items() if isinstance(t, QuantizedTensor)}
     if quantized:
+        # An output head tied to a quantized table (a GGUF without output.weight: llama.cpp computes the
+        # logits with token_embd) becomes a quantized layer holding that same tensor.
+        tied_quantized = {alias: target for alias, target in _tied_names(model.state_dict()).items()
+                          if target in quantized and alias not in ckpt.tensors}
+        quantized |= {alias: quantized[target] for alias, target in tied_quantized.items()}
         model = _quantized_layers(model, quantized, source)
+        for alias, target in tied_quantized.items():           # one copy of the table's parts in memory
+            head, table = (model.get_submodule(name.rpartition(".")[0]) for name in (alias, target))
+            for part in table.part_names:
+                setattr(head, part, getattr(table, part))
     state = {n: t.load() for n, t in ckpt.tensors.items() if n not in quantized}
     expected = model.state_dict()
     # A quantized layer's own keys (packed data, scales) come from its QuantizedTensor, its bias from the file.

@@ -5,6 +5,7 @@
  *   h = rmsnorm(x) * w_attn_norm
  *   q, k, v = h @ Wq.T, h @ Wk.T, h @ Wv.T     one pool job over the rows of all three; h rounded to
  *                                               int8 once per activation kind the three weights read
+ *   q, k = rmsnorm(each head) * w_q_norm, ...   where the plan has per-head query/key norms (Qwen3)
  *   rotate q and k by the position (the "rotate half" layout of cos/sin rows), store k, v in the cache
  *   y = softmax(q K.T / sqrt(head_dim)) V        per query head over positions 0..pos of its key/value
  *                                                head (grouped-query), one pool task per head
@@ -23,7 +24,8 @@
 #define DECODE_WEIGHTS 7           /* q, k, v, o, gate, up, down */
 #define WEIGHT_FIELDS 12           /* fmt, w, w_stride, scale, scale_stride, zero, zero_stride, group_blocks,
                                       signed_nibbles, bias, N, K (addresses as integers; 0 for none) */
-#define LAYER_FIELDS (DECODE_WEIGHTS * WEIGHT_FIELDS + 2)   /* then the two norm weights' addresses */
+#define LAYER_FIELDS (DECODE_WEIGHTS * WEIGHT_FIELDS + 4)   /* then the attention and MLP norm weights' addresses,
+                                                               the per-head query and key norms' (0: none) */
 #define DECODE_SPLIT_BYTES 32768   /* a product shares its rows between threads from this many weight bytes */
 
 enum { ACT_Q8_0, ACT_PAIRS, ACT_Q8_K, ACT_KINDS };
@@ -194,7 +196,7 @@ AVX2_FMA static void swiglu_avx2(const float *gate, const float *up, float *act,
 
 /* ---- norms and rotary ------------------------------------------------------------------------- */
 
-/* out = x / sqrt(mean(x^2) + eps) * weight, as tinylm's RMSNorm (float32). */
+/* out = x / sqrt(mean(x^2) + eps) * weight, as tinylm's and Llama's RMSNorm (float32); out may be x. */
 static void rmsnorm(const float *x, const float *weight, Py_ssize_t n, float eps, float *out) {
     float s[8] = {0};
     Py_ssize_t i = 0;
@@ -344,6 +346,8 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
         for (int i = 0; i < DECODE_WEIGHTS; i++) plan_weight(f + i * WEIGHT_FIELDS, &w[i]);
         const float *attn_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS];
         const float *mlp_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + 1];
+        const float *q_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + 2];
+        const float *k_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + 3];
         float *keys = s->keys + l * s->layer_stride, *values = s->values + l * s->layer_stride;
 
         rmsnorm(x, attn_norm, C, s->eps, h);
@@ -352,6 +356,10 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
                           input_act(s->isa, b, &in, &w[2], v)}, {0}, 3};
         for (int i = 0; i < 3; i++) qkv.rows[i] = rows_for(s->isa, w[i].fmt);
         run_products(&qkv, s->threads);
+        if (q_norm)
+            for (Py_ssize_t i = 0; i < s->heads; i++) rmsnorm(q + i * s->hd, q_norm, s->hd, s->eps, q + i * s->hd);
+        if (k_norm)
+            for (Py_ssize_t i = 0; i < s->kv_heads; i++) rmsnorm(k + i * s->hd, k_norm, s->hd, s->eps, k + i * s->hd);
         rotate(q, s->heads, s->hd, s->cos, s->sin);
         rotate(k, s->kv_heads, s->hd, s->cos, s->sin);
         for (Py_ssize_t g = 0; g < s->kv_heads; g++) {
@@ -396,7 +404,7 @@ PyDoc_STRVAR(decode_doc,
 "One batch-1 decode step of `layers` Llama blocks (see _matmul_kernels_decode.h). `plan`: the address of\n"
 "(layers, DECODE_LAYER_FIELDS) int64 (each of q, k, v, o, gate, up, down as `linear`'s weight arguments\n"
 "fmt, w, w_stride, scale, scale_stride, zero, zero_stride, group_blocks, signed_nibbles, bias, N, K; then\n"
-"the attention and MLP norm weights). `x`: the token's embedding (hidden float32). `cos`, `sin`: the\n"
+"the attention and MLP norm weights, and the per-head query and key norms' (head_dim floats) or 0). `x`: the token's embedding (hidden float32). `cos`, `sin`: the\n"
 "rotary rows at `pos`; `keys`, `values`: layer 0 of the sequence's cache slot, (kv_heads, window,\n"
 "head_dim) float32 per layer, `layer_stride` floats apart. `final_norm`: its weight; `head`: 0, or the address of the output head's DECODE_WEIGHT_FIELDS\n"
 "int64. `out`: the head's logits, or without a head the final-normed state (hidden floats). Every\n"

@@ -41,8 +41,10 @@ def _weight_fields(layer: nn.Module, keep: list[torch.Tensor]) -> list[int] | No
 
 
 def _norm(module: nn.Module, size: int, keep: list[torch.Tensor]) -> tuple[int, float] | None:
-    """(address of an RMSNorm's float32 weight, its eps), or None when it is not one."""
-    weight, eps = getattr(module, "weight", None), getattr(module, "eps", None)
+    """(address of an RMSNorm's float32 weight, its eps), or None when it is not one (tinylm's RMSNorm names
+    its eps `eps`, transformers' LlamaRMSNorm and its copies `variance_epsilon`)."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
     if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or weight.shape != (size,) or eps is None:
         return None
     weight = weight.detach().contiguous()
@@ -145,17 +147,18 @@ def _shapes(g: Geometry) -> tuple[tuple[int, int], ...]:
 
 
 def plan(blocks: Sequence[Sequence[nn.Module]], final_norm: nn.Module, head: nn.Module, geometry: Geometry) -> DecodePlan | None:
-    """A DecodePlan for the blocks, each (attention norm, q, k, v, o, MLP norm, gate, up, down), then the final
-    norm and the output head; None when the kernels are not built or a product or norm is not one the step
-    computes (the caller then runs its own path). The plan reads the weights' memory as it is now: build
-    another after replacing a layer's tensors."""
+    """A DecodePlan for the blocks, each (attention norm, q, k, v, o, MLP norm, gate, up, down), or those and
+    (query norm, key norm), RMSNorms of head_dim applied to each head before the rotary (Qwen3); then the
+    final norm and the output head. None when the kernels are not built or a product or norm is not one the
+    step computes (the caller then runs its own path); every norm must share one eps. The plan reads the
+    weights' memory as it is now: build another after replacing a layer's tensors."""
     if fast_linear.kernels() is None:
         return None
     g = geometry
     keep: list[torch.Tensor] = []
     rows, eps = [], set()
     for i, block in enumerate(blocks):
-        attn_norm, q, k, v, o, mlp_norm, gate, up, down = block
+        attn_norm, q, k, v, o, mlp_norm, gate, up, down, *head_norms = block
         fields: list[int] = []
         for layer, shape in zip((q, k, v, o, gate, up, down), _shapes(g), strict=True):
             found = _weight_fields(layer, keep)
@@ -165,11 +168,13 @@ def plan(blocks: Sequence[Sequence[nn.Module]], final_norm: nn.Module, head: nn.
             if tuple(found[-2:]) != shape:
                 raise ConfigError(f"block {i}: a product of shape {tuple(found[-2:])} where {geometry} needs {shape}")
             fields += found
-        norms = [_norm(n, g.hidden, keep) for n in (attn_norm, mlp_norm)]
+        if len(head_norms) not in (0, 2):
+            raise ConfigError(f"block {i}: {len(block)} modules; a block is 9, or 11 with its query and key norms")
+        norms = [_norm(n, g.hidden, keep) for n in (attn_norm, mlp_norm)] + [_norm(n, g.head_dim, keep) for n in head_norms]
         if None in norms:
             logger.debug("no fused decode: block %d's norms are not float32 RMSNorms", i)
             return None
-        rows.append(fields + [n[0] for n in norms])
+        rows.append(fields + [n[0] for n in norms] + [0] * (4 - len(norms)))
         eps.update(n[1] for n in norms)
     final = _norm(final_norm, g.hidden, keep)
     if final is None or len(eps | {final[1]}) != 1:

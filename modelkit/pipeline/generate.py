@@ -2,7 +2,11 @@
 
 tinylm (the zoo's byte-level Llama) continues byte by byte with its own loop (modelkit.models.tinylm);
 a Hugging Face family's model runs transformers' `generate` (KV cache), with the model's own tokenizer
-and, on request, its chat template. Both report how many tokens were read and written and how fast.
+and, on request, its chat template. A Llama-family model (llama, mistral, qwen2, qwen3) whose products are
+all packed weights (a GGUF file, an int8/int4 output) decodes instead with a static cache and one C call
+per token (pipeline/hf_llama_decoder.py): the prompt through transformers' forward, then the fused step,
+with transformers' own temperature/top-k/top-p warpers and sampling. Both report how many tokens were
+read and written and how fast.
 """
 from __future__ import annotations
 
@@ -128,10 +132,12 @@ def eos_ids(tokenizer: Any, model: nn.Module, assets: dict[str, bytes] | None) -
 def generate_tokens(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_tokens: int = 64,
                     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                     chat: bool = False, assets: dict[str, bytes] | None = None,
-                    source: str = "the model") -> Generation:
+                    source: str = "the model", fused: bool = True) -> Generation:
     """Continue `prompt` with a transformers causal LM and its tokenizer: greedy when temperature is 0,
     else sampled (top_k, top_p; seeded, without touching the caller's random state); stops at an EOS
-    token or after `max_new_tokens`. `assets` (the model's files) supply generation_config.json's EOS ids."""
+    token or after `max_new_tokens`. `assets` (the model's files) supply generation_config.json's EOS ids.
+    `fused`: decode a packed Llama-family model with the fused step where it applies (see the module
+    docstring); False always runs transformers' generate."""
     import transformers
 
     if max_new_tokens < 0:
@@ -150,8 +156,11 @@ def generate_tokens(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_to
         max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos or None,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None),
         **({"temperature": temperature, "top_k": top_k or 0, "top_p": top_p or 1.0} if sample else {}))
-    first = _FirstStep()
     model.eval()
+    decoder = _fused_decoder(model, len(ids) + max_new_tokens) if fused and max_new_tokens else None
+    if decoder is not None:
+        return _decode_fused(decoder, tokenizer, prompt, ids, eos, config, seed, chat)
+    first = _FirstStep()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         started = time.perf_counter()
@@ -164,4 +173,61 @@ def generate_tokens(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_to
     text = tokenizer.decode(new, skip_special_tokens=True)
     prefill = (first.at or ended) - started
     return Generation(prompt, text.encode("utf-8"), len(ids), len(new), prefill, ended - started - prefill, stopped,
+                      new, chat)
+
+
+# Generation settings a model's own generation_config could add that the fused loop does not apply.
+_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": None,
+               "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+               "forced_bos_token_id": None, "forced_eos_token_id": None, "encoder_repetition_penalty": 1.0}
+
+
+def _fused_decoder(model: nn.Module, window: int) -> Any:
+    """The fused decoder for this model (a static cache of `window` positions), or None."""
+    from modelkit.pipeline.hf_llama_decoder import llama_decoder
+
+    own = getattr(model, "generation_config", None)
+    if own is not None and any(getattr(own, k, v) not in (v, None) for k, v in _PROCESSORS.items()):
+        return None
+    return llama_decoder(model, 1, window)
+
+
+def _decode_fused(decoder: Any, tokenizer: Any, prompt: str, ids: list[int], eos: list[int], config: Any, seed: int,
+                  chat: bool) -> Generation:
+    """As transformers' generate with `config` (greedy, or its temperature/top-k/top-p warpers and
+    multinomial draw, seeded), with the decoder's prefill and fused steps."""
+    import transformers
+
+    from modelkit.pipeline.tinylm_decoder import Stream
+
+    warpers = transformers.LogitsProcessorList()
+    if config.do_sample:
+        if config.temperature != 1.0:
+            warpers.append(transformers.TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            warpers.append(transformers.TopKLogitsWarper(config.top_k))
+        if config.top_p < 1.0:
+            warpers.append(transformers.TopPLogitsWarper(config.top_p))
+    seq = Stream(list(ids))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        started = time.perf_counter()
+        logits = decoder.prefill(seq)
+        first = time.perf_counter()
+        while True:
+            scores = logits.float()[None]
+            if config.do_sample:
+                scores = warpers(torch.tensor([seq.ids]), scores)
+                token = int(torch.multinomial(scores.softmax(-1), 1))
+            else:
+                token = int(scores.argmax())
+            seq.ids.append(token)
+            if token in eos or len(seq.ids) - len(ids) >= config.max_new_tokens:
+                break
+            logits = decoder.step([seq])[0]
+        ended = time.perf_counter()
+    new = seq.ids[len(ids):]
+    stopped = "eos" if new[-1] in eos else "length"
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    return Generation(prompt, text.encode("utf-8"), len(ids), len(new), first - started, ended - first, stopped,
                       new, chat)

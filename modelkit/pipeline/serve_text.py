@@ -13,6 +13,11 @@ limit, an end-of-sequence token, or its client stops listening (a stop string, a
 - Hugging Face causal LMs (`HFDecoder`): transformers' DynamicCache per sequence; a step left-pads the
   caches to one length with a padding mask and each row's own position ids, as transformers' `generate`
   does for a padded batch. Models with sliding-window layers step one sequence at a time.
+- A Llama-family model (llama, mistral, qwen2, qwen3) whose products are all packed weights (a GGUF file,
+  an int8/int4 output) runs as tinylm does (`HFLlamaDecoder`, pipeline/hf_llama_decoder.py): a static
+  cache of max_batch slots of min(max_position_embeddings, SERVE_WINDOW) positions, one fused C call per
+  step while one sequence runs, batched torch steps otherwise; a sequence that outgrows the window runs
+  full passes. Where that cache would pass SERVE_CACHE_BYTES the model keeps `HFDecoder`.
 
 Tokens go back to the caller through `emit(event)`, called on the engine thread: ("token", id) for each
 new token, then ("done", reason) with reason "eos", "length", "cancelled" or an error message.
@@ -35,6 +40,8 @@ from modelkit.errors import RequestError
 from modelkit.pipeline.tinylm_decoder import TinyLMDecoder
 
 Emit = Callable[[tuple[str, Any]], None]
+SERVE_WINDOW = 4096                   # positions a packed Llama-family model's static cache holds per slot
+SERVE_CACHE_BYTES = 1 << 30           # its keys and values together at most (else HFDecoder)
 
 
 @dataclass(frozen=True)
@@ -292,6 +299,21 @@ def _drain(q: queue.Queue[Job]) -> list[Job]:
             return items
 
 
+def hf_decoder(model: nn.Module, slots: int) -> Any:
+    """A packed Llama-family model's HFLlamaDecoder where its cache fits SERVE_CACHE_BYTES, else HFDecoder."""
+    from modelkit.pipeline.hf_llama_decoder import llama_decoder, unsupported
+
+    cfg = model.config
+    window = min(getattr(cfg, "max_position_embeddings", None) or SERVE_WINDOW, SERVE_WINDOW)
+    if unsupported(model, window) is None:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cache = 2 * 4 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * window * head_dim
+        decoder = llama_decoder(model, slots, window) if cache <= SERVE_CACHE_BYTES else None
+        if decoder is not None:
+            return decoder
+    return HFDecoder(model)
+
+
 class TextModel:
     """A language model as the OpenAI routes see it: tokenizer, chat template, end tokens, engine.
 
@@ -306,7 +328,7 @@ class TextModel:
     def __init__(self, name: str, model: nn.Module, tokenizer: Any, *, eos: Sequence[int] = (), max_batch: int = 32,
                  max_queue: int = 256, on_step: Callable[[StepStats], None] | None = None) -> None:
         self.name, self.tokenizer = name, tokenizer
-        decoder = HFDecoder(model) if tokenizer is not None else TinyLMDecoder(model, slots=max_batch)
+        decoder = hf_decoder(model, max_batch) if tokenizer is not None else TinyLMDecoder(model, slots=max_batch)
         self.engine = TextEngine(name, decoder, eos=eos, max_batch=max_batch, max_queue=max_queue, on_step=on_step)
 
     @property

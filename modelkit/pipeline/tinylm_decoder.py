@@ -9,22 +9,60 @@ per token, so the text stays equal.
 A step of one cached sequence on a float32 model whose products are all packed quantized weights
 (a GGUF or int8/int4 file) runs as one call of the C kernels (quantizers/fast_decode.py): norms,
 rotary, attention over this cache and SwiGLU in C around the same weight products; anything else runs
-the torch path below.
+the torch path below. Hugging Face Llama-family models run through the same class
+(pipeline/hf_llama_decoder.py overrides the family's rotary tables, per-head norms and prefill).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from modelkit.quantizers import fast_linear
 
-
 TABLE_FLOATS = 1 << 20       # the fused step dequantizes an embedding table up to 4 MB (tinylm's 256 rows) once
+
+
+def row_reader(embed: nn.Module) -> Callable[[int], torch.Tensor]:
+    """token -> its embedding (hidden float32 values, contiguous) for a table too large to dequantize whole.
+
+    A GGUF table's row is dequantized from its block bytes in numpy (q8_0, q4_0) or the C K-quant
+    dequantizer: ~10 us, where the layer's own lookup (torch ops, after a step has streamed the weights
+    through the caches) took 0.3-0.8 ms a token on llama-100m's 32000 x 768 table. Other tables: the layer."""
+    def by_layer(token: int) -> torch.Tensor:
+        return embed(torch.tensor([token]))[0].to(torch.float32).contiguous()
+
+    qdata = getattr(embed, "qdata", None)
+    if getattr(embed, "layout", None) != "gguf" or not isinstance(qdata, torch.Tensor) or qdata.ndim != 2 \
+            or embed.params.get("transposed") or embed.weight_dtype != torch.float32:
+        return by_layer
+    kind, rows = str(embed.params.get("ggml_type", "")).lower(), qdata.numpy()
+    if kind in ("q8_0", "q4_0"):
+        size = 34 if kind == "q8_0" else 18
+        if rows.shape[1] % size:
+            return by_layer
+        blocks = rows.reshape(len(rows), -1, size)
+
+        def legacy(token: int) -> torch.Tensor:
+            b = blocks[token]
+            scale = b[:, :2].copy().view(np.float16).astype(np.float32)                 # (blocks, 1)
+            if kind == "q8_0":
+                values = b[:, 2:].view(np.int8).astype(np.float32)
+            else:      # q4_0: low nibbles are weights 0-15 of a block, high nibbles 16-31; each minus 8
+                values = np.concatenate((b[:, 2:] & 15, b[:, 2:] >> 4), axis=1).astype(np.float32) - 8.0
+            return torch.from_numpy((values * scale).reshape(-1))
+
+        return legacy
+    from modelkit.quantizers.gguf_arrays import KERNEL_TYPES, dequantize_kquants
+
+    if kind in KERNEL_TYPES and fast_linear.kernels() is not None:
+        return lambda token: torch.from_numpy(dequantize_kquants(rows[token], kind, threads=1))
+    return by_layer
 
 
 class Cached(Protocol):
@@ -45,46 +83,68 @@ class Stream:
 class TinyLMDecoder:
     """tinylm with a key/value cache (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, slots: int, *, fused: bool = True) -> None:
-        """`fused`: run single-sequence steps in one C call where the model allows (see the module docstring)."""
-        from modelkit.models.tinylm import rotary_tables
-
+    def __init__(self, model: nn.Module, slots: int, *, fused: bool = True, window: int | None = None) -> None:
+        """`fused`: run single-sequence steps in one C call where the model allows (see the module docstring);
+        `window`: positions a slot holds (default the model's max_position_embeddings)."""
         self.model = model.eval()
         cfg = model.config
-        self.window = cfg.max_position_embeddings
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.window = window or cfg.max_position_embeddings
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.device = next(model.parameters()).device
         self.dtype = model.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device)).dtype
         shape = (cfg.num_hidden_layers, slots, self.kv_heads, self.window, self.head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.cos, self.sin = (t.to(self.dtype) for t in rotary_tables(cfg, self.window, self.device))
+        self.cos, self.sin = (t.to(self.dtype).contiguous() for t in self._rotary_tables())
         self.owners: list[Cached] = []       # slot i holds owners[i]'s cache
         self.plan = self._plan() if fused and self.dtype == torch.float32 and self.device.type == "cpu" else None
         if self.plan is not None:
             self.plan.bind(self.cos, self.sin, self.keys, self.values)
         self.table: torch.Tensor | None = None      # the embedding table in float, for the fused step
+        self.row: Callable[[int], torch.Tensor] | None = None      # or a reader of one row (row_reader)
+
+    # ---- what a family changes (HFLlamaDecoder overrides these) ----
+
+    def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each (window, head_dim), in the rotate-half layout."""
+        from modelkit.models.tinylm import rotary_tables
+
+        return rotary_tables(self.model.config, self.window, self.device)
+
+    def _block(self, layer: nn.Module) -> tuple[nn.Module, ...]:
+        """A layer's modules as fast_decode.plan takes them."""
+        a, m = layer.self_attn, layer.mlp
+        return (layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj, layer.post_attention_layernorm,
+                m.gate_proj, m.up_proj, m.down_proj)
+
+    def _head_norms(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys (B, T, heads, head_dim) before the rotary; tinylm has no per-head norms."""
+        return q, k
 
     def _plan(self) -> Any:
         from modelkit.quantizers import fast_decode
 
         cfg, body = self.model.config, self.model.model
-        blocks = [(b.input_layernorm, b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj, b.self_attn.o_proj,
-                   b.post_attention_layernorm, b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj) for b in body.layers]
         geometry = fast_decode.Geometry(cfg.hidden_size, self.heads, self.kv_heads, self.head_dim, cfg.intermediate_size)
-        return fast_decode.plan(blocks, body.norm, self.model.lm_head, geometry)
+        return fast_decode.plan([self._block(b) for b in body.layers], body.norm, self.model.lm_head, geometry)
 
     def _fused_step(self, seq: Cached) -> torch.Tensor:
         """The next logits of one cached sequence, in one call of the kernels."""
-        if self.table is None:
+        if self.table is None and self.row is None:
             embed, cfg = self.model.model.embed_tokens, self.model.config
-            if cfg.vocab_size * cfg.hidden_size > TABLE_FLOATS:
-                x = embed(torch.tensor([seq.ids[-1]]))[0].to(torch.float32).contiguous()
-                return self.plan.step(x, len(seq.ids) - 1, seq.state)
-            # a quantized table's row costs ~0.1 ms of torch ops to dequantize: a small table once, in float
-            self.table = embed(torch.arange(cfg.vocab_size)).to(torch.float32).contiguous()
-            self.plan.bind(self.cos, self.sin, self.keys, self.values, self.table)
-        return self.plan.step(seq.ids[-1], len(seq.ids) - 1, seq.state)
+            # (not `embed.weight` of a quantized layer: that property dequantizes the whole table)
+            if type(embed) is nn.Embedding and embed.weight.dtype == torch.float32 and embed.weight.is_contiguous():
+                self.table = embed.weight.detach()              # a float table: its rows as they are
+            elif cfg.vocab_size * cfg.hidden_size <= TABLE_FLOATS:
+                # a quantized table's row costs ~0.1 ms of torch ops to dequantize: a small table once, in float
+                self.table = embed(torch.arange(cfg.vocab_size)).to(torch.float32).contiguous()
+            else:
+                self.row = row_reader(embed)
+            if self.table is not None:
+                self.plan.bind(self.cos, self.sin, self.keys, self.values, self.table)
+        token = seq.ids[-1] if self.row is None else self.row(seq.ids[-1])
+        return self.plan.step(token, len(seq.ids) - 1, seq.state)
 
     def prefill(self, seq: Cached) -> torch.Tensor:
         """The logits after the prompt; fills a cache slot unless the prompt already fills the window."""
@@ -102,8 +162,9 @@ class TinyLMDecoder:
         groups = self.heads // self.kv_heads
         for i, layer in enumerate(self.model.model.layers):
             attn, h = layer.self_attn, layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, T, self.heads, self.head_dim).transpose(1, 2)     # (1, nh, T, hd)
-            k = attn.k_proj(h).view(1, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (1, nkv, T, hd)
+            q, k = self._head_norms(attn, attn.q_proj(h).view(1, T, self.heads, self.head_dim),
+                                    attn.k_proj(h).view(1, T, self.kv_heads, self.head_dim))
+            q, k = q.transpose(1, 2), k.transpose(1, 2)                                  # (1, nh / nkv, T, hd)
             v = attn.v_proj(h).view(1, T, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             self.keys[i, slot, :, :T], self.values[i, slot, :, :T] = k[0], v[0]
@@ -145,8 +206,9 @@ class TinyLMDecoder:
             contiguous = bool((slots == torch.arange(B, device=self.device)).all())
             for i, layer in enumerate(self.model.model.layers):
                 attn, h = layer.self_attn, layer.input_layernorm(x)                          # (B, 1, C)
-                q = attn.q_proj(h).view(B, 1, self.heads, self.head_dim).transpose(1, 2)     # (B, nh, 1, hd)
-                k = attn.k_proj(h).view(B, 1, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, 1, hd)
+                q, k = self._head_norms(attn, attn.q_proj(h).view(B, 1, self.heads, self.head_dim),
+                                        attn.k_proj(h).view(B, 1, self.kv_heads, self.head_dim))
+                q, k = q.transpose(1, 2), k.transpose(1, 2)                              # (B, nh / nkv, 1, hd)
                 v = attn.v_proj(h).view(B, 1, self.kv_heads, self.head_dim).transpose(1, 2)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
                 self.keys[i, slots, :, pos], self.values[i, slots, :, pos] = k[:, :, 0], v[:, :, 0]

@@ -1,0 +1,274 @@
+"""Hugging Face Llama-family models on the fused C decode step (pipeline/hf_llama_decoder.py,
+quantizers/fast_decode.py) against transformers' own forward with its DynamicCache on the same packed layers.
+
+Tiny random-weight models of transformers' own classes (norms and biases away from 1 / 0, so a missed
+norm, bias or Q/K permutation shows): Llama from a q8_0 GGUF file (Q/K rows permuted in the file),
+Llama-3 and YaRN rope scaling, Mistral, Qwen2 (q/k/v biases, tied embeddings), Qwen3 (per-head q/k norms).
+Worst measured difference, 2026-11-28, over the cases below, 20 steps, every kernel (avx512vnni, avx2,
+generic) at 1 and 2 threads, and the GGUF file: 2.9e-07 of the largest logit (the products are the same
+kernels on the same rounded activations; only float summation order differs). Pinned at test_fast_decode's
+RTOL (0.03), which also covers an int8 rounding tie going the other way in one of them.
+"""
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import modelkit
+from modelkit import schemes
+from modelkit.checkpoint import Checkpoint
+from modelkit.errors import ConfigError
+from modelkit.pipeline.generate import generate_tokens
+from modelkit.pipeline.hf_llama_decoder import HFLlamaDecoder, llama_decoder, unsupported
+from modelkit.pipeline.load import load_language_model
+from modelkit.pipeline.quantize import quantize, quantize_module
+from modelkit.pipeline.tinylm_decoder import Stream, row_reader
+from modelkit.quantizers import fast_decode, fast_linear
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(fast_linear.kernels() is None, reason="modelkit was built without its C kernels")
+
+RTOL = 0.03          # test_fast_decode's; worst measured 2.9e-07 (module docstring)
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+CONFIGS = {
+    "llama3-rope": lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3),
+    "llama-yarn": lambda: transformers.LlamaConfig(**COMMON, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama-bias": lambda: transformers.LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32),
+}
+CASES = [("llama3-rope", "q8_0"), ("llama-yarn", "int8"), ("llama-bias", "int4"), ("mistral", "q4_0"), ("qwen2", "int8"), ("qwen3", "q4_0")]
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "llama_cpp" / "hf"
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    with torch.no_grad():               # norms around 1, biases around 0, neither exactly
+        for key, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn_like(p) * 0.2 + (0 if key.endswith("bias") else 1))
+    return model
+
+
+def _quantized(name: str, scheme: str) -> torch.nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_module(_model(name), schemes.load_scheme(scheme)()).eval()
+
+
+def _worst(model: torch.nn.Module, steps: int = 12) -> float:
+    """Greedy from a 5-token prompt, both fed transformers' tokens: the largest |fused - transformers| logit
+    difference over the steps, as a fraction of the largest logit; the fused step taken every time."""
+    from transformers.cache_utils import DynamicCache
+
+    from modelkit.testing.causal_lm import _cache_argument, returned_cache
+
+    cache = _cache_argument(model)
+    decoder = llama_decoder(model, 1, 5 + steps)
+    assert decoder is not None and decoder.plan is not None
+    seq, worst = Stream([3, 17, 99, 250, 7]), 0.0
+    calls = 0
+    original = decoder.plan.step
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    decoder.plan.step = counted
+    with torch.no_grad():
+        got = decoder.prefill(seq)
+        out = model(input_ids=torch.tensor([seq.ids]), use_cache=True, **{cache: DynamicCache(config=model.config)})
+        for _ in range(steps):
+            expected = out.logits[0, -1]
+            worst = max(worst, float((got - expected).abs().max()) / float(expected.abs().max()))
+            token = int(expected.argmax())
+            seq.ids.append(token)
+            got = decoder.step([seq])[0]
+            out = model(input_ids=torch.tensor([[token]]), use_cache=True, **{cache: returned_cache(out)})
+    assert calls == steps
+    return worst
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.mark.parametrize(("name", "scheme"), CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_the_fused_step_equals_transformers(name, scheme):
+    assert _worst(_quantized(name, scheme)) <= RTOL
+
+
+def test_the_portable_kernels_on_one_thread():
+    """What a CPU without AVX2 runs, with Qwen3's per-head norms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with fast_linear.use_isa("generic"):
+            assert _worst(_quantized("qwen3", "q8_0")) <= RTOL
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q6_k", "int8"])
+def test_an_embedding_row_is_the_layers_row(scheme):
+    """row_reader (the fused step's lookup in a table too large to dequantize whole): the layer's rows, bit for
+    bit, from the GGUF block bytes (q8_0, q4_0 in numpy; K-quants in C) or the layer itself (int8)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        embed = quantize_module(transformers.LlamaForCausalLM(config), schemes.load_scheme(scheme)()).model.embed_tokens
+    read = row_reader(embed)
+    with torch.no_grad():
+        for token in (0, 17, 39):
+            row = read(token)
+            assert row.dtype == torch.float32 and row.is_contiguous() and torch.equal(row, embed(torch.tensor([token]))[0])
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory) -> Path:
+    """A q8_0 GGUF of a Llama folder with the llama3 tokenizer fixture (Q/K rows permuted in the file)."""
+    root = tmp_path_factory.mktemp("hf-fused")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(root / "llama")
+    for f in (FIXTURES / "llama3").iterdir():
+        shutil.copy(f, root / "llama" / f.name)
+    quantize(root / "llama", root / "llama.gguf", scheme="q8_0")
+    return root / "llama.gguf"
+
+
+def test_a_gguf_file_decodes_fused_as_transformers(llama_gguf, monkeypatch):
+    """`modelkit generate` (complete) on the GGUF: the fused step every token after the first, the tokens of
+    transformers' generate, greedy and sampled."""
+    loaded = load_language_model(llama_gguf)
+    assert _worst(loaded.model) <= RTOL
+    calls = []
+    step = fast_decode.DecodePlan.step
+    monkeypatch.setattr(fast_decode.DecodePlan, "step", lambda self, *a, **k: calls.append(1) or step(self, *a, **k))
+    for options in ({}, {"temperature": 0.9, "top_k": 40, "top_p": 0.9, "seed": 3}):
+        calls.clear()
+        fused = modelkit.complete(llama_gguf, "Hello there", max_new_tokens=16, **options)
+        assert len(calls) == fused.new_tokens - 1 and fused.new_tokens > 1
+        reference = generate_tokens(loaded.model, loaded.tokenizer, "Hello there", max_new_tokens=16, fused=False,
+                                    **options)
+        assert fused.token_ids == reference.token_ids and fused.stopped == reference.stopped
+
+
+def test_a_tied_gguf_loads_with_one_table_and_decodes_fused(tmp_path):
+    """A Qwen2 with tied embeddings as q8_0 GGUF (no output.weight: llama.cpp computes logits with token_embd):
+    the head is a packed layer on the embedding's own bytes (one copy), the fused step equals transformers,
+    and the logits stay near the float model's (worst measured 0.0097 of logits up to 0.88, q8_0's own error)."""
+    folder = tmp_path / "qwen2"
+    float_model = _model("qwen2")
+    float_model.save_pretrained(folder)
+    for f in (FIXTURES / "qwen2").iterdir():
+        shutil.copy(f, folder / f.name)
+    quantize(folder, tmp_path / "qwen2.gguf", scheme="q8_0")
+    model = load_language_model(tmp_path / "qwen2.gguf").model
+    head, table = model.lm_head, model.model.embed_tokens
+    assert type(head).__name__ == "QuantizedLinear" and head.qdata.data_ptr() == table.qdata.data_ptr()
+    assert llama_decoder(model, 1, 8).plan.head is not None
+    modelkit.save(Checkpoint.from_module(model), tmp_path / "again.gguf")      # writable again (head stored apart)
+    with torch.no_grad():
+        ids = torch.tensor([[1, 2, 3, 400, 5]])
+        assert float((model(ids).logits - float_model(ids).logits).abs().max()) <= 0.03
+        assert torch.equal(load_language_model(tmp_path / "again.gguf").model(ids).logits, model(ids).logits)
+    assert _worst(model) <= RTOL
+
+
+def _as_llama_cpp_writes_it(path: Path, out: Path) -> Path:
+    """The GGUF without modelkit's own keys (as tests/test_hf.py rewrites one): what llama.cpp's converter
+    writes, so the config comes from llama.cpp's keys and the family from general.architecture."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "modelkit.", "general.architecture")):
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_file_as_llama_cpp_writes_it_decodes_fused(family, llama_gguf, tmp_path):
+    """No modelkit keys: Llama's Q/K rows permuted by llama.cpp's rule, Qwen2 tied (no output.weight). The
+    model read back has every product packed and the fused step equals transformers on it."""
+    if family == "llama":
+        source = llama_gguf
+    else:
+        folder = tmp_path / "qwen2"
+        _model("qwen2").save_pretrained(folder)
+        for f in (FIXTURES / "qwen2").iterdir():
+            shutil.copy(f, folder / f.name)
+        quantize(folder, tmp_path / "qwen2.gguf", scheme="q4_0")
+        source = tmp_path / "qwen2.gguf"
+    model = load_language_model(_as_llama_cpp_writes_it(source, tmp_path / "plain.gguf")).model
+    assert model.config.model_type == family and _worst(model) <= RTOL
+    with torch.no_grad():
+        ids = torch.tensor([[1, 2, 3, 400, 5]])
+        assert torch.allclose(model(ids).logits, load_language_model(source).model(ids).logits, atol=1e-5)
+
+
+def test_what_the_step_does_not_take_keeps_transformers():
+    """A float model has no plan; a sliding window inside the cache, a length-dependent rope type and another
+    family are refused with their reason."""
+    assert llama_decoder(_model("mistral"), 1, 16) is None
+    sliding = transformers.MistralConfig(**COMMON, sliding_window=8)
+    assert "sliding window of 8" in unsupported(transformers.MistralForCausalLM(sliding), 16)
+    assert unsupported(transformers.MistralForCausalLM(sliding), 8) is None
+    dynamic = transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    assert "rope type dynamic" in unsupported(transformers.LlamaForCausalLM(dynamic), 16)
+    phi = transformers.Phi3Config(**COMMON, pad_token_id=0)
+    assert "not a model of" in unsupported(transformers.Phi3ForCausalLM(phi), 16)
+    with pytest.raises(ConfigError, match="does not take this model: not a model of"):
+        HFLlamaDecoder(transformers.Phi3ForCausalLM(phi), 1, window=16)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral"])
+def test_serve_decodes_packed_models_with_the_static_cache(name):
+    """serve's decoder for a packed Llama-family model: sequences of different lengths prefilled, decoded
+    together (batched torch steps), one leaving early, then the last alone (fused steps); each sequence's
+    greedy tokens equal transformers' generate alone. A float model keeps HFDecoder."""
+    from modelkit.pipeline.serve_text import HFDecoder, Job, Sampling, hf_decoder
+
+    model = _quantized(name, "q8_0")
+    assert type(hf_decoder(_model(name), 4)) is HFDecoder
+    decoder = hf_decoder(model, 4)
+    assert type(decoder) is HFLlamaDecoder and decoder.window == COMMON["max_position_embeddings"]
+    prompts = [[5, 9, 200], [7] * 9, [300, 2, 11, 45, 8, 1]]
+    jobs = [Job(list(p), Sampling(12), lambda event: None) for p in prompts]
+    with torch.no_grad():
+        for job in jobs:
+            job.ids.append(int(decoder.prefill(job).argmax()))
+        for step in range(11):
+            if step == 3:
+                decoder.release(jobs[1])            # its slot goes to the last sequence
+            if step == 6:
+                decoder.release(jobs[2])            # the first runs alone: fused steps
+            running = [j for i, j in enumerate(jobs) if not (i == 1 and step >= 3) and not (i == 2 and step >= 6)]
+            for job, logits in zip(running, decoder.step(running), strict=True):
+                job.ids.append(int(logits.argmax()))
+        expected = model.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False)[0].tolist()
+    assert jobs[0].ids == expected
+    for job, prompt, n in ((jobs[1], prompts[1], 4), (jobs[2], prompts[2], 7)):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0].tolist()
+        assert job.ids == alone
