@@ -45,7 +45,7 @@
 #define QK 32           /* weights per block, activations per block scale */
 #define ROWS 8          /* output rows computed together (one 8-lane register of results) */
 #define TOKENS 8        /* activation rows sharing one load of a weight block */
-#define KEPT_TOKENS 16  /* from this many activation rows, the VNNI tiles transpose their blocks once per call */
+#define KEPT_TOKENS 32  /* from this many activation rows, the VNNI tiles transpose their blocks once per call */
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 2 /* decode: prefetch the weight rows this many tiles ahead */
 #endif

@@ -39,8 +39,8 @@ CONFIGS = {
 }
 # (rows, columns): rows not a multiple of the kernels' 8; int8 also with columns not a multiple of 32
 SHAPES = [(13, 64), (37, 128), (5, 100)]
-# one row; fewer than a tile of 8; a tile and a tail; two tiles and a tail (VNNI: blocks transposed once per call)
-BATCHES = (1, 3, 11, 19)
+# one row; fewer than a tile of 8; a tile and a tail; four tiles and a tail (VNNI: blocks transposed once per call)
+BATCHES = (1, 3, 11, 35)
 
 
 def _quantized(name: str, rows: int, cols: int) -> nn.Module | None:
