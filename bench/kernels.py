@@ -76,7 +76,7 @@ def baseline_call(module, x: torch.Tensor, p: fast_linear.Packed, isa: str) -> t
     """fast_linear.matmul's call, made on the baseline module (one thread)."""
     m, n = x.shape[0], p.rows
     y = x.new_empty((m, n))
-    module.linear(isa, 1, *fast_linear._weight_args(p), 0, n, p.cols, x.data_ptr(), m, y.data_ptr(), 0)
+    module.linear(isa, 1, *fast_linear.weight_args(p), 0, n, p.cols, x.data_ptr(), m, y.data_ptr(), 0)
     return y
 
 

@@ -45,6 +45,7 @@
 #define QK 32           /* weights per block, activations per block scale */
 #define ROWS 8          /* output rows computed together (one 8-lane register of results) */
 #define TOKENS 8        /* activation rows sharing one load of a weight block */
+#define KEPT_TOKENS 32  /* from this many activation rows, the VNNI tiles transpose their blocks once per call */
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 2 /* decode: prefetch the weight rows this many tiles ahead */
 #endif
@@ -422,6 +423,34 @@ static void run_job(const job_t *job, Py_ssize_t tasks, int threads) {
 }
 #endif
 
+/* ---- activations, shared between the threads ------------------------------------------------------ */
+
+/* Rounding a large batch of activations is a few per cent of its product's time: with two threads or more
+ * it runs as a job of its own (ranges of activation rows), so it does not stay serial. */
+typedef struct {
+    const float *x;
+    Py_ssize_t K, nb, M, rows_per_task;
+    int k_type, pairs, rowwise;
+    quantize_fn quantize;
+    quantize_k_fn quantize_k;
+    int8_t *q;
+    float *d, *s;                  /* q8_0: scales, sums per block; K types: d (M, K / 256) then bsums */
+    int16_t *bsums;
+} quantize_job_t;
+
+static void quantize_rows(const void *ctx, Py_ssize_t task) {
+    const quantize_job_t *c = ctx;
+    Py_ssize_t m0 = task * c->rows_per_task, m1 = m0 + c->rows_per_task < c->M ? m0 + c->rows_per_task : c->M;
+    if (c->k_type)
+        c->quantize_k(c->x + m0 * c->K, m1 - m0, c->K, c->q + m0 * c->K, c->d + m0 * (c->K / QKK),
+                      c->bsums + m0 * (c->K / 16));
+    else
+        c->quantize(c->x + m0 * c->K, m1 - m0, c->K, c->nb, c->pairs, c->rowwise, c->q + m0 * c->nb * QK,
+                    c->d + m0 * c->nb, c->s + m0 * c->nb);
+}
+
+#define SHARED_QUANTIZE (1 << 16)   /* activations (M K) from which the threads share their rounding */
+
 /* ---- Python entry points ---------------------------------------------------------------------- */
 
 PyDoc_STRVAR(linear_doc,
@@ -471,10 +500,15 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     }
     act_t a = {q, d, d + M * nb, M, (float *)(uintptr_t)y_ptr, (const int16_t *)(d + M * nb)};
     Py_BEGIN_ALLOW_THREADS
-    if (k_type)
-        quantize_k((const float *)(uintptr_t)x_ptr, M, K, q, d, (int16_t *)(d + M * nb));
-    else
-        quantize((const float *)(uintptr_t)x_ptr, M, K, nb, fmt == F_I4, rowwise, q, d, d + M * nb);
+    quantize_job_t rounding = {(const float *)(uintptr_t)x_ptr, K, nb, M, M, k_type, fmt == F_I4, rowwise, quantize,
+                               quantize_k, q, d, d + M * nb, (int16_t *)(d + M * nb)};
+    Py_ssize_t rounding_tasks = 1;
+    if (threads > 1 && M > 1 && M * K >= SHARED_QUANTIZE) {
+        rounding.rows_per_task = (M + 2 * (Py_ssize_t)threads - 1) / (2 * (Py_ssize_t)threads);
+        rounding_tasks = (M + rounding.rows_per_task - 1) / rounding.rows_per_task;
+    }
+    job_t rounding_job = {NULL, NULL, NULL, 0, 0, quantize_rows, &rounding};
+    run_job(&rounding_job, rounding_tasks, threads);
     Py_ssize_t tiles = (N + ROWS - 1) / ROWS;
     /* Tasks of at least ~64 Ki multiply-adds, at most 4 per thread. */
     Py_ssize_t work_per_tile = ROWS * K * M, per_task = (65536 + work_per_tile - 1) / work_per_tile;

@@ -30,6 +30,7 @@
 
 #define QKK 256                     /* weights per K super-block, activations per q8_K scale */
 #define FUSED_TOKENS 3              /* up to this many activation rows, the AVX2 kernels skip the unpacked row */
+#define WIDE_TOKENS 8               /* from this many activation rows, the VNNI kernels interleave eight rows (kwide) */
 
 static const int8_t IQ4_TABLE[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -681,6 +682,151 @@ KTARGET __attribute__((always_inline)) static inline void KNAME(ktile)(const int
     for (int k = 0; k < 8; k++) out[k] = KNAME(hsum)(acc[k]);
 }
 
+#if KVNNI
+/* ---- VNNI, more activation rows: eight rows interleaved once, then vpdpbusd on broadcast activations -----
+ * A tile of eight weight rows is unpacked once per call into kwide_t super-blocks whose level vectors hold,
+ * in lane i, four consecutive levels of row i (transpose8 of _matmul_kernels_x86.h): one vpdpbusd then takes
+ * four activations of one token, broadcast, against all eight rows, and sums them into the rows' lanes with
+ * no reduction afterwards (as tile_wide does for the blocks of 32, but transposed once per call, not once per
+ * eight tokens). The levels are unsigned (IQ4_XS's signed table values + 128, the 128 joining the minimums as
+ * Q6_K's 32 does), the scales per 16 or 32 levels multiply the groups' int32 sums (vpmulld), and the
+ * minimums take the activations' 16-level sums in pairs (vpdpwssd). Every sum is exact, as in ktile. */
+typedef struct {
+    __m256i u[QKK / 4];             /* u[j]: lane i = row i's levels 4 j .. 4 j + 3 */
+    __m256i s[QKK / 16];            /* s[g]: lane i = row i's scale of group g (16 or 32 levels: kwide_group) */
+    __m256i mn[QKK / 32];           /* mn[p]: lane i = row i's minimums of 16-level groups 2 p, 2 p + 1 (int16) */
+    __m256 d, dmin;
+} KNAME(kwide_t);
+
+/* Levels per scale group in kwide_t: Q4_K, Q5_K and IQ4_XS keep one scale per 32. */
+static inline int KNAME(kwide_group)(int fmt) { return fmt == F_Q4_K || fmt == F_Q5_K || fmt == F_IQ4_XS ? 32 : 16; }
+
+/* Rows row[0..7] (nsb super-blocks each, `scratch`: eight ksuper_t) -> tile[0..nsb). */
+KTARGET static void KNAME(kwide_unpack)(const int fmt, const uint8_t *const *row, Py_ssize_t nsb, ksuper_t *scratch,
+                                        KNAME(kwide_t) *tile) {
+    const int group = KNAME(kwide_group)(fmt), signed_levels = fmt == F_IQ4_XS;
+    const Py_ssize_t block_bytes = more_block_bytes(fmt);
+    for (Py_ssize_t sb = 0; sb < nsb; sb++) {
+        KNAME(kwide_t) *t = tile + sb;
+        for (int i = 0; i < ROWS; i++) KNAME(unpack_super)(fmt, row[i] + sb * block_bytes, scratch + i);
+        for (int c = 0; c < QKK / 32; c++) {
+            __m256i v[ROWS];
+            for (int i = 0; i < ROWS; i++) {
+                v[i] = _mm256_loadu_si256((const __m256i *)(scratch[i].q + 32 * c));
+                if (signed_levels) v[i] = _mm256_xor_si256(v[i], _mm256_set1_epi8((char)0x80));
+            }
+            KNAME(transpose8)(v, t->u + 8 * c);
+        }
+        /* In registers: eight scalar stores read back as one vector would stall store forwarding. */
+        for (int g = 0; g < QKK / group; g++) {
+            const int at = 8 * (g * group / 16);
+            t->s[g] = _mm256_setr_epi32(scratch[0].scx[at], scratch[1].scx[at], scratch[2].scx[at], scratch[3].scx[at],
+                                        scratch[4].scx[at], scratch[5].scx[at], scratch[6].scx[at], scratch[7].scx[at]);
+        }
+        for (int p = 0; p < QKK / 32; p++) {
+            int32_t pair[ROWS];
+            for (int i = 0; i < ROWS; i++) {
+                int m0 = scratch[i].mn[2 * p], m1 = scratch[i].mn[2 * p + 1];
+                if (signed_levels) m0 = 128 * scratch[i].scx[16 * p], m1 = 128 * scratch[i].scx[16 * p + 8];
+                pair[i] = (int32_t)((uint32_t)(uint16_t)m0 | (uint32_t)(uint16_t)m1 << 16);
+            }
+            t->mn[p] = _mm256_setr_epi32(pair[0], pair[1], pair[2], pair[3], pair[4], pair[5], pair[6], pair[7]);
+        }
+        const __m256 d = _mm256_setr_ps(scratch[0].d, scratch[1].d, scratch[2].d, scratch[3].d, scratch[4].d, scratch[5].d,
+                                        scratch[6].d, scratch[7].d);
+        t->d = d;
+        t->dmin = signed_levels ? d : _mm256_setr_ps(scratch[0].dmin, scratch[1].dmin, scratch[2].dmin, scratch[3].dmin,
+                                                     scratch[4].dmin, scratch[5].dmin, scratch[6].dmin, scratch[7].dmin);
+    }
+}
+
+/* The tile's eight rows against T q8_K activation rows (levels xq + t K, scales xd + t nsb, sums xb + t K / 16):
+ * out[t] lane i = row i . activation row t. */
+KTARGET __attribute__((always_inline)) static inline void KNAME(kwide_tokens)(const int T, const int group,
+        const KNAME(kwide_t) *tile, Py_ssize_t nsb, Py_ssize_t K, const int8_t *xq, const float *xd,
+        const int16_t *xb, __m256 *out) {
+    const int per_group = group / 4;
+    for (int t = 0; t < T; t++) out[t] = _mm256_setzero_ps();
+    for (Py_ssize_t sb = 0; sb < nsb; sb++) {
+        const KNAME(kwide_t) *w = tile + sb;
+        const int32_t *x = (const int32_t *)(xq + sb * QKK);
+        __m256i isum[8];
+        for (int t = 0; t < T; t++) isum[t] = _mm256_setzero_si256();
+        for (int g = 0; g < QKK / group; g++) {
+            const __m256i s = w->s[g];
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) {
+                __m256i p = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int j = 0; j < per_group; j++)
+                    p = KDPBUSD(p, w->u[g * per_group + j], _mm256_set1_epi32(x[t * (K / 4) + g * per_group + j]));
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(p, s));
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const int32_t *bs = (const int32_t *)(xb + t * (K / 16) + 16 * sb);
+            __m256i msum = _mm256_setzero_si256();
+            for (int p = 0; p < QKK / 32; p++) msum = KDPWSSD(msum, w->mn[p], _mm256_set1_epi32(bs[p]));
+            __m256 dx = _mm256_set1_ps(xd[t * nsb + sb]);
+            out[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(w->d, dx), out[t]);
+            out[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(w->dmin, dx), out[t]);
+        }
+    }
+}
+
+/* Rows [r0, r1) of a K-type weight against every activation row, eight rows at a time (the last tile's
+ * missing rows repeat its last row and are not written). Returns 0 where it had no memory for a tile. */
+KTARGET static int KNAME(kwide_rows)(const weight_t *w, const act_t *a, Py_ssize_t r0, Py_ssize_t r1) {
+    const int fmt = w->fmt, group = KNAME(kwide_group)(fmt);
+    const Py_ssize_t nsb = w->K / QKK, K = w->K;
+    KNAME(kwide_t) *tile = _mm_malloc(sizeof(KNAME(kwide_t)) * (size_t)nsb, 32);
+    ksuper_t *scratch = malloc(sizeof(ksuper_t) * ROWS);
+    if (tile == NULL || scratch == NULL) {
+        _mm_free(tile);
+        free(scratch);
+        return 0;
+    }
+    for (Py_ssize_t r = r0; r < r1; r += ROWS) {
+        const int n = r1 - r < ROWS ? (int)(r1 - r) : ROWS;
+        const uint8_t *row[ROWS];
+        float bias[ROWS];
+        for (int i = 0; i < ROWS; i++) {
+            Py_ssize_t ri = r + (i < n ? i : n - 1);
+            row[i] = w->w + ri * w->w_stride;
+            bias[i] = w->bias ? w->bias[ri] : 0.0f;
+        }
+        const __m256 vbias = _mm256_loadu_ps(bias);
+        KNAME(kwide_unpack)(fmt, row, nsb, scratch, tile);
+        for (Py_ssize_t m = 0; m < a->M;) {
+            __m256 out[8];
+            const int T = a->M - m >= 8 ? 8 : a->M - m >= 4 ? 4 : 1;
+            const int8_t *xq = a->q + m * K;
+            const float *xd = a->d + m * nsb;
+            const int16_t *xb = a->bsums + m * (K / 16);
+            if (T == 8) {
+                if (group == 32) KNAME(kwide_tokens)(8, 32, tile, nsb, K, xq, xd, xb, out);
+                else KNAME(kwide_tokens)(8, 16, tile, nsb, K, xq, xd, xb, out);
+            } else if (T == 4) {
+                if (group == 32) KNAME(kwide_tokens)(4, 32, tile, nsb, K, xq, xd, xb, out);
+                else KNAME(kwide_tokens)(4, 16, tile, nsb, K, xq, xd, xb, out);
+            } else {
+                if (group == 32) KNAME(kwide_tokens)(1, 32, tile, nsb, K, xq, xd, xb, out);
+                else KNAME(kwide_tokens)(1, 16, tile, nsb, K, xq, xd, xb, out);
+            }
+            for (int t = 0; t < T; t++) {
+                float y[ROWS];
+                _mm256_storeu_ps(y, _mm256_add_ps(out[t], vbias));
+                memcpy(a->y + (m + t) * w->N + r, y, sizeof(float) * (size_t)n);
+            }
+            m += T;
+        }
+    }
+    _mm_free(tile);
+    free(scratch);
+    return 1;
+}
+#endif
+
 #endif
 
 /* Rows [r0, r1) of a weight in one of the formats above F_I4: each row unpacked once, then dotted with
@@ -706,6 +852,9 @@ KTARGET static void KNAME(more_rows)(const weight_t *w, const act_t *a, Py_ssize
     const Py_ssize_t nblocks = k_type ? w->K / QKK : w->nb, block_bytes = more_block_bytes(fmt);
     const size_t unpacked_bytes = (size_t)nblocks * (k_type ? sizeof(ksuper_t) : sizeof(lblock_t));
 #if KSIMD
+#if KVNNI
+    if (a->M >= WIDE_TOKENS && k_type && KNAME(kwide_rows)(w, a, r0, r1)) return;
+#endif
     if (a->M <= FUSED_TOKENS && k_type) {
         for (Py_ssize_t r = r0; r < r1; r++) {
             const uint8_t *row = w->w + r * w->w_stride;

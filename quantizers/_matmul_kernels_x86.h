@@ -260,10 +260,64 @@ KTARGET static inline void KNAME(tile_wide)(const int fmt, const weight_t *w, co
         }
     }
 }
+
+/* A tile's block b, transposed as tile_wide uses it, with its scales: kept for every block of the tile's
+ * rows when many activation rows will read them (wide_rows), so the transposition is paid once per call. */
+typedef struct {
+    __m256i u[8];
+    __m256 scale, zero, offset;
+} KNAME(wide_block_t);
+
+/* The tile's rows, every block loaded and transposed once into wb[0..nb). */
+KTARGET static inline void KNAME(wide_blocks)(const int fmt, const weight_t *w, const KNAME(tile_rows_t) *tr,
+                                              KNAME(wide_block_t) *wb, const uint8_t *ahead, Py_ssize_t chunk) {
+    Py_ssize_t g = 0, in_group = 0;
+    for (Py_ssize_t b = 0; b < w->nb; b++) {
+        KNAME(block_t) blk;
+        if (ahead)
+            for (Py_ssize_t at = b * chunk; at < (b + 1) * chunk; at += 64)
+                _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
+        KNAME(load_block)(fmt, w, tr, b, g, &blk);
+        if (++in_group == w->group_blocks) in_group = 0, g++;
+        KNAME(transpose8)(blk.v, wb[b].u);
+        wb[b].scale = blk.scale;
+        wb[b].zero = blk.zero;
+        wb[b].offset = KNAME(has_offset)(fmt) ? blk.offset : _mm256_setzero_ps();
+    }
+}
+
+/* tile_wide on blocks transposed beforehand (wide_blocks). */
+KTARGET static inline void KNAME(tile_wide_kept)(const int fmt, const weight_t *w, const act_t *a,
+                                                 const KNAME(wide_block_t) *wb, Py_ssize_t m0, __m256 *acc) {
+    const Py_ssize_t nb = w->nb;
+    for (int t = 0; t < TOKENS; t++) acc[t] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        const KNAME(wide_block_t) *blk = wb + b;
+        __m256i sums[TOKENS];
+        const int32_t *x = (const int32_t *)(a->q + (m0 * nb + b) * QK);
+        for (int t = 0; t < TOKENS; t++) sums[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m256i u = blk->u[j];
+#pragma GCC unroll 8
+            for (int t = 0; t < TOKENS; t++) sums[t] = KDPBUSD(sums[t], u, _mm256_set1_epi32(x[t * nb * (QK / 4) + j]));
+        }
+        for (int t = 0; t < TOKENS; t++) {
+            Py_ssize_t at = (m0 + t) * nb + b;
+            __m256 f = _mm256_fnmadd_ps(blk->zero, _mm256_set1_ps(a->s[at]), _mm256_cvtepi32_ps(sums[t]));
+            acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(blk->scale, _mm256_set1_ps(a->d[at])), acc[t]);
+            if (KNAME(has_offset)(fmt)) acc[t] = _mm256_fmadd_ps(blk->offset, _mm256_set1_ps(a->d[at] * a->s[at]), acc[t]);
+        }
+    }
+}
 #endif
 
 KTARGET static inline void KNAME(rows_of)(const int fmt, const weight_t *w, const act_t *a, Py_ssize_t r0,
                                           Py_ssize_t r1) {
+#if KVNNI
+    /* Two or more tiles of activation rows: each row tile's blocks are transposed once, not once per tile. */
+    KNAME(wide_block_t) *kept = a->M >= KEPT_TOKENS ? _mm_malloc(sizeof(KNAME(wide_block_t)) * (size_t)w->nb, 32) : NULL;
+#endif
     for (Py_ssize_t r = r0; r < r1; r += ROWS) {
         int n = r1 - r < ROWS ? (int)(r1 - r) : ROWS;
         KNAME(tile_rows_t) tr;
@@ -288,11 +342,15 @@ KTARGET static inline void KNAME(rows_of)(const int fmt, const weight_t *w, cons
         Py_ssize_t next = r + PREFETCH_TILES * ROWS, rows_ahead = r1 - next < ROWS ? r1 - next : ROWS;
         const uint8_t *ahead = PREFETCH_TILES > 0 && rows_ahead > 0 ? w->w + next * w->w_stride : NULL;
         Py_ssize_t chunk = ahead ? ((rows_ahead * w->w_stride + w->nb - 1) / w->nb + 63) / 64 * 64 : 0;
+#if KVNNI
+        if (kept) KNAME(wide_blocks)(fmt, w, &tr, kept, ahead, chunk);
+#endif
         for (Py_ssize_t m0 = 0; m0 < a->M;) {
             __m256 acc[TOKENS];
             int T = a->M - m0 >= TOKENS ? TOKENS : 1;
 #if KVNNI
-            if (T == TOKENS) KNAME(tile_wide)(fmt, w, a, &tr, m0, acc, m0 == 0 ? ahead : NULL, chunk);
+            if (T == TOKENS && kept) KNAME(tile_wide_kept)(fmt, w, a, kept, m0, acc);
+            else if (T == TOKENS) KNAME(tile_wide)(fmt, w, a, &tr, m0, acc, m0 == 0 ? ahead : NULL, chunk);
 #else
             if (T == TOKENS) KNAME(tile)(fmt, TOKENS, w, a, &tr, m0, acc, m0 == 0 ? ahead : NULL, chunk);
 #endif
@@ -305,6 +363,9 @@ KTARGET static inline void KNAME(rows_of)(const int fmt, const weight_t *w, cons
             m0 += T;
         }
     }
+#if KVNNI
+    _mm_free(kept);
+#endif
 }
 
 KTARGET static void KNAME(rows)(const weight_t *w, const act_t *a, Py_ssize_t r0, Py_ssize_t r1) {

@@ -39,7 +39,8 @@ CONFIGS = {
 }
 # (rows, columns): rows not a multiple of the kernels' 8; int8 also with columns not a multiple of 32
 SHAPES = [(13, 64), (37, 128), (5, 100)]
-BATCHES = (1, 3, 11)            # one row; fewer than a tile of 8; a tile and a tail
+# one row; fewer than a tile of 8; a tile and a tail; four tiles and a tail (VNNI: blocks transposed once per call)
+BATCHES = (1, 3, 11, 35)
 
 
 def _quantized(name: str, rows: int, cols: int) -> nn.Module | None:
@@ -126,10 +127,11 @@ GGUF_TYPES = ("q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", 
 # (rows, columns): odd rows (the K kernels pair rows; the blocks of 32 run in tiles of 8 rows: 37 is four
 # tiles and a clamped fifth, with rows two tiles on prefetched); whole blocks of the type (K types: 256)
 GGUF_SHAPES = {32: (37, 96), 256: (11, 512)}
-# K types: 1 and 3 the SIMD kernels' dot products on the stored blocks; 6, 11 and 64 unpacked rows in 2 x 4
-# tiles (6: a tail of 2 activation rows, 11: of 3). Blocks of 32: 1, 3, 6 one activation row at a time; 11 a tile
-# of 8 and 3 alone; 64 eight tiles of 8.
-GGUF_BATCHES = (1, 3, 6, 11, 64)
+# K types: 1 and 3 the SIMD kernels' dot products on the stored blocks; 6 unpacked rows in 2 x 4 tiles (a tail of
+# 2 activation rows); 11, 12 and 64 the VNNI kernels' interleaved 8-row tiles (AVX2: 2 x 4 tiles) on 8 activation
+# rows at a time, with tails of 3 (one at a time) and 4. Blocks of 32: 1, 3, 6 one activation row at a time;
+# 11 and 12 a tile of 8 and the rest alone; 64 eight tiles of 8 (VNNI: each block transposed once per call).
+GGUF_BATCHES = (1, 3, 6, 11, 12, 64)
 
 
 @pytest.fixture(scope="module")
