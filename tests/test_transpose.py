@@ -3,6 +3,8 @@ for bit, on every item size, strided bands, odd shapes, NaN payloads and signed 
 streams and compares a matrix stored across pieces (rows cut between them) without joining it."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -101,3 +103,19 @@ def test_row_blocks_of_empty_matrices(path):
         blocks = transpose.RowBlocks.of_bytes([], shape, np.float32)
         assert blocks.transposed().shape == shape[::-1] and blocks.equals_transposed(np.empty(shape[::-1], np.float32))
         assert b"".join(band.tobytes() for band in blocks.transposed_chunks(64)) == b""
+
+
+def test_a_band_stays_valid_until_the_one_after_next_is_asked_for(path):
+    """transposed_chunks makes the next band on another thread while the caller holds this one: a writer
+    still writing band n when it asks for band n + 1 (the TF.js shard writer) must find band n unchanged."""
+    w = _matrix((40, 64), np.float32, seed=3)
+    blocks = transpose.RowBlocks.of_bytes([np.frombuffer(w.tobytes(), np.uint8)], (40, 64), np.float32)
+    bands = blocks.transposed_chunks(5 * 40 * 4)                # 13 bands of 5 rows (the last of 4)
+    held, seen = [], []
+    for band in bands:
+        if held:
+            time.sleep(0.01)                                    # band n + 1 is made meanwhile
+            seen.append(held[-1].tobytes())                     # band n - 1, read after band n was yielded
+        held = [*held[-1:], band]
+    seen.append(held[-1].tobytes())
+    assert len(seen) == 13 and b"".join(seen) == w.T.tobytes()

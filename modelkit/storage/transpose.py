@@ -134,16 +134,29 @@ class RowBlocks:
         return out
 
     def transposed_chunks(self, nbytes: int) -> Iterator[np.ndarray]:
-        """The transpose in bands of whole rows of about `nbytes`, made in two buffers in turn: each band
-        is valid until the one after next is asked for."""
+        """The transpose in bands of whole rows of about `nbytes`, each made on a thread of its own while
+        the caller uses the one before (writes it), in three buffers in turn: each band is valid until the
+        one after next is asked for."""
         rows, cols = self.shape
         step = max(1, nbytes // max(1, rows * self.dtype.itemsize))
-        buffers = [np.empty((min(step, cols), rows), dtype=self.dtype) for _ in range(2)]
-        with _pool(rows * cols * self.dtype.itemsize) as pool:
-            for n, start in enumerate(range(0, cols, step)):
-                band = buffers[n % 2][:min(step, cols - start)]
-                list(pool.map(lambda item, b=band, s=start: transpose_into(b[:, item[0]:item[0] + len(item[1])],
-                                                                           item[1][:, s:s + len(b)]), self.blocks))
+        starts = range(0, cols, step)
+        buffers = [np.empty((min(step, cols), rows), dtype=self.dtype) for _ in range(min(3, len(starts)))]
+
+        def make(n: int) -> np.ndarray:
+            start = starts[n]
+            band = buffers[n % len(buffers)][:min(step, cols - start)]
+            for first, block in self.blocks:
+                transpose_into(band[:, first:first + len(block)], block[:, start:start + len(band)])
+            return band
+
+        if not starts:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="modelkit-transpose") as ahead:
+            made = ahead.submit(make, 0)
+            for n in range(len(starts)):
+                band = made.result()
+                if n + 1 < len(starts):     # into band n - 2's buffer: the caller gave it up by asking for band n
+                    made = ahead.submit(make, n + 1)
                 yield band
 
     def equals_transposed(self, array: np.ndarray) -> bool:
