@@ -11,14 +11,24 @@ import pytest
 from modelkit.storage import transpose
 
 PATHS = ["numpy"] + (["c"] if transpose.ACCELERATED else [])
+# the C kernels' AVX2 path for 4-byte items, where the CPU has it; "c" then runs the SSE2 one
+KERNEL = transpose._kernel
+AVX2 = KERNEL is not None and KERNEL.ISA == "avx2"
+PATHS += ["c-avx2"] if AVX2 else []
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Each test once through the numpy path and once through the C kernels (where they were built)."""
+    """Each test once through the numpy path and once through the C kernels (where they were built), for
+    4-byte items once through each of their instruction sets."""
     if request.param == "numpy":
         monkeypatch.setattr(transpose, "_kernel", None)
-    return request.param
+    if AVX2:
+        KERNEL.use_avx2(request.param == "c-avx2")
+        yield request.param
+        KERNEL.use_avx2(True)
+        return
+    yield request.param
 
 
 def _matrix(shape, dtype, seed=0):
@@ -28,7 +38,7 @@ def _matrix(shape, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.float16, np.float32, np.float64])
-@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (67, 5), (129, 257), (0, 5), (4, 0)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (67, 5), (129, 257), (0, 5), (4, 0), (17, 23)])
 def test_transpose_and_compare_every_item_size(path, dtype, shape):
     w = _matrix(shape, dtype)
     out = np.empty(shape[::-1], dtype=dtype)
