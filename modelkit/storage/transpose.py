@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -134,47 +134,17 @@ class RowBlocks:
         return out
 
     def transposed_chunks(self, nbytes: int) -> Iterator[np.ndarray]:
-        """The transpose in bands of whole rows of about `nbytes`, band n + 1 made on other threads while the
-        caller uses band n (writes it), in three buffers in turn: each band is valid until the one after
-        next is asked for."""
+        """The transpose in bands of whole rows of about `nbytes`, made in two buffers in turn: each band
+        is valid until the one after next is asked for."""
         rows, cols = self.shape
         step = max(1, nbytes // max(1, rows * self.dtype.itemsize))
-        starts = range(0, cols, step)
-        if not starts:
-            return
-        buffers = [np.empty((min(step, cols), rows), dtype=self.dtype) for _ in range(min(3, len(starts)))]
-        threads = WORKERS if rows * cols * self.dtype.itemsize >= _PARALLEL else 1
-        parts = self._parts(threads)
-        shares = [parts[i::threads] for i in range(min(threads, len(parts)))]     # each thread's blocks
-
-        def transpose_share(band: np.ndarray, start: int, share: list[tuple[int, np.ndarray]]) -> None:
-            for first, part in share:
-                transpose_into(band[:, first:first + len(part)], part[:, start:start + len(band)])
-
-        def make(pool: ThreadPoolExecutor, n: int) -> tuple[np.ndarray, list[Future[None]]]:
-            band = buffers[n % len(buffers)][:min(step, cols - starts[n])]
-            return band, [pool.submit(transpose_share, band, starts[n], share) for share in shares]
-
-        with ThreadPoolExecutor(max(1, len(shares)), thread_name_prefix="modelkit-transpose") as pool:
-            band, made = make(pool, 0)
-            for n in range(len(starts)):
-                for future in made:
-                    future.result()
-                done = band
-                if n + 1 < len(starts):     # into band n - 2's buffer: the caller gave it up by asking for band n
-                    band, made = make(pool, n + 1)
-                yield done
-
-    def _parts(self, threads: int) -> list[tuple[int, np.ndarray]]:
-        """The blocks, a large one cut into `threads` blocks of rows, so that a band is made on that many
-        threads at once (one block: a torch kernel being written to TF.js)."""
-        if len(self.blocks) >= threads:
-            return self.blocks
-        parts = []
-        for first, block in self.blocks:
-            step = max(1, -(-len(block) // threads))
-            parts += [(first + i, block[i:i + step]) for i in range(0, len(block), step)]
-        return parts
+        buffers = [np.empty((min(step, cols), rows), dtype=self.dtype) for _ in range(2)]
+        with _pool(rows * cols * self.dtype.itemsize) as pool:
+            for n, start in enumerate(range(0, cols, step)):
+                band = buffers[n % 2][:min(step, cols - start)]
+                list(pool.map(lambda item, b=band, s=start: transpose_into(b[:, item[0]:item[0] + len(item[1])],
+                                                                           item[1][:, s:s + len(b)]), self.blocks))
+                yield band
 
     def equals_transposed(self, array: np.ndarray) -> bool:
         """True when `array` (cols, rows) is the stored matrix transposed, bit for bit; compared block by
