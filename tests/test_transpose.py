@@ -116,15 +116,15 @@ def test_row_blocks_of_empty_matrices(path):
 
 
 def test_a_band_stays_valid_until_the_one_after_next_is_asked_for(path):
-    """transposed_chunks makes the next band on another thread while the caller holds this one: a writer
-    still writing band n when it asks for band n + 1 (the TF.js shard writer) must find band n unchanged."""
+    """A writer still writing band n when it asks for band n + 1 (the TF.js shard writer) must find band n
+    unchanged, however soon the band after is made (band buffers are reused, so the rule is easy to break)."""
     w = _matrix((40, 64), np.float32, seed=3)
     blocks = transpose.RowBlocks.of_bytes([np.frombuffer(w.tobytes(), np.uint8)], (40, 64), np.float32)
     bands = blocks.transposed_chunks(5 * 40 * 4)                # 13 bands of 5 rows (the last of 4)
     held, seen = [], []
     for band in bands:
         if held:
-            time.sleep(0.01)                                    # band n + 1 is made meanwhile
+            time.sleep(0.01)                                    # anything made meanwhile is made
             seen.append(held[-1].tobytes())                     # band n - 1, read after band n was yielded
         held = [*held[-1:], band]
     seen.append(held[-1].tobytes())
