@@ -11,7 +11,8 @@ kernel and cut the stream into shards, and back. Each run is a fresh subprocess 
 the page cache first and everything synced before it (bench/convert.py's harness, which also gives the
 copy baseline: shutil's copy and fsync, a folder file by file). The runs are interleaved in rounds (copy,
 conversion without verification, verified conversion, for each direction), `--runs` rounds after one
-warm-up round, so each conversion has a copy taken beside it under the same load. Printed per conversion:
+warm-up round, so each conversion has a copy taken beside it under the same load; the conversions run in
+the reverse order every other round. Printed per conversion:
 the median of the rounds' ratios to their copy (with the range), the best conversion against the best
 copy, the CPU seconds (process time, all threads) as a ratio to the copy's in the same round (median),
 and the highest peak of anonymous memory. `--baseline-python` runs each conversion a second time per round
@@ -66,8 +67,10 @@ def main() -> None:
         runs: dict[tuple[str, str], list[dict[str, float]]] = {}
         for round_ in range(args.runs + 1):
             for label, src, dst, copy_src in plan:
+                # every other round in the reverse order: a run's place in the round moves its time (at load 3-5,
+                # 2026-11-28, whichever of two codes ran second was 6-11% faster), so no code always goes first
                 figures = {kind: run_once(src, dst, kind.split()[-1], python=args.baseline_python if "baseline" in kind
-                                          else sys.executable) for kind in kinds}
+                                          else sys.executable) for kind in (kinds if round_ % 2 else kinds[::-1])}
                 figures["copy"] = run_once(copy_src, folder / "copy.bin", "copy")
                 if round_:                                       # the first round warms up, untimed
                     for kind, f in figures.items():

@@ -3,20 +3,32 @@ for bit, on every item size, strided bands, odd shapes, NaN payloads and signed 
 streams and compares a matrix stored across pieces (rows cut between them) without joining it."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from modelkit.storage import transpose
 
 PATHS = ["numpy"] + (["c"] if transpose.ACCELERATED else [])
+# the C kernels' AVX2 path for 4-byte items, where the CPU has it; "c" then runs the SSE2 one
+KERNEL = transpose._kernel
+AVX2 = KERNEL is not None and KERNEL.ISA == "avx2"
+PATHS += ["c-avx2"] if AVX2 else []
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Each test once through the numpy path and once through the C kernels (where they were built)."""
+    """Each test once through the numpy path and once through the C kernels (where they were built), for
+    4-byte items once through each of their instruction sets."""
     if request.param == "numpy":
         monkeypatch.setattr(transpose, "_kernel", None)
-    return request.param
+    if AVX2:
+        KERNEL.use_avx2(request.param == "c-avx2")
+        yield request.param
+        KERNEL.use_avx2(True)
+        return
+    yield request.param
 
 
 def _matrix(shape, dtype, seed=0):
@@ -26,7 +38,7 @@ def _matrix(shape, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.float16, np.float32, np.float64])
-@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (67, 5), (129, 257), (0, 5), (4, 0)])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (67, 5), (129, 257), (0, 5), (4, 0), (17, 23)])
 def test_transpose_and_compare_every_item_size(path, dtype, shape):
     w = _matrix(shape, dtype)
     out = np.empty(shape[::-1], dtype=dtype)
@@ -101,3 +113,19 @@ def test_row_blocks_of_empty_matrices(path):
         blocks = transpose.RowBlocks.of_bytes([], shape, np.float32)
         assert blocks.transposed().shape == shape[::-1] and blocks.equals_transposed(np.empty(shape[::-1], np.float32))
         assert b"".join(band.tobytes() for band in blocks.transposed_chunks(64)) == b""
+
+
+def test_a_band_stays_valid_until_the_one_after_next_is_asked_for(path):
+    """A writer still writing band n when it asks for band n + 1 (the TF.js shard writer) must find band n
+    unchanged, however soon the band after is made (band buffers are reused, so the rule is easy to break)."""
+    w = _matrix((40, 64), np.float32, seed=3)
+    blocks = transpose.RowBlocks.of_bytes([np.frombuffer(w.tobytes(), np.uint8)], (40, 64), np.float32)
+    bands = blocks.transposed_chunks(5 * 40 * 4)                # 13 bands of 5 rows (the last of 4)
+    held, seen = [], []
+    for band in bands:
+        if held:
+            time.sleep(0.01)                                    # anything made meanwhile is made
+            seen.append(held[-1].tobytes())                     # band n - 1, read after band n was yielded
+        held = [*held[-1:], band]
+    seen.append(held[-1].tobytes())
+    assert len(seen) == 13 and b"".join(seen) == w.T.tobytes()
