@@ -161,14 +161,16 @@ NO_BLAS_COMMANDS = frozenset({"convert", "inspect", "scan"})
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The console script: `modelkit ARGS...`; the process ends as soon as the command is done (`_exit_now`)."""
+    """The console script: `modelkit ARGS...`; the process ends as soon as the command is done (`_exit_now`).
+    Given `argv`, it is a caller's in-process run (a script, a test): SystemExit reaches the caller as usual."""
     args = sys.argv[1:] if argv is None else list(argv)
     if next((a for a in args if not a.startswith("-")), None) in NO_BLAS_COMMANDS and "numpy" not in sys.modules:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         main(args=args, prog_name="modelkit")
     except SystemExit as done:
-        _exit_now(done.code)
+        if argv is None:
+            _exit_now(done.code)
         raise
 
 
