@@ -164,6 +164,18 @@ KTARGET static inline void KNAME(load_block)(const int fmt, const weight_t *w, c
     }
 }
 
+/* Block b of the tile's rows into `blk`, bringing `chunk` bytes of `ahead` (a later tile's rows, or NULL)
+ * into the cache meanwhile; advances the scale group (g, in_group) past it (F_I4). */
+KTARGET static inline void KNAME(next_block)(const int fmt, const weight_t *w, const KNAME(tile_rows_t) *tr,
+                                             Py_ssize_t b, Py_ssize_t *g, Py_ssize_t *in_group,
+                                             const uint8_t *ahead, Py_ssize_t chunk, KNAME(block_t) *blk) {
+    if (ahead)
+        for (Py_ssize_t at = b * chunk; at < (b + 1) * chunk; at += 64)
+            _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
+    KNAME(load_block)(fmt, w, tr, b, *g, blk);
+    if (++*in_group == w->group_blocks) *in_group = 0, ++*g;
+}
+
 /* One activation block against the eight rows: their eight integer dot products, as lanes. */
 KTARGET static inline __m256i KNAME(dots)(const int fmt, const KNAME(block_t) *blk, __m256i x) {
     __m256i p[ROWS];
@@ -192,11 +204,7 @@ KTARGET static inline void KNAME(tile)(const int fmt, const int T, const weight_
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < nb; b++) {
         KNAME(block_t) blk;
-        if (ahead)
-            for (Py_ssize_t at = b * chunk; at < (b + 1) * chunk; at += 64)
-                _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
-        KNAME(load_block)(fmt, w, tr, b, g, &blk);
-        if (++in_group == w->group_blocks) in_group = 0, g++;
+        KNAME(next_block)(fmt, w, tr, b, &g, &in_group, ahead, chunk, &blk);
         for (int t = 0; t < T; t++) {
             Py_ssize_t at = (m0 + t) * nb + b;
             __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + at * QK));
@@ -239,11 +247,7 @@ KTARGET static inline void KNAME(tile_wide)(const int fmt, const weight_t *w, co
     for (Py_ssize_t b = 0; b < nb; b++) {
         KNAME(block_t) blk;
         __m256i u[8], sums[TOKENS];
-        if (ahead)
-            for (Py_ssize_t at = b * chunk; at < (b + 1) * chunk; at += 64)
-                _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
-        KNAME(load_block)(fmt, w, tr, b, g, &blk);
-        if (++in_group == w->group_blocks) in_group = 0, g++;
+        KNAME(next_block)(fmt, w, tr, b, &g, &in_group, ahead, chunk, &blk);
         KNAME(transpose8)(blk.v, u);
         const int32_t *x = (const int32_t *)(a->q + (m0 * nb + b) * QK);
         for (int t = 0; t < TOKENS; t++) sums[t] = _mm256_setzero_si256();
@@ -274,11 +278,7 @@ KTARGET static inline void KNAME(wide_blocks)(const int fmt, const weight_t *w, 
     Py_ssize_t g = 0, in_group = 0;
     for (Py_ssize_t b = 0; b < w->nb; b++) {
         KNAME(block_t) blk;
-        if (ahead)
-            for (Py_ssize_t at = b * chunk; at < (b + 1) * chunk; at += 64)
-                _mm_prefetch((const char *)(ahead + at), _MM_HINT_T0);
-        KNAME(load_block)(fmt, w, tr, b, g, &blk);
-        if (++in_group == w->group_blocks) in_group = 0, g++;
+        KNAME(next_block)(fmt, w, tr, b, &g, &in_group, ahead, chunk, &blk);
         KNAME(transpose8)(blk.v, wb[b].u);
         wb[b].scale = blk.scale;
         wb[b].zero = blk.zero;

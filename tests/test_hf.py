@@ -27,6 +27,7 @@ from modelkit.errors import MissingDependencyError, UnknownModelError, Unsupport
 from modelkit.formats import detect_format
 from modelkit.models import _hf, hf_families
 from modelkit.pipeline.convert import convert
+from modelkit.testing.gguf_files import as_llama_cpp_writes_it
 
 transformers = pytest.importorskip("transformers")
 
@@ -271,14 +272,7 @@ def test_gguf_back_to_a_folder_gives_transformers_the_same_logits(saved, ggufs, 
 def test_a_gguf_without_our_keys_reads_back_as_its_family(saved, ggufs, family, tmp_path):
     """A file as llama.cpp writes it (no modelkit.* keys): the family from general.architecture, the config
     from its keys, Hugging Face names with the storage undone."""
-    fields, reader = _fields(ggufs[family])
-    writer = gguf.GGUFWriter(tmp_path / "plain.gguf", fields["general.architecture"])
-    for key, field in reader.fields.items():
-        if not key.startswith(("GGUF.", "modelkit.", "general.architecture")):
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    as_llama_cpp_writes_it(ggufs[family], tmp_path / "plain.gguf")
     ckpt = modelkit.load(tmp_path / "plain.gguf")
     assert ckpt.arch.name == family           # mistral: llama's architecture, named by general.name ("Mistral")
     model = instantiate(ckpt)

@@ -28,6 +28,7 @@ from modelkit.pipeline.load import load_language_model
 from modelkit.pipeline.quantize import quantize, quantize_module
 from modelkit.pipeline.tinylm_decoder import Stream, row_reader
 from modelkit.quantizers import fast_decode, fast_linear
+from modelkit.testing.gguf_files import as_llama_cpp_writes_it
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(fast_linear.kernels() is None, reason="modelkit was built without its C kernels")
@@ -191,23 +192,6 @@ def test_a_tied_gguf_loads_with_one_table_and_decodes_fused(tmp_path):
     assert _worst(model) <= RTOL
 
 
-def _as_llama_cpp_writes_it(path: Path, out: Path) -> Path:
-    """The GGUF without modelkit's own keys (as tests/test_hf.py rewrites one): what llama.cpp's converter
-    writes, so the config comes from llama.cpp's keys and the family from general.architecture."""
-    import gguf
-    import numpy as np
-
-    reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
-    for key, field in reader.fields.items():
-        if not key.startswith(("GGUF.", "modelkit.", "general.architecture")):
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
-    return out
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_file_as_llama_cpp_writes_it_decodes_fused(family, llama_gguf, tmp_path):
     """No modelkit keys: Llama's Q/K rows permuted by llama.cpp's rule, Qwen2 tied (no output.weight). The
@@ -221,7 +205,7 @@ def test_a_file_as_llama_cpp_writes_it_decodes_fused(family, llama_gguf, tmp_pat
             shutil.copy(f, folder / f.name)
         quantize(folder, tmp_path / "qwen2.gguf", scheme="q4_0")
         source = tmp_path / "qwen2.gguf"
-    model = load_language_model(_as_llama_cpp_writes_it(source, tmp_path / "plain.gguf")).model
+    model = load_language_model(as_llama_cpp_writes_it(source, tmp_path / "plain.gguf")).model
     assert model.config.model_type == family and _worst(model) <= RTOL
     with torch.no_grad():
         ids = torch.tensor([[1, 2, 3, 400, 5]])
