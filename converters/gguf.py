@@ -205,7 +205,12 @@ def _foreign_conventions(path: Path, fields: dict[str, Any], reader: GGUFReader)
     if architecture == "llama" and "mistral" in str(fields.get(_KEYS.NAME, "")).lower():
         name, family = next(((n, f) for n, f in matches if n == "mistral"), (name, family))
     tied = all(t.name != "output.weight" for t in reader.tensors)
-    config = _hf.config_from_gguf(family, fields, tied=tied)
+    rope = {t.name: [float(v) for v in t.data.reshape(-1)] for t in reader.tensors
+            if t.name in _hf.DERIVED_TENSORS and t.tensor_type == F32 and t.data.size <= 65536}
+    try:
+        config = _hf.config_from_gguf(family, fields, tied=tied, rope_tensors=rope)
+    except ConfigError as e:
+        raise FormatError(path, str(e)) from e
     if "vocab_size" not in config:
         embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
         if embed is not None:

@@ -23,7 +23,7 @@ import torch
 
 import modelkit
 from modelkit.checkpoint import Checkpoint, instantiate
-from modelkit.errors import MissingDependencyError, UnknownModelError, UnsupportedConversionError
+from modelkit.errors import ConfigError, MissingDependencyError, UnknownModelError, UnsupportedConversionError
 from modelkit.formats import detect_format
 from modelkit.models import _hf, hf_families
 from modelkit.pipeline.convert import convert
@@ -300,6 +300,37 @@ def test_llama3_rope_scaling_travels_as_rope_freqs(saved, tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+    # as llama.cpp writes it (no config of ours): the scaling comes back from rope_freqs alone
+    as_llama_cpp_writes_it(tmp_path / "l3.gguf", tmp_path / "plain.gguf")
+    ckpt = modelkit.load(tmp_path / "plain.gguf")
+    assert ckpt.arch.config["rope_parameters"]["rope_type"] == "llama3"
+    with torch.no_grad():
+        # measured 2026-11-28: 0.0 (logits up to 0.64); room for settings that differ in float32 rounding
+        assert torch.allclose(instantiate(ckpt)(IDS).logits, model(IDS).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("settings", [
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 16.0, "original_max_position_embeddings": 64},
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 1.5, "original_max_position_embeddings": 512},
+], ids=["llama-3.1", "llama-3.2", "blend-wide", "no-blended-frequency"])
+def test_llama3_rope_settings_come_back_from_the_divisors(settings):
+    """Any Llama-3 settings give back settings whose divisors are the same; Meta's come back as they were."""
+    config = {"hidden_size": 2048, "num_attention_heads": 16,
+              "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **settings}}
+    factors = _hf.llama3_rope_factors(config)
+    back = _hf.llama3_from_factors(config, 500000.0, [float(np.float32(f)) for f in factors])
+    again = _hf.llama3_rope_factors({**config, "rope_parameters": {**back, "rope_theta": 500000.0}})
+    assert back["rope_type"] == "llama3" and back["factor"] == settings["factor"]
+    assert np.allclose(again, factors, rtol=1e-5)
+    if settings["original_max_position_embeddings"] == 8192:
+        assert {k: back[k] for k in settings} == settings
+
+
+def test_rope_freqs_that_follow_no_rule_are_refused():
+    with pytest.raises(ConfigError, match="does not follow Llama-3"):
+        _hf.llama3_from_factors({"hidden_size": 64, "num_attention_heads": 4}, 10000.0, [1.0, 3.0, 1.0, 8.0, 2.0, 8.0, 8.0, 8.0])
 
 
 # ------------------------------------------------------------------------------------- without torch
@@ -479,3 +510,11 @@ def test_phi3_longrope_travels_as_rope_factors(tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+    as_llama_cpp_writes_it(tmp_path / "phi.gguf", tmp_path / "plain.gguf")        # no config of ours
+    ckpt = modelkit.load(tmp_path / "plain.gguf")
+    assert ckpt.arch.config["original_max_position_embeddings"] == 64
+    long_ids = torch.randint(0, 320, (1, 80), generator=torch.Generator().manual_seed(2))     # past 64: long factors
+    with torch.no_grad():
+        for ids in (IDS, long_ids):
+            # measured 2026-11-28: 1.5e-07 and 1.8e-07 (logits up to 0.77; the attention factor is float32)
+            assert torch.allclose(instantiate(ckpt)(ids).logits, model(ids).logits, atol=1e-5)

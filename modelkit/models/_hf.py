@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,19 +207,26 @@ def query_pre_attn_scalar(family: HFFamily, blocks: int, hidden: int, heads: int
     return hidden // heads if blocks == family.query_scale_27b else dim
 
 
-def config_from_gguf(family: HFFamily, fields: Mapping[str, Any], *, tied: bool) -> dict[str, Any]:
-    """A config.json rebuilt from a llama.cpp file's keys (for files that do not carry ours)."""
+def config_from_gguf(family: HFFamily, fields: Mapping[str, Any], *, tied: bool,
+                     rope_tensors: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+    """A config.json rebuilt from a llama.cpp file's keys (for files that do not carry ours). `rope_tensors`:
+    the file's rope_freqs / rope_factors_long / rope_factors_short, by name, where it has them: the rope
+    scaling they carry goes back into the config (`rope_from_gguf`).
+
+    Raises:
+        ConfigError: the rope tensors follow no rule transformers has.
+    """
     arch = family.architecture
     value = {s: fields[f"{arch}.{s}"] for s in (*family.hparams, "vocab_size", "attention.key_length",
-                                                 "rope.freq_base", "rope.scaling.type", "rope.scaling.factor")
+                                                 "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
+                                                 "rope.scaling.original_context_length", "rope.scaling.attn_factor")
              if f"{arch}.{s}" in fields}
     config: dict[str, Any] = {"architectures": [family.hf_class], "model_type": family.model_types[0],
                               "tie_word_embeddings": tied}
     for suffix, key in family.hparams.items():
         if suffix in value:
             v = value[suffix]
-            # float32 in the file: 1e-5 reads back as 9.99999974e-06; 7 digits give the written value back
-            config[key] = float(f"{v:.7g}") if isinstance(v, float) else v
+            config[key] = _float32(v) if isinstance(v, float) else v
     if "vocab_size" in value:
         config["vocab_size"] = value["vocab_size"]
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):      # the special tokens llama.cpp keeps
@@ -233,11 +240,94 @@ def config_from_gguf(family: HFFamily, fields: Mapping[str, Any], *, tied: bool)
         config["query_pre_attn_scalar"] = query_pre_attn_scalar(family, value["block_count"], hidden, heads,
                                                                 value.get("attention.key_length", hidden // heads))
     if arch != "gpt2":
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(f"{value.get('rope.freq_base', 10000.0):.7g}")}
-        if value.get("rope.scaling.type") in ("linear", "yarn"):
-            rope.update(rope_type=value["rope.scaling.type"], factor=float(f"{value['rope.scaling.factor']:.7g}"))
-        config["rope_parameters"] = rope
+        config["rope_parameters"] = rope_from_gguf(config, value, rope_tensors or {})
+        original = value.get("rope.scaling.original_context_length")
+        if config["rope_parameters"]["rope_type"] == "longrope" and isinstance(original, int):
+            config["original_max_position_embeddings"] = original        # Phi-3 reads it from the config's top
     return config
+
+
+def _float32(v: float) -> float:
+    """A float32 key's value as written (1e-5 reads back as 9.99999974e-06; 7 digits give it back)."""
+    return float(f"{v:.7g}")
+
+
+def rope_from_gguf(config: Mapping[str, Any], value: Mapping[str, Any],
+                   rope_tensors: Mapping[str, Sequence[float]]) -> dict[str, Any]:
+    """transformers' rope_parameters of a llama.cpp file: its `rope.*` keys (key suffix -> value) and the
+    tensors llama.cpp keeps rope scaling in (Llama-3's rope_freqs, Phi-3's rope_factors_long/short)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _float32(value.get("rope.freq_base", 10000.0))}
+    kind = value.get("rope.scaling.type")
+    original = value.get("rope.scaling.original_context_length")
+    if kind in ("linear", "yarn"):
+        rope.update(rope_type=kind, factor=_float32(value["rope.scaling.factor"]))
+        if kind == "yarn" and isinstance(original, int):
+            rope["original_max_position_embeddings"] = original
+    if ROPE_LONG in rope_tensors and ROPE_SHORT in rope_tensors:
+        rope.update(rope_type="longrope", long_factor=[_float32(v) for v in rope_tensors[ROPE_LONG]],
+                    short_factor=[_float32(v) for v in rope_tensors[ROPE_SHORT]])
+        if isinstance(value.get("rope.scaling.attn_factor"), float):
+            rope["attention_factor"] = _float32(value["rope.scaling.attn_factor"])
+    elif ROPE_FREQS in rope_tensors:
+        rope.update(llama3_from_factors(config, rope["rope_theta"], [float(v) for v in rope_tensors[ROPE_FREQS]]))
+    return rope
+
+
+# Meta's Llama 3.1-3.3 settings: tried first, so a file of theirs reads back with its own config.json values
+_LLAMA3_DEFAULT = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_from_factors(config: Mapping[str, Any], theta: float, factors: list[float]) -> dict[str, Any]:
+    """Llama-3 rope scaling (factor, low/high_freq_factor, original context) that gives llama.cpp's
+    per-frequency divisors `factors` (`rope_freqs.weight`) by transformers' rule (llama3_rope_factors).
+
+    In x = 1 / wavelength the rule keeps a frequency (divisor 1) from x >= high / context, slows it by
+    `factor` up to x <= low / context, and blends between, with smooth = (x - p) / (q - p) for p = low /
+    context, q = high / context. The divisors fix the factor (the largest) and constrain p and q, not low,
+    high and context apart; any choice in the constraints gives the same frequencies. Meta's values are
+    kept where they fit, else the context stays 8192 and p, q are solved from the divisors.
+
+    Raises:
+        ConfigError: the divisors follow no such rule (a file from a tool that scales rope otherwise).
+    """
+    dim = head_dim(config)
+    xs = [1 / (2 * math.pi * theta ** (i / dim)) for i in range(0, dim, 2)]
+    if len(factors) != len(xs) or any(not math.isfinite(f) or f < 1 - 1e-6 for f in factors):
+        raise ConfigError(f"rope_freqs.weight holds {len(factors)} divisors where a head of {dim} has "
+                          f"{len(xs)} frequencies, or a divisor below 1: not Llama-3 rope scaling")
+    factor = max(factors)
+    if factor <= 1 + 1e-6:
+        return {"rope_type": "default"}
+    kept = [x for x, f in zip(xs, factors, strict=True) if f <= 1 + 1e-4]
+    slowed = [x for x, f in zip(xs, factors, strict=True) if f >= factor * (1 - 1e-4)]
+    # blended: smooth = (factor / f - 1) / (factor - 1), from 1 / f = (1 - smooth) / factor + smooth
+    blend = [(x, (factor / f - 1) / (factor - 1)) for x, f in zip(xs, factors, strict=True)
+             if 1 + 1e-4 < f < factor * (1 - 1e-4)]
+    low_edge = max(slowed, default=min(xs) / 2)           # p at least this
+    high_edge = min(kept, default=max(xs) * 2)            # q at most this
+    if len(blend) >= 2:                                   # the line through the blended points
+        (x0, s0), (x1, s1) = min(blend), max(blend)
+        width = (x1 - x0) / (s1 - s0) if s1 != s0 else 0.0
+        p, q = x0 - s0 * width, x0 - s0 * width + width
+    elif blend:                                           # one point: any line through it within the edges
+        (x0, s0), = blend
+        q_most = min(high_edge, (x0 - (1 - s0) * low_edge) / s0) if s0 > 0 else high_edge
+        q = (x0 + q_most) / 2
+        p = (x0 - s0 * q) / (1 - s0) if s0 < 1 else x0
+    else:                                                 # the switch lies between two frequencies
+        p, q = low_edge + (high_edge - low_edge) / 3, low_edge + 2 * (high_edge - low_edge) / 3
+    context = 8192
+    candidates = [_LLAMA3_DEFAULT]
+    if 0 < p < q:
+        candidates.append({"factor": factor, "low_freq_factor": p * context, "high_freq_factor": q * context,
+                           "original_max_position_embeddings": context})
+    for candidate in candidates:
+        settings = {k: _float32(v) if isinstance(v, float) else v for k, v in candidate.items()}
+        got = llama3_rope_factors({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": theta, **settings}})
+        if got is not None and all(abs(g - f) <= 1e-5 * f for g, f in zip(got, factors, strict=True)):
+            return {"rope_type": "llama3", **settings}
+    raise ConfigError("rope_freqs.weight does not follow Llama-3's rope scaling rule (the only one llama.cpp "
+                      "stores this way that modelkit reads): convert from the model's Hugging Face folder instead")
 
 
 def _transformers(what: str) -> Any:
