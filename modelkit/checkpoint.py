@@ -56,28 +56,49 @@ def _with_checkpoint_entries(ckpt: Checkpoint, module: nn.Module) -> Checkpoint:
     ({"weight": QuantizedTensor, "bias": LazyTensor}); they replace all of that submodule's own
     state_dict keys (packed data, scales, ...), at the place of its first key.
     """
-    replacements: dict[str, dict[str, TensorEntry] | None] = {}
+    exported: dict[str, dict[str, TensorEntry]] = {}
     for prefix, sub in module.named_modules():
         export = getattr(sub, "checkpoint_entries", None)
         if callable(export):
             dot = f"{prefix}." if prefix else ""
-            replacements[dot] = {dot + name: entry for name, entry in export().items()}
-    if not replacements:
+            exported[dot] = {dot + name: entry for name, entry in export().items()}
+    if not exported:
         return ckpt
     tensors: dict[str, TensorEntry] = {}
+    owned: dict[str, list[str]] = {}                 # submodule prefix -> its own state_dict keys
     for name, entry in ckpt.tensors.items():
-        owner = max((p for p in replacements if name.startswith(p) and "." not in name[len(p):]), key=len, default=None)
+        owner = max((p for p in exported if name.startswith(p) and "." not in name[len(p):]), key=len, default=None)
         if owner is None:
             tensors[name] = entry
-        elif replacements[owner] is not None:
-            tensors.update(replacements[owner])
-            replacements[owner] = None       # emitted once, where the submodule's first key was
+            continue
+        if owner not in owned:                       # emitted once, where the submodule's first key was
+            tensors.update(exported[owner])
+        owned.setdefault(owner, []).append(name)
     metadata = dict(ckpt.metadata)
-    if ALIASES_KEY in metadata:              # ties between replaced keys (a tied quantized head's parts) are gone
-        aliases = {a: t for a, t in json.loads(metadata.pop(ALIASES_KEY)).items() if a in tensors and t in tensors}
+    if ALIASES_KEY in metadata:
+        old = json.loads(metadata.pop(ALIASES_KEY))
+        aliases = {a: t for a, t in old.items() if a in tensors and t in tensors}
+        aliases |= _tied_submodules(old, owned, exported)
         if aliases:
             metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     return Checkpoint(tensors, metadata, ckpt.arch, ckpt.assets)
+
+
+def _tied_submodules(aliases: Mapping[str, str], owned: Mapping[str, list[str]],
+                     exported: Mapping[str, dict[str, TensorEntry]]) -> dict[str, str]:
+    """Ties between submodules that name their own entries: where every state_dict key of one (a quantized
+    output head's packed data and scales) is the same memory as the same key of another (the embedding
+    table's), their entries are tied too ("lm_head.weight" -> "model.embed_tokens.weight"), so a writer
+    stores the table once and a reader gives the head back on it."""
+    ties: dict[str, str] = {}
+    for head, keys in owned.items():
+        tables = {aliases[k][:-len(k) + len(head)] if k in aliases else None for k in keys}
+        table = tables.pop() if len(tables) == 1 else None
+        if table is None or table == head or table not in exported \
+                or any(aliases[k] != table + k[len(head):] for k in keys):
+            continue
+        ties |= {name: table + name[len(head):] for name in exported[head] if table + name[len(head):] in exported[table]}
+    return ties
 
 
 @dataclass

@@ -11,16 +11,18 @@ RTOL (0.03), which also covers an int8 rounding tie going the other way in one o
 """
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
 import modelkit
 from modelkit import schemes
-from modelkit.checkpoint import Checkpoint
+from modelkit.checkpoint import ALIASES_KEY, Checkpoint
 from modelkit.errors import ConfigError
 from modelkit.pipeline.generate import generate_tokens
 from modelkit.pipeline.hf_llama_decoder import HFLlamaDecoder, llama_decoder, unsupported
@@ -184,7 +186,11 @@ def test_a_tied_gguf_loads_with_one_table_and_decodes_fused(tmp_path):
     head, table = model.lm_head, model.model.embed_tokens
     assert type(head).__name__ == "QuantizedLinear" and head.qdata.data_ptr() == table.qdata.data_ptr()
     assert llama_decoder(model, 1, 8).plan.head is not None
-    modelkit.save(Checkpoint.from_module(model), tmp_path / "again.gguf")      # writable again (head stored apart)
+    again = Checkpoint.from_module(model)        # writable again, the table stored once (as llama.cpp stores it)
+    assert json.loads(again.metadata[ALIASES_KEY]) == {"lm_head.weight": "model.embed_tokens.weight"}
+    modelkit.save(again, tmp_path / "again.gguf")
+    assert "output.weight" not in {t.name for t in gguf.GGUFReader(tmp_path / "again.gguf").tensors}
+    assert (tmp_path / "again.gguf").stat().st_size <= (tmp_path / "qwen2.gguf").stat().st_size * 1.01
     with torch.no_grad():
         ids = torch.tensor([[1, 2, 3, 400, 5]])
         assert float((model(ids).logits - float_model(ids).logits).abs().max()) <= 0.03
