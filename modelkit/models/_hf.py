@@ -264,6 +264,10 @@ def rope_from_gguf(config: Mapping[str, Any], value: Mapping[str, Any],
         if kind == "yarn" and isinstance(original, int):
             rope["original_max_position_embeddings"] = original
     if ROPE_LONG in rope_tensors and ROPE_SHORT in rope_tensors:
+        if not all(math.isfinite(v) and v > 0 for name in (ROPE_LONG, ROPE_SHORT) for v in rope_tensors[name]):
+            raise ConfigError(f"{ROPE_LONG} / {ROPE_SHORT} hold a factor that is not a positive number")
+        if len(rope_tensors[ROPE_LONG]) != len(rope_tensors[ROPE_SHORT]):
+            raise ConfigError(f"{ROPE_LONG} and {ROPE_SHORT} differ in length")
         rope.update(rope_type="longrope", long_factor=[_float32(v) for v in rope_tensors[ROPE_LONG]],
                     short_factor=[_float32(v) for v in rope_tensors[ROPE_SHORT]])
         if isinstance(value.get("rope.scaling.attn_factor"), float):
