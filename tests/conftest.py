@@ -82,15 +82,6 @@ def _tag_xdist_groups(items) -> None:
             item._id = coerce_node_id(item.nodeid + suffix)
 
 
-@pytest.fixture
-def all_threads():
-    """Let one long test use both cores (the other worker is mostly done by then)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "fixtures"

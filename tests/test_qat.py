@@ -107,8 +107,10 @@ def test_train_qat_api(small_model):
 
 
 @pytest.mark.slow
-def test_qat_recovers_what_rounding_lost(tmp_path, all_threads):
-    """A trained small cnn: QAT int4 (3 short epochs) ends with lower test loss than round-to-nearest int4."""
+def test_qat_recovers_what_rounding_lost(tmp_path):
+    """A trained small cnn: QAT int4 (3 short epochs) ends with lower test loss than round-to-nearest int4
+    (measured 2026-11-28: 0.478 against 0.530, the float model 0.500). One thread: this cnn's ops are too
+    small to share; on two threads beside the other test worker it took 17-54 s of CPU instead of 2.3 s."""
     from modelkit.api import evaluate
     from modelkit.models import build
 
