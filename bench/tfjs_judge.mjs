@@ -5,7 +5,9 @@
 //   TFJS_MODULES=/work/tfjs-judge/node_modules node bench/tfjs_judge.mjs DIR/model.json inputs.json
 // (TFJS_MODULES: the node_modules of `npm install @tensorflow/tfjs@4.22.0`, kept out of the repository)
 //
-// inputs.json: {"shape": [N, ...], "data": [flat float32 values]} (channels_last, as Keras takes them).
+// inputs.json: {"shape": [N, ...], "data": [flat float32 values]} (channels_last, as Keras takes them), or a
+// list of {"shape", "dtype", "data"} (a model of several inputs): then {"version", "results": [{"shape", "outputs"},
+// ...]}, one per output.
 import { readFileSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { createRequire } from "node:module";
@@ -37,9 +39,16 @@ const handler = {
 await tf.setBackend("cpu");
 const model = await tf.loadLayersModel(handler, { strict: true });
 const inputs = JSON.parse(readFileSync(inputsPath, "utf8"));
-const x = tf.tensor(inputs.data, inputs.shape, inputs.dtype || "float32");
-const y = model.predict(x);
-process.stdout.write(JSON.stringify({
-  version: tf.version.tfjs, shape: y.shape, outputs: Array.from(await y.data()),
-  layers: model.layers.map((l) => l.getClassName()),
-}) + "\n");
+const tensor = (i) => tf.tensor(i.data, i.shape, i.dtype || "float32");
+if (Array.isArray(inputs)) {          // several inputs (a list of {shape, dtype, data}): every output, in order
+  const ys = [model.predict(inputs.length === 1 ? tensor(inputs[0]) : inputs.map(tensor))].flat();
+  const results = [];
+  for (const y of ys) results.push({ shape: y.shape, outputs: Array.from(await y.data()) });
+  process.stdout.write(JSON.stringify({ version: tf.version.tfjs, results }) + "\n");
+} else {
+  const y = model.predict(tensor(inputs));
+  process.stdout.write(JSON.stringify({
+    version: tf.version.tfjs, shape: y.shape, outputs: Array.from(await y.data()),
+    layers: model.layers.map((l) => l.getClassName()),
+  }) + "\n");
+}

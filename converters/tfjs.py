@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -142,8 +143,10 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
             offset += weight.nbytes
     metadata, arch = _metadata(file, model.document.get(METADATA_KEY))
     names = metadata.pop(NAMES_KEY, None)
-    if arch is None and names is None and model.config is not None:
-        arch = ArchSpec(KERAS_TOPOLOGY_MODEL, {"topology": model.config})     # built from the file's own topology
+    if arch is None and names is None and model.config is not None:         # built from the file's own topology
+        # tensorflowjs_converter names a Keras 3 model's weights by their .weights.h5 paths (layers/dense/vars/0)
+        keras3 = bool(tensors) and all(_KERAS3_WEIGHT.fullmatch(name) for name in tensors)
+        arch = ArchSpec(KERAS_TOPOLOGY_MODEL, {"topology": model.config, **({"weights": "keras3"} if keras3 else {})})
     return _torch_names(file, Checkpoint(tensors=tensors, metadata=metadata, arch=arch), names, pieces)
 
 
@@ -160,6 +163,7 @@ def _metadata(file: Path, given: Any) -> tuple[dict[str, str], ArchSpec | None]:
     return metadata, ArchSpec.from_json(arch_json, source=file) if arch_json is not None else None
 
 
+_KERAS3_WEIGHT = re.compile(r"layers/.+/vars/\d+")
 _DECODED = {"float32": "float32", "int32": "int32", "float16": "float16", "uint8": "uint8", "int8": "int8",
             "uint16": "uint16", "int16": "int16"}
 
