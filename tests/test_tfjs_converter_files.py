@@ -90,3 +90,16 @@ def test_converter_files_inspect_scan_clean_and_convert_to_weight_files(case, se
     back = modelkit.load(tmp_path / "w.safetensors")
     assert set(back.tensors) == set(ckpt.tensors)
     assert all(np.array_equal(back.tensors[n].array(), ckpt.tensors[n].array()) for n in ckpt.tensors)
+
+
+def test_a_graph_model_the_converter_wrote_scans_clean_and_is_refused_in_one_line(tmp_path):
+    """`--output_format tfjs_graph_model` (TF ops, not Keras layers): the scanner reads it, convert says what it is."""
+    from modelkit.cli import run
+    from modelkit.scan import scan
+
+    model_json = FIXTURES / "graph" / "model.json"
+    report = scan(model_json)
+    assert report.findings == [] and not report.errors
+    with pytest.raises(SystemExit) as exit_info:
+        run(["convert", str(model_json), str(tmp_path / "g.safetensors")])
+    assert exit_info.value.code == 2 and not (tmp_path / "g.safetensors").exists()
