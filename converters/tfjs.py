@@ -47,9 +47,7 @@ import json
 import math
 import os
 import re
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -79,6 +77,7 @@ from modelkit.storage.atomic import file_finished
 from modelkit.storage.mapped import FileSpan, MappedFile
 from modelkit.storage.tensors import decode_tfjs_codes
 from modelkit.storage.transpose import RowBlocks
+from modelkit.storage.write_behind import WriteBehind
 
 MODEL_JSON = "model.json"
 DEFAULT_SHARD_SIZE = 4 * 1024 * 1024        # tensorflowjs_converter's weight_shard_size_bytes default
@@ -366,38 +365,30 @@ def _order(plan: KerasPlan) -> list[str]:
 
 
 class _Shards:
-    """Bytes written end to end into the named shard files, each `size` bytes but the last, on a thread of
-    their own: `write` returns once the piece before this one is written, so the caller makes the next piece
-    (a transposed band) while this one goes to the page cache, and may reuse the buffer of two pieces ago."""
+    """Bytes written end to end into the named shard files, each `size` bytes but the last, one step
+    behind the caller (storage.write_behind): `write` returns once the piece before this one is written,
+    so the caller makes the next piece (a transposed band) while this one goes to the page cache, and may
+    reuse the buffer of two pieces ago."""
 
     def __init__(self, folder: Path, names: list[str], size: int) -> None:
         self.names: Iterator[str] = iter(names)
         self.folder, self.size, self.file, self.room = folder, size, None, 0
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelkit-shards")
-        self.pending: deque[Future[None]] = deque()
+        self.behind = WriteBehind(self._write)
 
     def __enter__(self) -> _Shards:
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
         try:
-            while self.pending:                      # the writes' own errors surface here
-                future = self.pending.popleft()
-                if kind is None:
-                    future.result()
-                else:
-                    future.exception()
+            self.behind.__exit__(kind, *exc)         # the writes' own errors surface here
         finally:
-            self.thread.shutdown(wait=True)
             self._close()
         if kind is None:
             for name in self.names:                  # a model without weights still gets its (empty) shard
                 (self.folder / name).write_bytes(b"")
 
     def write(self, array: np.ndarray) -> None:
-        self.pending.append(self.thread.submit(self._write, array))
-        if len(self.pending) > 1:
-            self.pending.popleft().result()
+        self.behind.write(array)
 
     def _close(self) -> None:
         """Close the shard being written; its write-back starts now (storage.atomic.file_finished)."""

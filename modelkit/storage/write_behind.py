@@ -1,0 +1,44 @@
+"""Writes that run one step behind the code making the data: while a band goes into the page cache on a
+thread of its own, the caller already makes the next one.
+
+A writer that streams a tensor made in bands (a transposed Dense kernel: storage.transpose.RowBlocks's
+`transposed_chunks`, whose bands live in two buffers in turn) spends its time in two things that need no
+GIL: the transpose and the kernel's copy of each band into the page cache. Done one after the other, each
+waits for the other; with the write one step behind, the two overlap on two cores. At most one write is
+in flight, so `write(data)` returns once the write before it is done: a buffer handed over two writes ago
+is free again, which is what `transposed_chunks` needs of its caller.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+
+class WriteBehind:
+    """`write(data)` calls `sink(data)` on a thread of its own, one call in flight; leaving the block waits
+    for the last one, and a sink's error is raised by the `write` after it or at the end of the block."""
+
+    def __init__(self, sink: Callable[[Any], None]) -> None:
+        self.sink = sink
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelkit-write-behind")
+        self.pending: Future[None] | None = None
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        try:
+            if self.pending is not None:
+                if kind is None:
+                    self.pending.result()          # the last write's own error surfaces here
+                else:
+                    self.pending.exception()       # the caller's error is the one to report
+        finally:
+            self.thread.shutdown(wait=True)
+
+    def write(self, data: Any) -> None:
+        """Hand `data` to the sink's thread; returns once the write before it is done."""
+        before, self.pending = self.pending, self.thread.submit(self.sink, data)
+        if before is not None:
+            before.result()
