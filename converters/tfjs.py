@@ -76,7 +76,7 @@ from modelkit.storage import dtypes
 from modelkit.storage.atomic import file_finished
 from modelkit.storage.mapped import FileSpan, MappedFile
 from modelkit.storage.tensors import decode_tfjs_codes
-from modelkit.storage.transpose import RowBlocks
+from modelkit.storage.transpose import Bands, RowBlocks
 from modelkit.storage.write_behind import WriteBehind
 
 MODEL_JSON = "model.json"
@@ -236,16 +236,18 @@ def _span(files: list[_Shard], offset: int, nbytes: int) -> FileSpan | None:
     return None
 
 
-def _dense_kernel(pieces: Callable[[], list[np.ndarray]], stored: LazyTensor, shape: tuple[int, ...]) -> LazyTensor:
+def _dense_kernel(pieces: Callable[[], list[np.ndarray]], stored: LazyTensor, shape: tuple[int, ...],
+                  bands: Bands) -> LazyTensor:
     """torch's (out, in) Dense kernel of a Keras (in, out) one stored across the shards (`pieces`: uint8
     views of them), never joined first: made by transposing each shard's rows straight from the mapped
-    pages, streamed to a writer in bands (`chunks`), and compared with an array in the stored layout
-    (`equals`: verification reads the shards, not a transposed copy of them)."""
+    pages, streamed to a writer in bands (`chunks`, in the band buffers the model's kernels share), and
+    compared with an array in the stored layout (`equals`: verification reads the shards, not a transposed
+    copy of them)."""
     def blocks() -> RowBlocks:
         return RowBlocks.of_bytes(pieces(), stored.shape, stored.dtype.numpy)
     return LazyTensor(stored.dtype, shape, lambda: blocks().transposed(), stored.source,
                       equals=lambda array: blocks().equals_transposed(array),
-                      chunks=lambda nbytes: blocks().transposed_chunks(nbytes))
+                      chunks=lambda nbytes: blocks().transposed_chunks(nbytes, bands))
 
 
 def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None,
@@ -257,11 +259,12 @@ def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None,
         return ckpt
     names = json_object(file, NAMES_KEY, raw, what="the torch name of each weight")
     tensors = torch_names(ckpt.tensors, names, lambda reason: FormatError(file, f"{NAMES_KEY} {reason}"))
+    bands = Bands()                 # a writer streams the kernels one after another: one pair of buffers
     for name, entry in names.items():           # checked by torch_names: a stored weight, a known transform
         weight, transform = entry["weight"], entry["transform"]
         stored, shape = ckpt.tensors[weight], tensors[name].shape
         if transform == "dense_kernel" and len(shape) == 2 and weight in pieces:
-            tensors[name] = _dense_kernel(pieces[weight], stored, shape)
+            tensors[name] = _dense_kernel(pieces[weight], stored, shape, bands)
         elif transform == "same" and stored.span is not None:      # the same bytes: writers copy them file to file
             tensors[name] = LazyTensor(stored.dtype, shape, stored.reader, stored.source, span=stored.span)
     return Checkpoint(tensors=tensors, metadata=ckpt.metadata, arch=ckpt.arch)
@@ -336,12 +339,13 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
                 "modelTopology": topology(plan), "weightsManifest": [{"paths": paths, "weights": weights}],
                 METADATA_KEY: metadata}
     path.mkdir(exist_ok=True)
+    bands = Bands()                                  # one pair of band buffers for every kernel
     with _Shards(path, paths, shard_size) as out:
         for name in order:
             target = plan.targets[name]
             entry = ckpt.tensors[name]
             stored = entry.parts["qdata"] if isinstance(entry, QuantizedTensor) else entry
-            for piece in keras_pieces(target, stored.array(), _PIECE):
+            for piece in keras_pieces(target, stored.array(), _PIECE, bands):
                 out.write(piece)
     (path / MODEL_JSON).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
 
