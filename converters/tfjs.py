@@ -77,7 +77,7 @@ from modelkit.storage.atomic import file_finished
 from modelkit.storage.mapped import FileSpan, MappedFile
 from modelkit.storage.tensors import decode_tfjs_codes
 from modelkit.storage.transpose import Bands, RowBlocks
-from modelkit.storage.write_behind import WriteBehind
+from modelkit.storage.write_behind import WriteBehind, write_all
 
 MODEL_JSON = "model.json"
 DEFAULT_SHARD_SIZE = 4 * 1024 * 1024        # tensorflowjs_converter's weight_shard_size_bytes default
@@ -408,5 +408,5 @@ class _Shards:
                 self._close()
                 self.file, self.room = open(self.folder / next(self.names), "wb"), self.size
             n = min(self.room, len(data))
-            self.file.write(data[:n])
+            write_all(self.file, data[:n])
             data, self.room = data[n:], self.room - n
