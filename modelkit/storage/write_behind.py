@@ -9,10 +9,11 @@ in flight, so `write(data)` returns once the write before it is done: a buffer h
 is free again, which is what `transposed_chunks` needs of its caller.
 
 `write_all(file, data)`: what each such write does, in calls of at most WRITE_SIZE bytes. On this VM
-(Linux 6.18, ext4, 2026-11-28) 1 GiB written in write() calls of 4 MiB took 0.5-4.1 s of system time, and
-in calls of 2 MiB 0.3-1.1 s, against 0.23-0.28 s in calls of 512 KiB or 1 MiB (and 0.32-0.35 s for the
-fsynced copy's copy_file_range), fresh processes, 3-4 runs each: nearly all of it in the kernel's copy
-into the page cache (copy_folio_from_iter_atomic). A write of 2 MiB or more lets ext4 take 2 MiB page-cache
+(Linux 6.18, ext4, 2026-11-28, fresh processes) 1 GiB written to a new file in write() calls of 4 MiB took
+0.33-4.1 s of system time (median 1.0 s, 10 runs), in calls of 2 MiB 0.31-1.1 s (3 runs), against
+0.23-0.38 s in calls of 512 KiB or 1 MiB (10 runs; 64 KiB: 0.28-0.35 s) and 0.32-0.36 s for shutil's
+copy_file_range of the same size: nearly all of it in the kernel's copy into the page cache
+(copy_folio_from_iter_atomic). A write of 2 MiB or more lets ext4 take 2 MiB page-cache
 folios, and those come, it seems, from memory the host has to back afresh; smaller writes get small folios
 from pages freed a moment before. A 1 GiB TF.js conversion wrote its 4 MiB bands whole.
 """
