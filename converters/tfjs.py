@@ -47,9 +47,7 @@ import json
 import math
 import os
 import re
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -78,7 +76,8 @@ from modelkit.storage import dtypes
 from modelkit.storage.atomic import file_finished
 from modelkit.storage.mapped import FileSpan, MappedFile
 from modelkit.storage.tensors import decode_tfjs_codes
-from modelkit.storage.transpose import RowBlocks
+from modelkit.storage.transpose import Bands, RowBlocks
+from modelkit.storage.write_behind import WriteBehind, write_all
 
 MODEL_JSON = "model.json"
 DEFAULT_SHARD_SIZE = 4 * 1024 * 1024        # tensorflowjs_converter's weight_shard_size_bytes default
@@ -237,16 +236,18 @@ def _span(files: list[_Shard], offset: int, nbytes: int) -> FileSpan | None:
     return None
 
 
-def _dense_kernel(pieces: Callable[[], list[np.ndarray]], stored: LazyTensor, shape: tuple[int, ...]) -> LazyTensor:
+def _dense_kernel(pieces: Callable[[], list[np.ndarray]], stored: LazyTensor, shape: tuple[int, ...],
+                  bands: Bands) -> LazyTensor:
     """torch's (out, in) Dense kernel of a Keras (in, out) one stored across the shards (`pieces`: uint8
     views of them), never joined first: made by transposing each shard's rows straight from the mapped
-    pages, streamed to a writer in bands (`chunks`), and compared with an array in the stored layout
-    (`equals`: verification reads the shards, not a transposed copy of them)."""
+    pages, streamed to a writer in bands (`chunks`, in the band buffers the model's kernels share), and
+    compared with an array in the stored layout (`equals`: verification reads the shards, not a transposed
+    copy of them)."""
     def blocks() -> RowBlocks:
         return RowBlocks.of_bytes(pieces(), stored.shape, stored.dtype.numpy)
     return LazyTensor(stored.dtype, shape, lambda: blocks().transposed(), stored.source,
                       equals=lambda array: blocks().equals_transposed(array),
-                      chunks=lambda nbytes: blocks().transposed_chunks(nbytes))
+                      chunks=lambda nbytes: blocks().transposed_chunks(nbytes, bands))
 
 
 def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None,
@@ -258,11 +259,12 @@ def _torch_names(file: Path, ckpt: Checkpoint, raw: str | None,
         return ckpt
     names = json_object(file, NAMES_KEY, raw, what="the torch name of each weight")
     tensors = torch_names(ckpt.tensors, names, lambda reason: FormatError(file, f"{NAMES_KEY} {reason}"))
+    bands = Bands()                 # a writer streams the kernels one after another: one pair of buffers
     for name, entry in names.items():           # checked by torch_names: a stored weight, a known transform
         weight, transform = entry["weight"], entry["transform"]
         stored, shape = ckpt.tensors[weight], tensors[name].shape
         if transform == "dense_kernel" and len(shape) == 2 and weight in pieces:
-            tensors[name] = _dense_kernel(pieces[weight], stored, shape)
+            tensors[name] = _dense_kernel(pieces[weight], stored, shape, bands)
         elif transform == "same" and stored.span is not None:      # the same bytes: writers copy them file to file
             tensors[name] = LazyTensor(stored.dtype, shape, stored.reader, stored.source, span=stored.span)
     return Checkpoint(tensors=tensors, metadata=ckpt.metadata, arch=ckpt.arch)
@@ -337,12 +339,13 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
                 "modelTopology": topology(plan), "weightsManifest": [{"paths": paths, "weights": weights}],
                 METADATA_KEY: metadata}
     path.mkdir(exist_ok=True)
+    bands = Bands()                                  # one pair of band buffers for every kernel
     with _Shards(path, paths, shard_size) as out:
         for name in order:
             target = plan.targets[name]
             entry = ckpt.tensors[name]
             stored = entry.parts["qdata"] if isinstance(entry, QuantizedTensor) else entry
-            for piece in keras_pieces(target, stored.array(), _PIECE):
+            for piece in keras_pieces(target, stored.array(), _PIECE, bands):
                 out.write(piece)
     (path / MODEL_JSON).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
 
@@ -366,38 +369,30 @@ def _order(plan: KerasPlan) -> list[str]:
 
 
 class _Shards:
-    """Bytes written end to end into the named shard files, each `size` bytes but the last, on a thread of
-    their own: `write` returns once the piece before this one is written, so the caller makes the next piece
-    (a transposed band) while this one goes to the page cache, and may reuse the buffer of two pieces ago."""
+    """Bytes written end to end into the named shard files, each `size` bytes but the last, one step
+    behind the caller (storage.write_behind): `write` returns once the piece before this one is written,
+    so the caller makes the next piece (a transposed band) while this one goes to the page cache, and may
+    reuse the buffer of two pieces ago."""
 
     def __init__(self, folder: Path, names: list[str], size: int) -> None:
         self.names: Iterator[str] = iter(names)
         self.folder, self.size, self.file, self.room = folder, size, None, 0
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelkit-shards")
-        self.pending: deque[Future[None]] = deque()
+        self.behind = WriteBehind(self._write)
 
     def __enter__(self) -> _Shards:
         return self
 
     def __exit__(self, kind: object, *exc: object) -> None:
         try:
-            while self.pending:                      # the writes' own errors surface here
-                future = self.pending.popleft()
-                if kind is None:
-                    future.result()
-                else:
-                    future.exception()
+            self.behind.__exit__(kind, *exc)         # the writes' own errors surface here
         finally:
-            self.thread.shutdown(wait=True)
             self._close()
         if kind is None:
             for name in self.names:                  # a model without weights still gets its (empty) shard
                 (self.folder / name).write_bytes(b"")
 
     def write(self, array: np.ndarray) -> None:
-        self.pending.append(self.thread.submit(self._write, array))
-        if len(self.pending) > 1:
-            self.pending.popleft().result()
+        self.behind.write(array)
 
     def _close(self) -> None:
         """Close the shard being written; its write-back starts now (storage.atomic.file_finished)."""
@@ -413,5 +408,5 @@ class _Shards:
                 self._close()
                 self.file, self.room = open(self.folder / next(self.names), "wb"), self.size
             n = min(self.room, len(data))
-            self.file.write(data[:n])
+            write_all(self.file, data[:n])
             data, self.room = data[n:], self.room - n

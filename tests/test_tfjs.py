@@ -452,8 +452,8 @@ def test_kernels_read_back_stream_in_bands_and_are_compared_where_they_lie(tmp_p
     monkeypatch.setattr(RowBlocks, "transposed", transposed)
     chunks = RowBlocks.transposed_chunks
 
-    def flip(self, nbytes):
-        for n, band in enumerate(chunks(self, nbytes)):
+    def flip(self, nbytes, bands=None):
+        for n, band in enumerate(chunks(self, nbytes, bands)):
             if n == 1:
                 band = band.copy()
                 band.reshape(-1).view(np.uint8)[7] ^= 0x01

@@ -129,3 +129,22 @@ def test_a_band_stays_valid_until_the_one_after_next_is_asked_for(path):
         held = [*held[-1:], band]
     seen.append(held[-1].tobytes())
     assert len(seen) == 13 and b"".join(seen) == w.T.tobytes()
+
+
+def test_shared_bands_take_turns_across_matrices_and_are_allocated_once(path):
+    """Matrices streamed one after another through one Bands (a writer's kernels) go on taking the two
+    buffers in turn: the last band of one matrix stays valid while the first of the next is made, and no
+    buffer is allocated after the first two (a 1 GiB TF.js model: 2 buffers, not 32)."""
+    first, second = _matrix((40, 64), np.float32, seed=4), _matrix((40, 24), np.float32, seed=5)
+    bands = transpose.Bands()
+    seen, held, memory = [], None, set()
+    for w in (first, second):                                    # 13 bands, then 5 (an odd count first)
+        blocks = transpose.RowBlocks.of_bytes([np.frombuffer(w.tobytes(), np.uint8)], w.shape, np.float32)
+        for band in blocks.transposed_chunks(5 * 40 * 4, bands):
+            if held is not None:
+                seen.append(held.tobytes())                      # band n - 1, read after band n was made
+            held = band
+            memory.add(band.__array_interface__["data"][0])
+    seen.append(held.tobytes())
+    assert b"".join(seen) == first.T.tobytes() + second.T.tobytes()
+    assert len(memory) == 2

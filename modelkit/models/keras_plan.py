@@ -23,7 +23,7 @@ from modelkit.errors import ConfigError, UnknownModelError
 from modelkit.models.plugin import KerasLayer, KerasLayout, KerasWeight
 from modelkit.storage.dtypes import dtype_name
 from modelkit.storage.tensors import LazyTensor
-from modelkit.storage.transpose import RowBlocks, transpose_into
+from modelkit.storage.transpose import Bands, RowBlocks, transpose_into
 
 Transform = Callable[[np.ndarray], np.ndarray]
 KERAS_DTYPES = ("float16", "float32", "float64", "bfloat16")
@@ -42,15 +42,17 @@ def _dense_kernel(w: np.ndarray) -> np.ndarray:
     return out
 
 
-def keras_pieces(target: KerasTarget, array: np.ndarray, piece_bytes: int) -> Iterator[np.ndarray]:
+def keras_pieces(target: KerasTarget, array: np.ndarray, piece_bytes: int,
+                 bands: Bands | None = None) -> Iterator[np.ndarray]:
     """`target.to_keras(array)` as contiguous pieces in order, for writers that stream: a large Dense kernel
-    in bands of whole Keras rows (about `piece_bytes` each) transposed into two buffers in turn, each band
-    valid until the one after next is asked for (a writer may still be writing one while the next is made),
-    so no kernel-sized copy is made; anything else in one piece."""
+    in bands of whole Keras rows (about `piece_bytes` each) transposed into two buffers in turn (`bands`:
+    the writer's, shared by all its kernels), each band valid until the one after next is asked for (a
+    writer may still be writing one while the next is made), so no kernel-sized copy is made; anything
+    else in one piece."""
     if target.spec.transform != "dense_kernel" or array.ndim != 2 or array.size < 1 << 20:
         yield np.ascontiguousarray(target.to_keras(array))
         return
-    yield from RowBlocks([(0, array)], array.shape, array.dtype).transposed_chunks(piece_bytes)
+    yield from RowBlocks([(0, array)], array.shape, array.dtype).transposed_chunks(piece_bytes, bands)
 
 
 def _conv_kernel(w: np.ndarray) -> np.ndarray:

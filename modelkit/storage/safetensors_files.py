@@ -16,6 +16,7 @@ import json
 import mmap
 import struct
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from modelkit.storage.atomic import file_finished
 from modelkit.storage.dtypes import SAFETENSORS_DTYPES, DType, tensor_bytes
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
 from modelkit.storage.tensors import LazyTensor, QuantizedTensor
+from modelkit.storage.write_behind import WriteBehind, write_all
 
 _ALIGN = 8
 _CHUNK = 4 << 20           # bytes at a time of a tensor made in bands as it is written (LazyTensor.chunks)
@@ -150,10 +152,11 @@ def write_file(path: Path, tensors: Mapping[str, LazyTensor], metadata: Mapping[
             if entry.span is not None:          # unchanged bytes of a file: copied in the kernel
                 copy_span(entry.span, out)
             elif entry.chunks is not None:      # made in bands (a transposed kernel), never whole
-                for chunk in entry.chunks(_CHUNK):
-                    out.write(tensor_bytes(chunk))
+                with WriteBehind(partial(write_all, out)) as behind:     # each band written while the next is made
+                    for chunk in entry.chunks(_CHUNK):
+                        behind.write(tensor_bytes(chunk))
             else:
-                out.write(tensor_bytes(entry.array()))
+                write_all(out, tensor_bytes(entry.array()))
 
 
 def write_folder(folder: Path, tensors: Mapping[str, LazyTensor], shard_size: int,

@@ -133,15 +133,16 @@ class RowBlocks:
             list(pool.map(lambda item: transpose_into(out[:, item[0]:item[0] + len(item[1])], item[1]), self.blocks))
         return out
 
-    def transposed_chunks(self, nbytes: int) -> Iterator[np.ndarray]:
+    def transposed_chunks(self, nbytes: int, bands: Bands | None = None) -> Iterator[np.ndarray]:
         """The transpose in bands of whole rows of about `nbytes`, made in two buffers in turn: each band
-        is valid until the one after next is asked for."""
+        is valid until the one after next is asked for. `bands`: buffers shared with the matrices streamed
+        before and after this one (by one consumer), else two of its own."""
         rows, cols = self.shape
         step = max(1, nbytes // max(1, rows * self.dtype.itemsize))
-        buffers = [np.empty((min(step, cols), rows), dtype=self.dtype) for _ in range(2)]
+        bands = bands or Bands()
         with _pool(rows * cols * self.dtype.itemsize) as pool:
-            for n, start in enumerate(range(0, cols, step)):
-                band = buffers[n % 2][:min(step, cols - start)]
+            for start in range(0, cols, step):
+                band = bands.next((min(step, cols - start), rows), self.dtype)
                 list(pool.map(lambda item, b=band, s=start: transpose_into(b[:, item[0]:item[0] + len(item[1])],
                                                                            item[1][:, s:s + len(b)]), self.blocks))
                 yield band
@@ -154,6 +155,28 @@ class RowBlocks:
         with _pool(array.nbytes) as pool:
             return all(pool.map(lambda item: transposed_equal(item[1], array[:, item[0]:item[0] + len(item[1])],
                                                               threads=1), self.blocks))
+
+
+class Bands:
+    """Two band buffers that RowBlocks.transposed_chunks calls take in turn, for one consumer streaming
+    matrix after matrix (a writer; the tensors of one TF.js model read): the turn carries on from one
+    matrix to the next, so a band stays valid until the one after next is asked for whichever matrix it
+    comes from, and the buffers are allocated once, not per matrix. Fresh per matrix, a 1 GiB TF.js model's
+    16 kernels took 16 pairs of 4 MiB buffers: about 9000 page faults and the zeroing of 128 MiB of new
+    memory, which this VM hands out slowly. A buffer grows when a band needs more than it holds."""
+
+    def __init__(self) -> None:
+        self._memory: list[np.ndarray | None] = [None, None]
+        self._turn = 0
+
+    def next(self, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+        """The next buffer in turn, as an uninitialised array of `shape` and `dtype`."""
+        turn, self._turn = self._turn, 1 - self._turn
+        need = shape[0] * shape[1] * np.dtype(dtype).itemsize
+        memory = self._memory[turn]
+        if memory is None or memory.nbytes < need:
+            memory = self._memory[turn] = np.empty(max(need, 1), dtype=np.uint8)
+        return memory[:need].view(dtype).reshape(shape)
 
 
 class _Serial:
