@@ -63,6 +63,7 @@ from modelkit.parse import gguf as gguf_header
 from modelkit.parse.detect import gguf as detect  # noqa: F401  (the converter's detect)
 from modelkit.storage.dtypes import DTYPES, DType, dtype_name, narrow_float32, widen_to_float32
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
+from modelkit.storage.write_behind import write_all
 
 
 class _KEYS:
@@ -373,6 +374,17 @@ def _load(mapped: MappedFile, span: tuple[int, int], ggml_type: GGMLQuantization
 # --------------------------------------------------------------------------------------- write
 
 
+class _ArrayData:
+    """An array for GGUFWriter.write_tensor_data whose bytes go out in write() calls of at most 1 MiB
+    (numpy's tofile writes them in one: storage.write_behind says why that is slow)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array, self.nbytes = np.ascontiguousarray(array), array.nbytes
+
+    def tofile(self, out: Any) -> None:
+        write_all(out, self.array.reshape(-1).view(np.uint8))
+
+
 class _SpanData:
     """What GGUFWriter.write_tensor_data needs of an array (nbytes, tofile), for bytes that go
     unchanged from a file: copied file to file by modelkit.storage.mapped.copy_span."""
@@ -435,7 +447,8 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for slot in slots:
-            writer.write_tensor_data(slot.array())
+            data = slot.array()
+            writer.write_tensor_data(data if isinstance(data, _SpanData) else _ArrayData(data))
     finally:
         writer.close()
 

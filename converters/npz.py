@@ -65,6 +65,7 @@ from modelkit.parse.paths import member_problem
 from modelkit.storage import quantized_layout
 from modelkit.storage.dtypes import DTYPES, DType, as_dtype, contiguous, tensor_bytes
 from modelkit.storage.mapped import FileSpan, MappedFile, copy_span
+from modelkit.storage.write_behind import write_all
 
 MEMBER = NPZ_MEMBER                 # "modelkit.json"
 SUFFIX = npz_members.SUFFIX         # ".npy"
@@ -341,7 +342,7 @@ class _ZipWriter:
         data = tensor_bytes(contiguous(entry.array()))        # stored bits, little-endian, C order
         self._local(member, zlib.crc32(data, zlib.crc32(header)), len(header) + len(data), align=True)
         self.out.write(header)
-        self.out.write(data)
+        write_all(self.out, data)
 
     def add_bytes(self, member: str, data: bytes) -> None:
         self._local(member, zlib.crc32(data), len(data), align=False)

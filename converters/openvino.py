@@ -57,6 +57,7 @@ from modelkit.parse.detect import openvino as detect  # noqa: F401  (the convert
 from modelkit.parse.paths import read_capped
 from modelkit.storage.dtypes import DTYPES, tensor_bytes
 from modelkit.storage.mapped import MappedFile
+from modelkit.storage.write_behind import write_all
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     ov.save_model(model, str(path), compress_to_fp16=False)
     with bin_path(path).open("ab") as out:
         for name in tail:
-            out.write(tensor_bytes(ckpt.tensors[name].array()))
+            write_all(out, tensor_bytes(ckpt.tensors[name].array()))
 
 
 def _example_inputs(module: Any, given: tuple[Any, ...] | None) -> tuple[Any, ...]:

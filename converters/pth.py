@@ -54,6 +54,7 @@ from modelkit.storage import zip_records as _zip_records
 from modelkit.storage.dtypes import DTYPES
 from modelkit.storage.mapped import FileSpan
 from modelkit.storage.tensors import LazyTensor
+from modelkit.storage.write_behind import write_all
 
 if TYPE_CHECKING:
     import torch
@@ -490,7 +491,7 @@ def _fill_storages(path: Path, state: Mapping[str, torch.Tensor], sources: dict[
                 copy_span(sources[name], out, at=offset)
             else:
                 out.seek(offset)
-                out.write(_bytes(state[name]))
+                write_all(out, _bytes(state[name]))
         out.flush()
         values = {layout[offset]: future.result() for offset, future in crcs.items()}
     _zip_records.patch_crcs(path, values)

@@ -24,7 +24,7 @@ import numpy as np
 from modelkit.errors import FormatError
 from modelkit.storage.copy_check import span_copied
 
-_CHUNK = 64 << 20           # bytes per read on the fallback path
+_CHUNK = 1 << 20            # bytes per read and write on the fallback path (storage.write_behind)
 _PIPE = 1 << 20             # splice pipe size: the default pipe-max-size, and what makes unaligned copies fast
 _F_SETPIPE_SZ = 1031        # fcntl.F_SETPIPE_SZ (Linux; the constant is missing from some Pythons)
 # errno values that mean "this way of copying is not available here" (try the next); any other
