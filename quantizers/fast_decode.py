@@ -163,10 +163,6 @@ class DecodePlan:
         if x.dtype != torch.float32 or not x.is_contiguous() or not x.is_cpu or x.ndim != 3 or x.shape[2] != g.hidden:
             raise ConfigError(f"a fused forward's input is (sequences, tokens, {g.hidden}) float32 values, contiguous")
         B, T = x.shape[0], x.shape[1]
-        if cos.dtype != torch.float32 or not cos.is_contiguous() or cos.shape != sin.shape or sin.dtype != torch.float32 \
-                or not sin.is_contiguous() or cos.ndim != 2 or cos.shape[1] != g.head_dim or len(cos) < start + T:
-            raise ConfigError(f"rotary tables of {tuple(cos.shape)} for positions {start}..{start + T - 1} of head size "
-                              f"{g.head_dim} (float32, contiguous)")
         keys = values = layer_stride = window = 0
         if slot is not None:
             if not self.cache:
@@ -178,6 +174,10 @@ class DecodePlan:
             keys, values, layer_stride = keys + 4 * slot * per_slot, values + 4 * slot * per_slot, slots * per_slot
         elif start:
             raise ConfigError("a forward pass without a cache starts at position 0")
+        if cos.dtype != torch.float32 or not cos.is_contiguous() or cos.shape != sin.shape or sin.dtype != torch.float32 \
+                or not sin.is_contiguous() or cos.ndim != 2 or cos.shape[1] != g.head_dim or len(cos) < start + T:
+            raise ConfigError(f"rotary tables of {tuple(cos.shape)} for positions {start}..{start + T - 1} of head size "
+                              f"{g.head_dim} (float32, contiguous)")
         rows = B if last_only else B * T
         out = torch.empty(rows, self.vocab if self.head is not None else g.hidden)
         fast_linear.kernels().forward(

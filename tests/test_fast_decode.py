@@ -8,40 +8,18 @@ largest (worst measured 2026-11-27 over the shapes, schemes and kernels below), 
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from modelkit import schemes
 from modelkit.errors import ConfigError
-from modelkit.models import build
-from modelkit.pipeline.quantize import quantize_module
 from modelkit.pipeline.tinylm_decoder import Stream, TinyLMDecoder
-from modelkit.quantizers import fast_decode, fast_linear
+from modelkit.quantizers import fast_decode, fast_forward, fast_linear
+from modelkit.testing.packed_tinylm import CASES, WINDOW
+from modelkit.testing.packed_tinylm import tinylm as _model
 
 pytestmark = pytest.mark.skipif(fast_linear.kernels() is None, reason="modelkit was built without its C kernels")
 
 RTOL = 0.03      # ~2.5x the worst measured (see the module docstring)
-# Grouped-query ratios 1, 3 and 8; head widths 16, 16, 12; key/value rows 64, 32 and 12 (not a multiple of
-# the kernels' 8-row tiles); a hidden size of 256 for whole K-quant super-blocks.
-CONFIGS = {
-    "gqa1": {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 4},
-    "gqa3": {"hidden_size": 96, "intermediate_size": 160, "num_attention_heads": 6, "num_key_value_heads": 2},
-    "gqa8": {"hidden_size": 96, "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 1},
-    "k256": {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2},
-}
-WINDOW = 24
-
-
-def _model(config: str, scheme: str | None) -> torch.nn.Module:
-    model = build("tinylm", {**CONFIGS[config], "num_hidden_layers": 2, "max_position_embeddings": WINDOW},
-                  seed=1).eval()
-    if scheme is None:
-        return model
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return quantize_module(model, schemes.load_scheme(scheme)()).eval()
 
 
 def _compare(model: torch.nn.Module, *, isa: str | None = None, threads: int = 2) -> None:
@@ -59,7 +37,9 @@ def _compare(model: torch.nn.Module, *, isa: str | None = None, threads: int = 2
                 token = int(expected.argmax())
                 a.ids.append(token)
                 b.ids.append(token)
-                got, expected = fused.step([a])[0], reference.step([b])[0]
+                with fast_forward.unfused():            # past the window the reference runs tinylm's torch forward
+                    expected = reference.step([b])[0]
+                got = fused.step([a])[0]
                 assert float((got - expected).abs().max()) <= RTOL * float(expected.abs().max()), len(b.ids)
                 if len(b.ids) <= WINDOW:                    # cached: the step wrote this position's keys and values
                     for cache, other in ((fused.keys, reference.keys), (fused.values, reference.values)):
@@ -69,12 +49,6 @@ def _compare(model: torch.nn.Module, *, isa: str | None = None, threads: int = 2
             assert a.state is None and b.state is None                   # past the window: full passes, as tinylm's generate
     finally:
         torch.set_num_threads(previous)
-
-
-# Each kind of activations the step rounds (q8_0 blocks; int4's pair order; q8_K super-blocks, and q4_k_m's
-# q5_0/q8_0 stand-ins at rows of 96), each grouped-query ratio.
-CASES = [("gqa1", "q8_0"), ("gqa3", "int4"), ("gqa3", "q4_k_m"), ("gqa8", "q4_0"), ("gqa8", "int8"), ("k256", "q4_k_m"),
-         ("gqa3", "q5_0"), ("gqa8", "q4_1")]      # q5_0 / q4_1: the legacy kernels (q4_k_m stores some rows so too)
 
 
 @pytest.mark.parametrize(("config", "scheme"), CASES, ids=[f"{c}-{s}" for c, s in CASES])
@@ -117,12 +91,11 @@ def test_sequences_in_other_slots():
 
 
 def test_models_the_step_does_not_compute_keep_the_torch_path():
-    """A float model, one product left in float, and int8-dynamic's layers: no plan (the torch path runs)."""
+    """A float model and one product left in float: no plan (the torch path runs)."""
     assert TinyLMDecoder(_model("gqa1", None), 1).plan is None
     partial = _model("gqa1", "q8_0")
     partial.model.layers[1].mlp.up_proj = _model("gqa1", None).model.layers[1].mlp.up_proj
     assert TinyLMDecoder(partial, 1).plan is None
-    assert TinyLMDecoder(_model("gqa1", "int8-dynamic"), 1).plan is None
 
 
 def test_wrong_shapes_are_refused():

@@ -196,6 +196,12 @@ class TinyLM(nn.Module):
                 f"tinylm: input of {T} tokens exceeds max_position_embeddings "
                 f"{self.config.max_position_embeddings}"
             )
+        if not torch.is_grad_enabled():    # packed weights, inference: the whole stack in one C call where it applies
+            from modelkit.quantizers import fast_forward
+
+            fused = fast_forward.tinylm_logits(self, input_ids)
+            if fused is not None:
+                return fused
         x = self.model.embed_tokens(input_ids)                                           # (B, T, C)
         cos, sin = (t.to(x.dtype) for t in rotary_tables(self.config, T, input_ids.device))  # f16/bf16 models too
         for layer in self.model.layers:
