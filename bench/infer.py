@@ -14,7 +14,8 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    12 layers, 12 heads / 4 KV heads, MLP 2048, vocabulary 32000, random weights): forward latency
    on 16-token windows at batch 1 and 64 for float and every scheme (quantized layers as load_module
    builds them), float and the schemes interleaved in each of --rounds rounds, each ratio taken against
-   float's time in the same round (median and range over the rounds reported; the bars judge the median);
+   float's time in the same round (median and range over the rounds reported; the bars judge the median;
+   a quantized tinylm's forward is the fused C forward, quantizers/fast_forward.py);
    --cpu-time (with --threads 1) times in this thread's CPU time, so a shared machine's other work does not
    count. For llama-100m also `generate` prompt processing (64 tokens) and decode tokens/s.
    Goals: int8 / int8-dynamic <= 0.6x float at batch 1, int4 / gptq layout / q4_0 / q4_k / q4_k_m <= 0.5x,
@@ -32,7 +33,8 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    quantized from that folder to GGUF by `modelkit quantize`: llama.cpp on the file against `modelkit
    generate` on it (pipeline.generate.generate_tokens: the fused step, pipeline/hf_llama_decoder.py) and
    against transformers' generate on the same loaded layers (the path before it), interleaved rounds; also
-   the CPU time (process time) per decoded token of llama.cpp and of the fused decoder's steps.
+   the CPU time (process time) per decoded token of llama.cpp and of the fused decoder's steps; and prompt
+   processing tokens/s of all three (modelkit: the fused forward into the cache, DecodePlan.forward).
 4. memory: resident memory (RSS growth in a fresh process) of load_module's model from modelkit's GGUF
    files of that tinylm (q4_k_m, q6_k, q4_0, q8_0) against the file's size. Goal: <= 1.15x.
 
@@ -399,11 +401,14 @@ def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
             lm = load_language_model(path)
             ids = list(lm.tokenizer(text)["input_ids"])
             llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=256, verbose=False)
-            runs: dict[str, list[float]] = {k: [] for k in ("llama", "own", "hf", "llama_cpu", "own_cpu")}
+            runs: dict[str, list[float]] = {k: [] for k in ("llama", "own", "hf", "llama_cpu", "own_cpu", "llama_prompt",
+                                                              "own_prompt", "hf_prompt")}
             generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=4)                     # warm-up
             for _ in range(rounds):      # each round: llama.cpp, modelkit generate, transformers' generate, CPU times
                 llm.reset()
+                t0 = time.perf_counter()
                 llm.eval(ids)
+                runs["llama_prompt"].append(len(ids) / (time.perf_counter() - t0))
                 t1, c1 = time.perf_counter(), time.process_time()
                 for i in range(31):
                     llm.eval([(i * 7919) % 32000])
@@ -411,8 +416,10 @@ def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
                 runs["llama_cpu"].append((time.process_time() - c1) / 31)
                 g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32)
                 runs["own"].append((g.new_tokens - 1) / g.decode_seconds)
+                runs["own_prompt"].append(g.prompt_tokens / g.prompt_seconds)
                 g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32, fused=False)
                 runs["hf"].append((g.new_tokens - 1) / g.decode_seconds)
+                runs["hf_prompt"].append(g.prompt_tokens / g.prompt_seconds)
                 decoder, seq = llama_decoder(lm.model, 1, len(ids) + 32), Stream(list(ids))
                 with torch.no_grad():
                     seq.ids.append(int(decoder.prefill(seq).argmax()))
@@ -428,7 +435,11 @@ def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
                 llama_cpp_decode_tok_s=_spread(runs["llama"]), modelkit_decode_tok_s=_spread(runs["own"]),
                 transformers_generate_decode_tok_s=_spread(runs["hf"]), modelkit_vs_llama_cpp=_spread(ratio),
                 transformers_generate_vs_llama_cpp=_spread(before),
-                cpu_time_per_token_llama_cpp_over_modelkit=_spread(cpu))
+                cpu_time_per_token_llama_cpp_over_modelkit=_spread(cpu), prompt_tokens=len(ids),
+                llama_cpp_prompt_tok_s=_spread(runs["llama_prompt"]), modelkit_prompt_tok_s=_spread(runs["own_prompt"]),
+                transformers_prompt_tok_s=_spread(runs["hf_prompt"]),
+                modelkit_prompt_vs_llama_cpp=_spread([o / ll for o, ll in zip(runs["own_prompt"], runs["llama_prompt"],
+                                                                              strict=True)]))
             bar(f"{scheme} transformers-Llama GGUF decode tokens/s, modelkit generate / llama.cpp (median of rounds)",
                 statistics.median(ratio), 0.5, higher=True)
 

@@ -6,7 +6,12 @@ runs the whole stack in C instead (_matmul_kernels_decode.h): the same kernels a
 for the products (q/k/v in one job on activations rounded once, gate/up in one job with their SwiGLU),
 attention over the static key/value cache one head per task, and the pool's threads kept polling
 between the step's jobs. It applies when every product of every block is a quantized Linear the
-kernels read (`plan` returns None otherwise, and the caller runs its torch path).
+kernels read, or int8-dynamic's (its activations rounded per row); `plan` returns None otherwise, and the
+caller runs its torch path.
+
+`DecodePlan.forward` is the many-token counterpart on the same plan (_matmul_kernels_forward.h): B sequences
+of T tokens in one call, with causal attention over their own tokens (tinylm's forward pass,
+quantizers/fast_forward.py) or over a cache slot it fills (the decoders' prefill).
 """
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ per token, so the text stays equal.
 
 A step of one cached sequence on a float32 model whose products are all packed quantized weights
 (a GGUF or int8/int4 file) runs as one call of the C kernels (quantizers/fast_decode.py): norms,
-rotary, attention over this cache and SwiGLU in C around the same weight products; anything else runs
-the torch path below. Hugging Face Llama-family models run through the same class
+rotary, attention over this cache and SwiGLU in C around the same weight products; so does the prompt
+(DecodePlan.forward: all its tokens in one call that writes their keys and values into the slot).
+Anything else runs the torch path below. Hugging Face Llama-family models run through the same class
 (pipeline/hf_llama_decoder.py overrides the family's rotary tables, per-head norms and prefill).
 """
 from __future__ import annotations
