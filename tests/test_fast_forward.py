@@ -147,3 +147,19 @@ def test_wrong_inputs_are_refused():
         plan.forward(x, cos, sin, slot=1)
     with pytest.raises(ConfigError, match=f"from position {WINDOW - 2} into slot 0"):
         plan.forward(x, cos, sin, start=WINDOW - 2, slot=0)
+
+
+def test_a_float_head_runs_after_the_fused_blocks():
+    """An output head kept in float (--skip lm_head): the C call ends at the final norm, the head runs in torch."""
+    import warnings
+
+    from modelkit import schemes
+    from modelkit.pipeline.quantize import quantize_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = quantize_module(_model("gqa3", None), schemes.load_scheme("q4_0")(skip=("lm_head",))).eval()
+    assert type(model.lm_head) is torch.nn.Linear
+    got, expected = _forward_both(model, _ids(2, 7))
+    assert fast_forward._PLANS[model].plan.head is None
+    _close(got, expected)
