@@ -25,17 +25,16 @@ from torch import nn
 
 from modelkit.errors import ConfigError
 from modelkit.quantizers import fast_linear
-from modelkit.quantizers._modules import QuantizedLinear
 
 logger = logging.getLogger("modelkit.quantizers")
 
 
 def _weight_fields(layer: nn.Module, keep: list[torch.Tensor]) -> list[int] | None:
     """The C plan's fields of one product (DECODE_WEIGHT_FIELDS int64), or None when no kernel reads it.
-    int8-dynamic's layers are read with their activations rounded per row, as their own kernel path rounds them."""
-    from modelkit.quantizers.int8_dynamic import DynamicInt8Linear
-
-    if type(layer) not in (QuantizedLinear, DynamicInt8Linear):
+    A Linear product on packed weights says how its activations are rounded (ROWWISE_ACTIVATIONS: QuantizedLinear
+    per block of 32, int8-dynamic's DynamicInt8Linear one scale per row); other layers do not say."""
+    rowwise = getattr(type(layer), "ROWWISE_ACTIVATIONS", None)
+    if rowwise is None:
         return None
     packed = layer.packed()
     if packed is None:
@@ -46,7 +45,7 @@ def _weight_fields(layer: nn.Module, keep: list[torch.Tensor]) -> list[int] | No
         bias = bias.detach().to(torch.float32).contiguous()
         keep.append(bias)
     return [*fast_linear.weight_args(packed), 0 if bias is None else bias.data_ptr(), packed.rows, packed.cols,
-            int(type(layer) is not QuantizedLinear)]
+            int(rowwise)]
 
 
 def _norm(module: nn.Module, size: int, keep: list[torch.Tensor]) -> tuple[int, float] | None:

@@ -4,7 +4,8 @@ A forward pass of a quantized tinylm over a 16-token window spends as much time 
 (norms, rotary, SDPA, SwiGLU, module dispatch) as in its weight products, and those ops cost the same as
 float's. When every product of every block is packed (`fast_decode.plan` applies) and no gradient is wanted,
 `TinyLM.forward` hands the whole block stack to `DecodePlan.forward` (_matmul_kernels_forward.h): one C call
-for all B x T rows.
+for all B x T rows. (The model asks its first product layer, `QuantizedModule.fused_forward`, which calls
+`tinylm_logits` here: the models layer imports no quantizer.)
 
 The plan is built on the first such call and kept in a table keyed weakly by the model (not on the model:
 `copy.deepcopy` and `torch.save` must not carry raw addresses). Every call checks that the modules the plan
@@ -102,8 +103,9 @@ def _entry(model: nn.Module) -> _Entry:
 def tinylm_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
     """tinylm's (B, T, vocab) logits from the fused forward, or None where it does not apply (the caller runs
     its torch path): the kernels off, a gradient wanted, a traced or compiled graph, an input off the CPU, or
-    a product that is not packed (a float model answers after one attribute test)."""
-    if not _enabled or not hasattr(model.model.layers[0].self_attn.q_proj, "packed") or fast_linear.ISA is None \
+    a product that is not packed. TinyLM.forward calls this through its first product's `fused_forward` (so a
+    float model pays one attribute test)."""
+    if not _enabled or fast_linear.ISA is None \
             or torch.is_grad_enabled() or input_ids.device.type != "cpu" or input_ids.ndim != 2 \
             or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return None
