@@ -53,6 +53,11 @@ static int plan_weight(const int64_t *f, weight_t *w) {
     return 1;
 }
 
+/* A layer's norm weight i of the plan: 0 attention, 1 MLP, 2 and 3 the per-head query and key norms (NULL: none). */
+static inline const float *plan_norm(const int64_t *f, int i) {
+    return (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + i];
+}
+
 /* ---- attention of one query head and SwiGLU: portable, and AVX2 where the kernels are ------------- */
 
 typedef struct {
@@ -224,6 +229,29 @@ static void rotate(float *x, Py_ssize_t heads, Py_ssize_t hd, const float *cos, 
         }
 }
 
+/* One token's q, k (heads x hd, kv_heads x hd) made ready: per-head norms (Qwen3; NULL: none), the rotary at its
+ * position (cos, sin: that position's rows); then its k and v stored at `pos` of the (kv_heads, window, hd) cache. */
+typedef struct {
+    const float *q_norm, *k_norm;
+    float eps;
+    Py_ssize_t heads, kv_heads, hd;
+} head_norms_t;
+
+static void place_row(const head_norms_t *n, float *q, float *k, const float *v, const float *cos, const float *sin,
+                      float *keys, float *values, Py_ssize_t window, Py_ssize_t pos) {
+    const Py_ssize_t hd = n->hd;
+    if (n->q_norm)
+        for (Py_ssize_t i = 0; i < n->heads; i++) rmsnorm(q + i * hd, n->q_norm, hd, n->eps, q + i * hd);
+    if (n->k_norm)
+        for (Py_ssize_t i = 0; i < n->kv_heads; i++) rmsnorm(k + i * hd, n->k_norm, hd, n->eps, k + i * hd);
+    rotate(q, n->heads, hd, cos, sin);
+    rotate(k, n->kv_heads, hd, cos, sin);
+    for (Py_ssize_t g = 0; g < n->kv_heads; g++) {
+        memcpy(keys + (g * window + pos) * hd, k + g * hd, sizeof(float) * (size_t)hd);
+        memcpy(values + (g * window + pos) * hd, v + g * hd, sizeof(float) * (size_t)hd);
+    }
+}
+
 /* ---- activations: one input, rounded once per kind the weights reading it need ------------------ */
 
 typedef struct {
@@ -357,10 +385,7 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
         const int64_t *f = plan + l * LAYER_FIELDS;
         weight_t w[DECODE_WEIGHTS];
         for (int i = 0; i < DECODE_WEIGHTS; i++) plan_weight(f + i * WEIGHT_FIELDS, &w[i]);
-        const float *attn_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS];
-        const float *mlp_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + 1];
-        const float *q_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + 2];
-        const float *k_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + 3];
+        const float *attn_norm = plan_norm(f, 0), *mlp_norm = plan_norm(f, 1);
         float *keys = s->keys + l * s->layer_stride, *values = s->values + l * s->layer_stride;
 
         rmsnorm(x, attn_norm, C, s->eps, h);
@@ -369,16 +394,8 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
                           input_act(s->isa, b, &in, &w[2], v)}, {0}, 3};
         for (int i = 0; i < 3; i++) qkv.rows[i] = rows_for(s->isa, w[i].fmt);
         run_products(&qkv, s->threads);
-        if (q_norm)
-            for (Py_ssize_t i = 0; i < s->heads; i++) rmsnorm(q + i * s->hd, q_norm, s->hd, s->eps, q + i * s->hd);
-        if (k_norm)
-            for (Py_ssize_t i = 0; i < s->kv_heads; i++) rmsnorm(k + i * s->hd, k_norm, s->hd, s->eps, k + i * s->hd);
-        rotate(q, s->heads, s->hd, s->cos, s->sin);
-        rotate(k, s->kv_heads, s->hd, s->cos, s->sin);
-        for (Py_ssize_t g = 0; g < s->kv_heads; g++) {
-            memcpy(keys + (g * s->window + s->pos) * s->hd, k + g * s->hd, sizeof(float) * (size_t)s->hd);
-            memcpy(values + (g * s->window + s->pos) * s->hd, v + g * s->hd, sizeof(float) * (size_t)s->hd);
-        }
+        const head_norms_t norms = {plan_norm(f, 2), plan_norm(f, 3), s->eps, s->heads, s->kv_heads, s->hd};
+        place_row(&norms, q, k, v, s->cos, s->sin, keys, values, s->window, s->pos);
         attention_t at = {q, keys, values, y, scores, s->heads / s->kv_heads, s->hd, s->window, s->pos + 1,
                           1.0f / sqrtf((float)s->hd)};
         attention_job_t heads_job = {&at, attend};

@@ -19,12 +19,8 @@
 
 #define ROW_SPLIT 8192             /* a row job shares its rows between threads from this many values */
 
-/* One input of M rows, rounded once per activation kind the weights reading it need. */
-typedef struct {
-    int8_t *q[ACT_KINDS];
-    float *d[ACT_KINDS], *s[ACT_KINDS];
-    int16_t *bsums;
-} rows_bufs_t;
+/* The activation buffers are the decode step's act_bufs_t, for M rows: one input rounded once per activation kind
+ * the weights reading it need. */
 
 static unsigned kinds_of(const weight_t *const *w, int n) {
     unsigned kinds = 0;
@@ -32,7 +28,7 @@ static unsigned kinds_of(const weight_t *const *w, int n) {
     return kinds;
 }
 
-static act_t rows_act(const rows_bufs_t *b, const weight_t *w, Py_ssize_t M, float *y) {
+static act_t rows_act(const act_bufs_t *b, const weight_t *w, Py_ssize_t M, float *y) {
     int kind = act_kind(w);
     return (act_t){b->q[kind], b->d[kind], b->s[kind], M, y, b->bsums};
 }
@@ -47,10 +43,10 @@ typedef struct {
     Py_ssize_t K, rows_per_task, M;
     float eps;
     unsigned kinds;
-    const rows_bufs_t *b;
+    const act_bufs_t *b;
 } prepare_t;
 
-static void round_rows(int isa, const rows_bufs_t *b, unsigned kinds, const float *src, Py_ssize_t K, Py_ssize_t m0,
+static void round_rows(int isa, const act_bufs_t *b, unsigned kinds, const float *src, Py_ssize_t K, Py_ssize_t m0,
                        Py_ssize_t n) {
     Py_ssize_t nb = (K + QK - 1) / QK;
     for (int kind = 0; kind < ACT_KINDS; kind++) {
@@ -84,7 +80,7 @@ static void run_rows(job_t *job, Py_ssize_t *rows_per_task, Py_ssize_t M, Py_ssi
     run_job(job, (M + *rows_per_task - 1) / *rows_per_task, threads);
 }
 
-static void prepare(int isa, int threads, const rows_bufs_t *b, float *x, const float *add, const float *norm, float *h,
+static void prepare(int isa, int threads, const act_bufs_t *b, float *x, const float *add, const float *norm, float *h,
                     Py_ssize_t M, Py_ssize_t K, float eps, unsigned kinds) {
     prepare_t p = {isa, x, add, norm, h, K, 0, M, eps, kinds, b};
     job_t job = {0};
@@ -97,10 +93,10 @@ static void prepare(int isa, int threads, const rows_bufs_t *b, float *x, const 
 
 typedef struct {
     Py_ssize_t B, T, start, heads, kv_heads, hd, window, rows_per_task, seq_stride, M;
-    float eps, scale;
+    float scale;
+    head_norms_t norms;
     const float *cos, *sin;        /* rows at `start` */
     float *q, *k, *v, *y, *scores;
-    const float *q_norm, *k_norm;
     float *keys, *values;          /* this layer's, sequence 0: (kv_heads, window, hd), sequences seq_stride apart */
     attend_fn attend;
 } attend_rows_t;
@@ -111,19 +107,8 @@ static void positions_task(const void *ctx, Py_ssize_t task) {
     Py_ssize_t m0 = task * a->rows_per_task, m1 = m0 + a->rows_per_task < a->M ? m0 + a->rows_per_task : a->M;
     for (Py_ssize_t m = m0; m < m1; m++) {
         Py_ssize_t b = m / a->T, t = m % a->T;
-        float *q = a->q + m * nq, *k = a->k + m * nkv;
-        if (a->q_norm)
-            for (Py_ssize_t i = 0; i < a->heads; i++) rmsnorm(q + i * a->hd, a->q_norm, a->hd, a->eps, q + i * a->hd);
-        if (a->k_norm)
-            for (Py_ssize_t i = 0; i < a->kv_heads; i++) rmsnorm(k + i * a->hd, a->k_norm, a->hd, a->eps, k + i * a->hd);
-        rotate(q, a->heads, a->hd, a->cos + t * a->hd, a->sin + t * a->hd);
-        rotate(k, a->kv_heads, a->hd, a->cos + t * a->hd, a->sin + t * a->hd);
-        float *keys = a->keys + b * a->seq_stride, *values = a->values + b * a->seq_stride;
-        for (Py_ssize_t g = 0; g < a->kv_heads; g++) {
-            Py_ssize_t at = (g * a->window + a->start + t) * a->hd;
-            memcpy(keys + at, k + g * a->hd, sizeof(float) * (size_t)a->hd);
-            memcpy(values + at, a->v + m * nkv + g * a->hd, sizeof(float) * (size_t)a->hd);
-        }
+        place_row(&a->norms, a->q + m * nq, a->k + m * nkv, a->v + m * nkv, a->cos + t * a->hd, a->sin + t * a->hd,
+                  a->keys + b * a->seq_stride, a->values + b * a->seq_stride, a->window, a->start + t);
     }
 }
 
@@ -154,13 +139,9 @@ typedef struct {
     float *h, *q, *k, *v, *y, *o, *gate, *up, *act, *scores;
 } forward_work_t;
 
-static inline const float *plan_norm(const int64_t *f, int i) {
-    return (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + i];
-}
-
 /* The blocks over x; returns the last block's output, still to add to x (NULL without blocks). */
 static const float *forward_layers(const forward_t *s, const int64_t *plan, Py_ssize_t layers, float *x,
-                                   const rows_bufs_t *b, const forward_work_t *wk) {
+                                   const act_bufs_t *b, const forward_work_t *wk) {
     Py_ssize_t C = s->hidden, M = s->B * s->T, nq = s->heads * s->hd;
     attend_fn attend = attend_generic;
     swiglu_fn swiglu = swiglu_generic;
@@ -183,9 +164,10 @@ static const float *forward_layers(const forward_t *s, const int64_t *plan, Py_s
         for (int i = 0; i < 3; i++) qkv.rows[i] = rows_for(s->isa, w[i].fmt);
         run_products(&qkv, s->threads);
 
-        attend_rows_t at = {s->B, s->T, s->start, s->heads, s->kv_heads, s->hd, s->window, 0, s->seq_stride, M, s->eps,
-                            1.0f / sqrtf((float)s->hd), s->cos, s->sin, wk->q, wk->k, wk->v, wk->y, wk->scores,
-                            plan_norm(f, 2), plan_norm(f, 3), s->keys + l * s->layer_stride, s->values + l * s->layer_stride, attend};
+        attend_rows_t at = {s->B, s->T, s->start, s->heads, s->kv_heads, s->hd, s->window, 0, s->seq_stride, M,
+                            1.0f / sqrtf((float)s->hd), {plan_norm(f, 2), plan_norm(f, 3), s->eps, s->heads, s->kv_heads, s->hd},
+                            s->cos, s->sin, wk->q, wk->k, wk->v, wk->y, wk->scores, s->keys + l * s->layer_stride,
+                            s->values + l * s->layer_stride, attend};
         job_t job = {0};
         job.run = positions_task;
         job.ctx = &at;
@@ -285,7 +267,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     if (!memory) return PyErr_NoMemory();
     float *base[N_PARTS], *at = (float *)(((uintptr_t)memory + 63) & ~(uintptr_t)63);
     for (int i = 0; i < N_PARTS; i++, at += (parts[i - 1] + 15) / 16 * 16) base[i] = at;
-    rows_bufs_t b;
+    act_bufs_t b;
     uint8_t *bytes = (uint8_t *)at;
     for (int i = 0; i < ACT_KINDS; i++, bytes += M * nb * QK + 64) b.q[i] = (int8_t *)bytes;
     float *scales = (float *)(((uintptr_t)bytes + 3) & ~(uintptr_t)3);
