@@ -195,6 +195,99 @@ static const float *forward_layers(const forward_t *s, const int64_t *plan, Py_s
     return pending;
 }
 
+#define GROUP_ROWS 64               /* rows from which the threads split the sequences between them (forward) */
+#define MAX_GROUPS 64
+
+/* One group's sequences b0..b1 and its buffers (forward_alloc). */
+typedef struct {
+    Py_ssize_t b0, b1;
+    uint8_t *memory;
+    float *x, *last, *keys, *values;
+    forward_work_t wk;
+    act_bufs_t b;
+} forward_group_t;
+
+typedef struct {
+    const forward_t *s;            /* the whole call's (B: every sequence) */
+    const int64_t *plan;
+    Py_ssize_t layers;
+    const float *x;                /* (B T, hidden) embeddings */
+    float *out;                    /* (rows, vocab or hidden) */
+    const weight_t *head;          /* or NULL */
+    const float *norm;
+    int last_only;
+    Py_ssize_t kmax;
+    forward_group_t *groups;
+} forward_groups_t;
+
+/* The buffers of `sequences` sequences of s->T tokens (NULL: out of memory), carved into g's pointers. */
+static uint8_t *forward_alloc(const forward_t *s, Py_ssize_t kmax, Py_ssize_t sequences, int last_only, int cached,
+                              forward_group_t *g) {
+    Py_ssize_t M = sequences * s->T, nq = s->heads * s->hd, nkv = s->kv_heads * s->hd, C = s->hidden, I = s->inter;
+    Py_ssize_t window = cached ? s->window : s->T, nb = (kmax + QK - 1) / QK;
+    /* floats: x, h, q, k, v, y, o, gate, up, act, scores; the scratch keys and values; the last rows */
+    size_t parts[] = {(size_t)(M * C), (size_t)(M * kmax), (size_t)(M * nq), (size_t)(M * nkv), (size_t)(M * nkv),
+                      (size_t)(M * nq), (size_t)(M * C), (size_t)(M * I), (size_t)(M * I), (size_t)(M * I),
+                      (size_t)(sequences * s->heads * (window + 8)), cached ? 0 : (size_t)(M * nkv),
+                      cached ? 0 : (size_t)(M * nkv), (size_t)((last_only ? sequences : 0) * C)};
+    enum { N_PARTS = sizeof parts / sizeof parts[0] };
+    size_t floats = 0;
+    for (int i = 0; i < N_PARTS; i++) floats += (parts[i] + 15) / 16 * 16;      /* each part 64-byte aligned */
+    size_t act_bytes = ((size_t)(M * nb * QK) + 64) * ACT_KINDS + sizeof(float) * (size_t)(2 * M * nb * ACT_KINDS) +
+                       sizeof(int16_t) * (size_t)(M * (kmax / 16) + 16);
+    uint8_t *memory = malloc(sizeof(float) * floats + act_bytes + 64);
+    if (!memory) return NULL;
+    float *base[N_PARTS], *at = (float *)(((uintptr_t)memory + 63) & ~(uintptr_t)63);
+    for (int i = 0; i < N_PARTS; i++, at += (parts[i - 1] + 15) / 16 * 16) base[i] = at;
+    uint8_t *bytes = (uint8_t *)at;
+    for (int i = 0; i < ACT_KINDS; i++, bytes += M * nb * QK + 64) g->b.q[i] = (int8_t *)bytes;
+    float *scales = (float *)(((uintptr_t)bytes + 3) & ~(uintptr_t)3);
+    for (int i = 0; i < ACT_KINDS; i++, scales += 2 * M * nb) {
+        g->b.d[i] = scales;
+        g->b.s[i] = scales + M * nb;
+    }
+    g->b.bsums = (int16_t *)scales;
+    g->x = base[0];
+    g->wk = (forward_work_t){base[1], base[2], base[3], base[4], base[5], base[6], base[7], base[8], base[9], base[10]};
+    g->keys = cached ? NULL : base[11];
+    g->values = cached ? NULL : base[12];
+    g->last = base[13];
+    return memory;
+}
+
+/* Task g: group g's sequences through every block, the final norm and the head, into their rows of `out`. */
+static void forward_group(const void *ctx, Py_ssize_t task) {
+    const forward_groups_t *all = ctx;
+    forward_group_t *g = &all->groups[task];
+    forward_t s = *all->s;
+    Py_ssize_t C = s.hidden, T = s.T, B = g->b1 - g->b0, M = B * T, out_rows = all->last_only ? B : M;
+    s.B = B;
+    if (g->keys) {                 /* a forward pass: its own scratch of keys and values; else the cache's */
+        s.keys = g->keys;
+        s.values = g->values;
+    }
+    memcpy(g->x, all->x + g->b0 * T * C, sizeof(float) * (size_t)(M * C));
+    const float *pending = forward_layers(&s, all->plan, all->layers, g->x, &g->b, &g->wk);
+    float *rows = g->x;
+    if (all->last_only) {          /* each sequence's last row, its last product added */
+        for (Py_ssize_t i = 0; i < B; i++) {
+            Py_ssize_t r = ((i + 1) * T - 1) * C;
+            for (Py_ssize_t j = 0; j < C; j++) g->last[i * C + j] = g->x[r + j] + (pending ? pending[r + j] : 0.0f);
+        }
+        rows = g->last;
+        pending = NULL;
+    }
+    const weight_t *head = all->head;
+    float *out = all->out + (all->last_only ? g->b0 : g->b0 * T) * (head ? head->N : C);
+    /* the final norm (into `out` without a head), rounded for the head */
+    prepare(s.isa, s.threads, &g->b, rows, pending, all->norm, head ? g->wk.h : out, out_rows, C, s.eps,
+            head ? kinds_of(&head, 1) : 0);
+    if (head) {
+        products_t p = {{head}, {rows_act(&g->b, head, out_rows, out)}, {rows_for(s.isa, head->fmt)}, 1};
+        run_products(&p, s.threads);
+    }
+}
+
 PyDoc_STRVAR(forward_doc,
 "forward(isa, threads, plan, layers, x, B, T, start, hidden, heads, kv_heads, head_dim, intermediate, eps,\n"
 "        cos, sin, keys, values, layer_stride, window, final_norm, head, out, last_only)\n\n"
@@ -252,58 +345,38 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         window = T;                                /* a scratch cache of this call's positions, reused by every layer */
         layer_stride = 0;
     }
-    Py_ssize_t out_rows = last_only ? B : M, nb = (kmax + QK - 1) / QK;
-    /* floats: x, h, q, k, v, y, o, gate, up, act, scores; the scratch keys and values; the last rows */
-    size_t parts[] = {(size_t)(M * hidden), (size_t)(M * kmax), (size_t)(M * nq), (size_t)(M * nkv), (size_t)(M * nkv),
-                      (size_t)(M * nq), (size_t)(M * hidden), (size_t)(M * inter), (size_t)(M * inter),
-                      (size_t)(M * inter), (size_t)(B * heads * (window + 8)), cached ? 0 : (size_t)(M * nkv),
-                      cached ? 0 : (size_t)(M * nkv), (size_t)(out_rows * hidden)};
-    enum { N_PARTS = sizeof parts / sizeof parts[0] };
-    size_t floats = 0;
-    for (int i = 0; i < N_PARTS; i++) floats += (parts[i] + 15) / 16 * 16;      /* each part 64-byte aligned */
-    size_t act_bytes = ((size_t)(M * nb * QK) + 64) * ACT_KINDS + sizeof(float) * (size_t)(2 * M * nb * ACT_KINDS) +
-                       sizeof(int16_t) * (size_t)(M * (kmax / 16) + 16);
-    uint8_t *memory = malloc(sizeof(float) * floats + act_bytes + 64);
-    if (!memory) return PyErr_NoMemory();
-    float *base[N_PARTS], *at = (float *)(((uintptr_t)memory + 63) & ~(uintptr_t)63);
-    for (int i = 0; i < N_PARTS; i++, at += (parts[i - 1] + 15) / 16 * 16) base[i] = at;
-    act_bufs_t b;
-    uint8_t *bytes = (uint8_t *)at;
-    for (int i = 0; i < ACT_KINDS; i++, bytes += M * nb * QK + 64) b.q[i] = (int8_t *)bytes;
-    float *scales = (float *)(((uintptr_t)bytes + 3) & ~(uintptr_t)3);
-    for (int i = 0; i < ACT_KINDS; i++, scales += 2 * M * nb) {
-        b.d[i] = scales;
-        b.s[i] = scales + M * nb;
-    }
-    b.bsums = (int16_t *)scales;
-    float *x = base[0], *last = base[13], *out = (float *)(uintptr_t)out_ptr;
-    forward_work_t wk = {base[1], base[2], base[3], base[4], base[5], base[6], base[7], base[8], base[9], base[10]};
-    forward_t s = {isa, threads < 1 ? 1 : threads, B, T, start, hidden, heads, kv_heads, hd, inter, window, layer_stride,
+    /* From GROUP_ROWS rows and a sequence per thread, each thread runs the whole stack on its own sequences:
+     * no barrier between the ~10 jobs of a block (on a shared machine every barrier waits for the slowest thread). */
+    int th = threads < 1 ? 1 : threads;
+    Py_ssize_t groups = !cached && th > 1 && B >= th && M >= GROUP_ROWS ? th : 1;
+    forward_t s = {isa, groups > 1 ? 1 : th, B, T, start, hidden, heads, kv_heads, hd, inter, window, layer_stride,
                    cached ? 0 : nkv * T, (float)eps, (const float *)(uintptr_t)cos_ptr, (const float *)(uintptr_t)sin_ptr,
-                   cached ? (float *)(uintptr_t)keys_ptr : base[11], cached ? (float *)(uintptr_t)values_ptr : base[12]};
-    Py_BEGIN_ALLOW_THREADS
-    memcpy(x, (const float *)(uintptr_t)x_ptr, sizeof(float) * (size_t)(M * hidden));
-    if (s.threads > 1) POLLING(1);
-    const float *pending = forward_layers(&s, plan, layers, x, &b, &wk);
-    float *rows = x;
-    if (last_only) {               /* each sequence's last row, its last product added */
-        for (Py_ssize_t i = 0; i < B; i++) {
-            Py_ssize_t r = ((i + 1) * T - 1) * hidden;
-            for (Py_ssize_t j = 0; j < hidden; j++) last[i * hidden + j] = x[r + j] + (pending ? pending[r + j] : 0.0f);
+                   (float *)(uintptr_t)keys_ptr, (float *)(uintptr_t)values_ptr};
+    forward_group_t group[MAX_GROUPS];
+    if (groups > MAX_GROUPS) groups = MAX_GROUPS;
+    forward_groups_t all = {&s, plan, layers, (const float *)(uintptr_t)x_ptr, (float *)(uintptr_t)out_ptr,
+                            head_ptr ? &head : NULL, (const float *)(uintptr_t)norm_ptr, last_only, kmax, group};
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        group[g].b0 = B * g / groups;
+        group[g].b1 = B * (g + 1) / groups;
+        group[g].memory = forward_alloc(&s, kmax, group[g].b1 - group[g].b0, last_only, cached, &group[g]);
+        if (!group[g].memory) {
+            for (Py_ssize_t i = 0; i < g; i++) free(group[i].memory);
+            return PyErr_NoMemory();
         }
-        rows = last;
-        pending = NULL;
     }
-    /* the final norm (into `out` without a head), rounded for the head */
-    const weight_t *heads_w[1] = {&head};
-    prepare(isa, s.threads, &b, rows, pending, (const float *)(uintptr_t)norm_ptr, head_ptr ? wk.h : out, out_rows,
-            hidden, s.eps, head_ptr ? kinds_of(heads_w, 1) : 0);
-    if (head_ptr) {
-        products_t p = {{&head}, {rows_act(&b, &head, out_rows, out)}, {rows_for(isa, head.fmt)}, 1};
-        run_products(&p, s.threads);
+    Py_BEGIN_ALLOW_THREADS
+    if (th > 1) POLLING(1);
+    if (groups == 1) {
+        forward_group(&all, 0);
+    } else {
+        job_t job = {0};
+        job.run = forward_group;
+        job.ctx = &all;
+        run_job(&job, groups, th);
     }
     POLLING(0);
     Py_END_ALLOW_THREADS
-    free(memory);
+    for (Py_ssize_t g = 0; g < groups; g++) free(group[g].memory);
     Py_RETURN_NONE;
 }

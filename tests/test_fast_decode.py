@@ -291,3 +291,24 @@ def test_a_float_head_runs_after_the_fused_blocks():
     got, expected = _forward_both(model, _ids(2, 7))
     assert fast_forward._PLANS[model].plan.head is None
     _close(got, expected)
+
+
+def test_sequences_split_between_threads():
+    """From 64 rows and a sequence per thread, each thread runs whole sequences (uneven groups of 2 and 3 here):
+    the same logits as one thread, and each sequence's last row as last_only gives it."""
+    model = _model("gqa3", "int8-dynamic")
+    decoder = TinyLMDecoder(model, 1)
+    ids = _ids(5, 13)
+    previous = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            x = model.model.embed_tokens(ids).contiguous()
+            one = decoder.plan.forward(x, decoder.cos, decoder.sin, threads=1)
+            torch.set_num_threads(2)
+            got, expected = _forward_both(model, ids)
+            last = decoder.plan.forward(x, decoder.cos, decoder.sin, threads=2, last_only=True)
+    finally:
+        torch.set_num_threads(previous)
+    _close(got, expected)
+    assert torch.allclose(got, one, rtol=0, atol=1e-6 * float(one.abs().max()))
+    assert torch.allclose(last, got[:, -1], rtol=0, atol=1e-6 * float(one.abs().max()))
