@@ -195,7 +195,9 @@ static const float *forward_layers(const forward_t *s, const int64_t *plan, Py_s
     return pending;
 }
 
-#define GROUP_ROWS 64               /* rows from which the threads split the sequences between them (forward) */
+#ifndef GROUP_ROWS
+#define GROUP_ROWS 64              /* rows of a group of whole sequences (forward) */
+#endif
 #define MAX_GROUPS 64
 
 /* One group's sequences b0..b1 and its buffers (forward_alloc). */
@@ -345,20 +347,22 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         window = T;                                /* a scratch cache of this call's positions, reused by every layer */
         layer_stride = 0;
     }
-    /* From GROUP_ROWS rows and a sequence per thread, each thread runs the whole stack on its own sequences:
-     * no barrier between the ~10 jobs of a block (on a shared machine every barrier waits for the slowest thread). */
+    /* A batch of sequences runs as groups of whole sequences of ~GROUP_ROWS rows, each through the whole stack on
+     * one thread (the threads claim groups): a group's activations stay in its core's cache, and no barrier
+     * separates the ~10 jobs of a block (on a shared machine every barrier waits for the slowest thread). */
     int th = threads < 1 ? 1 : threads;
-    Py_ssize_t groups = !cached && th > 1 && B >= th && M >= GROUP_ROWS ? th : 1;
+    Py_ssize_t per = (GROUP_ROWS + T - 1) / T, groups = 1;
+    if (per < (B + MAX_GROUPS - 1) / MAX_GROUPS) per = (B + MAX_GROUPS - 1) / MAX_GROUPS;
+    if (!cached && B > per && M >= 2 * GROUP_ROWS) groups = (B + per - 1) / per;
     forward_t s = {isa, groups > 1 ? 1 : th, B, T, start, hidden, heads, kv_heads, hd, inter, window, layer_stride,
                    cached ? 0 : nkv * T, (float)eps, (const float *)(uintptr_t)cos_ptr, (const float *)(uintptr_t)sin_ptr,
                    (float *)(uintptr_t)keys_ptr, (float *)(uintptr_t)values_ptr};
     forward_group_t group[MAX_GROUPS];
-    if (groups > MAX_GROUPS) groups = MAX_GROUPS;
     forward_groups_t all = {&s, plan, layers, (const float *)(uintptr_t)x_ptr, (float *)(uintptr_t)out_ptr,
                             head_ptr ? &head : NULL, (const float *)(uintptr_t)norm_ptr, last_only, kmax, group};
     for (Py_ssize_t g = 0; g < groups; g++) {
-        group[g].b0 = B * g / groups;
-        group[g].b1 = B * (g + 1) / groups;
+        group[g].b0 = g * per;
+        group[g].b1 = (g + 1) * per < B ? (g + 1) * per : B;
         group[g].memory = forward_alloc(&s, kmax, group[g].b1 - group[g].b0, last_only, cached, &group[g]);
         if (!group[g].memory) {
             for (Py_ssize_t i = 0; i < g; i++) free(group[i].memory);
@@ -373,7 +377,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
         job_t job = {0};
         job.run = forward_group;
         job.ctx = &all;
-        run_job(&job, groups, th);
+        run_job(&job, groups, th);        /* (one thread: the groups in turn) */
     }
     POLLING(0);
     Py_END_ALLOW_THREADS

@@ -293,12 +293,12 @@ def test_a_float_head_runs_after_the_fused_blocks():
     _close(got, expected)
 
 
-def test_sequences_split_between_threads():
-    """From 64 rows and a sequence per thread, each thread runs whole sequences (uneven groups of 2 and 3 here):
-    the same logits as one thread, and each sequence's last row as last_only gives it."""
+def test_sequences_in_groups():
+    """A batch runs as groups of whole sequences of ~64 rows, claimed by the threads (here 5, 5 and 2 sequences of
+    13 tokens): the same logits on one thread and two, and each sequence's last row as last_only gives it."""
     model = _model("gqa3", "int8-dynamic")
     decoder = TinyLMDecoder(model, 1)
-    ids = _ids(5, 13)
+    ids = _ids(12, 13)
     previous = torch.get_num_threads()
     try:
         with torch.no_grad():
