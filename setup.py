@@ -25,7 +25,8 @@ KERNELS = Extension(
 MATMUL = Extension(
     "modelkit.quantizers._matmul_kernels",
     sources=["quantizers/_matmul_kernels.c"],
-    depends=["quantizers/_matmul_kernels_x86.h", "quantizers/_matmul_kernels_kquants.h", "quantizers/_matmul_kernels_decode.h"],
+    depends=["quantizers/_matmul_kernels_x86.h", "quantizers/_matmul_kernels_kquants.h", "quantizers/_matmul_kernels_decode.h",
+             "quantizers/_matmul_kernels_forward.h"],
     # No -march: the SIMD kernels carry target attributes and are picked at run time.
     extra_compile_args=["-O3"],
     optional=True,

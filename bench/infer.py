@@ -14,9 +14,11 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    12 layers, 12 heads / 4 KV heads, MLP 2048, vocabulary 32000, random weights): forward latency
    on 16-token windows at batch 1 and 64 for float and every scheme (quantized layers as load_module
    builds them), float and the schemes interleaved in each of --rounds rounds, each ratio taken against
-   float's time in the same round (median and range over the rounds reported; the bars judge the median);
+   float's time in the same round (median and range over the rounds reported; the bars judge the median;
+   a quantized tinylm's forward is the fused C forward, quantizers/fast_forward.py);
    --cpu-time (with --threads 1) times in this thread's CPU time, so a shared machine's other work does not
-   count. For llama-100m also `generate` prompt processing (64 tokens) and decode tokens/s.
+   count; beside each ratio, the same ratio in process CPU time (every thread of ours counted, spinning
+   included), which load disturbs less than wall clock. For llama-100m also `generate` prompt processing (64 tokens) and decode tokens/s.
    Goals: int8 / int8-dynamic <= 0.6x float at batch 1, int4 / gptq layout / q4_0 / q4_k / q4_k_m <= 0.5x,
    q5_k / q6_k <= 0.6x, every scheme <= 1.0x at batch 64 (`--schemes q4_k,q6_k` picks some).
 3. anchors, on the same weights: torchao int8 weight-only (torchao 0.18's int4 weight-only has no
@@ -32,7 +34,8 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    quantized from that folder to GGUF by `modelkit quantize`: llama.cpp on the file against `modelkit
    generate` on it (pipeline.generate.generate_tokens: the fused step, pipeline/hf_llama_decoder.py) and
    against transformers' generate on the same loaded layers (the path before it), interleaved rounds; also
-   the CPU time (process time) per decoded token of llama.cpp and of the fused decoder's steps.
+   the CPU time (process time) per decoded token of llama.cpp and of the fused decoder's steps; and prompt
+   processing tokens/s of all three (modelkit: the fused forward into the cache, DecodePlan.forward).
 4. memory: resident memory (RSS growth in a fresh process) of load_module's model from modelkit's GGUF
    files of that tinylm (q4_k_m, q6_k, q4_0, q8_0) against the file's size. Goal: <= 1.15x.
 
@@ -163,9 +166,16 @@ def quantized(model: nn.Module, scheme: str) -> nn.Module:
 
 
 def forward_ms(model: nn.Module, vocab: int, batch: int, repeats: int) -> float:
+    return forward_times(model, vocab, batch, repeats)[0]
+
+
+def forward_times(model: nn.Module, vocab: int, batch: int, repeats: int) -> tuple[float, float]:
+    """(ms by CLOCK: median of the calls, process CPU ms: mean over the same calls, every thread counted)."""
     ids = torch.randint(0, vocab, (batch, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        return 1e3 * timed(model, ids, repeats=repeats)
+        cpu, runs = time.process_time(), repeats + 1
+        ms = 1e3 * timed(model, ids, repeats=repeats)
+        return ms, 1e3 * (time.process_time() - cpu) / runs
 
 
 def generate_rates(model: nn.Module, vocab: int, *, prompt: int = 64, new: int = 32) -> tuple[float, float]:
@@ -211,22 +221,27 @@ def models(only: set[str], scheme_names: tuple[str, ...] = SCHEMES, rounds: int 
         every = {"float32": model, **{scheme: quantized(model, scheme) for scheme in scheme_names}}
         gc.collect()
         ms: dict[str, dict[int, list[float]]] = {key: {1: [], 64: []} for key in every}
+        cpu: dict[str, dict[int, list[float]]] = {key: {1: [], 64: []} for key in every}
         for _ in range(rounds):
             for key, m in every.items():
                 for b in (1, 64):
-                    ms[key][b].append(forward_ms(m, vocab, b, 1 if heavy and b > 1 else 10))
+                    wall, used = forward_times(m, vocab, b, 1 if heavy and b > 1 else 10)
+                    ms[key][b].append(wall)
+                    cpu[key][b].append(used)
         rates = generate_rates(model, vocab) if has_generate else None
         row(name, scheme="float32", batch1_ms=statistics.median(ms["float32"][1]),
             batch64_ms=statistics.median(ms["float32"][64]),
             **({"prompt_tok_s": rates[0], "decode_tok_s": rates[1]} if rates else {}))
         for scheme in scheme_names:
             ratio = {b: [q / f for q, f in zip(ms[scheme][b], ms["float32"][b], strict=True)] for b in (1, 64)}
+            cpu_ratio = {b: [q / f for q, f in zip(cpu[scheme][b], cpu["float32"][b], strict=True)] for b in (1, 64)}
             extra = {}
             if has_generate:
                 q_rates = generate_rates(every[scheme], vocab)
                 extra = {"prompt_vs_float": round(q_rates[0] / rates[0], 2), "decode_vs_float": round(q_rates[1] / rates[1], 2),
                          "decode_tok_s": q_rates[1]}
-            row(name, scheme=scheme, batch1_ratio=spread(ratio[1]), batch64_ratio=spread(ratio[64]), **extra)
+            row(name, scheme=scheme, batch1_ratio=spread(ratio[1]), batch64_ratio=spread(ratio[64]),
+                batch1_process_cpu_ratio=spread(cpu_ratio[1]), batch64_process_cpu_ratio=spread(cpu_ratio[64]), **extra)
             bar(f"{name} {scheme} batch 1 / float", statistics.median(ratio[1]), GOAL_BATCH1.get(scheme, 1.0))  # others: faster than float
             bar(f"{name} {scheme} batch 64 / float", statistics.median(ratio[64]), 1.0)
         del every, model
@@ -399,11 +414,14 @@ def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
             lm = load_language_model(path)
             ids = list(lm.tokenizer(text)["input_ids"])
             llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=256, verbose=False)
-            runs: dict[str, list[float]] = {k: [] for k in ("llama", "own", "hf", "llama_cpu", "own_cpu")}
+            runs: dict[str, list[float]] = {k: [] for k in ("llama", "own", "hf", "llama_cpu", "own_cpu", "llama_prompt",
+                                                              "own_prompt", "hf_prompt")}
             generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=4)                     # warm-up
             for _ in range(rounds):      # each round: llama.cpp, modelkit generate, transformers' generate, CPU times
                 llm.reset()
+                t0 = time.perf_counter()
                 llm.eval(ids)
+                runs["llama_prompt"].append(len(ids) / (time.perf_counter() - t0))
                 t1, c1 = time.perf_counter(), time.process_time()
                 for i in range(31):
                     llm.eval([(i * 7919) % 32000])
@@ -411,8 +429,10 @@ def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
                 runs["llama_cpu"].append((time.process_time() - c1) / 31)
                 g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32)
                 runs["own"].append((g.new_tokens - 1) / g.decode_seconds)
+                runs["own_prompt"].append(g.prompt_tokens / g.prompt_seconds)
                 g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32, fused=False)
                 runs["hf"].append((g.new_tokens - 1) / g.decode_seconds)
+                runs["hf_prompt"].append(g.prompt_tokens / g.prompt_seconds)
                 decoder, seq = llama_decoder(lm.model, 1, len(ids) + 32), Stream(list(ids))
                 with torch.no_grad():
                     seq.ids.append(int(decoder.prefill(seq).argmax()))
@@ -428,7 +448,11 @@ def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
                 llama_cpp_decode_tok_s=_spread(runs["llama"]), modelkit_decode_tok_s=_spread(runs["own"]),
                 transformers_generate_decode_tok_s=_spread(runs["hf"]), modelkit_vs_llama_cpp=_spread(ratio),
                 transformers_generate_vs_llama_cpp=_spread(before),
-                cpu_time_per_token_llama_cpp_over_modelkit=_spread(cpu))
+                cpu_time_per_token_llama_cpp_over_modelkit=_spread(cpu), prompt_tokens=len(ids),
+                llama_cpp_prompt_tok_s=_spread(runs["llama_prompt"]), modelkit_prompt_tok_s=_spread(runs["own_prompt"]),
+                transformers_prompt_tok_s=_spread(runs["hf_prompt"]),
+                modelkit_prompt_vs_llama_cpp=_spread([o / ll for o, ll in zip(runs["own_prompt"], runs["llama_prompt"],
+                                                                              strict=True)]))
             bar(f"{scheme} transformers-Llama GGUF decode tokens/s, modelkit generate / llama.cpp (median of rounds)",
                 statistics.median(ratio), 0.5, higher=True)
 

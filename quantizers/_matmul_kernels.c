@@ -67,6 +67,7 @@ typedef struct {
     int signed_nibbles;            /* F_I4 symmetric: two's complement nibbles */
     const float *bias;             /* N floats or NULL */
     Py_ssize_t N, K, nb;           /* rows, columns, blocks per row (ceil(K / 32)) */
+    int rowwise;                   /* the decode and forward plans: its activations rounded per row (int8-dynamic) */
 } weight_t;
 
 typedef struct {
@@ -488,7 +489,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     if (M == 0) Py_RETURN_NONE;
     weight_t w = {fmt, (const uint8_t *)(uintptr_t)w_ptr, w_stride, (const void *)(uintptr_t)scale_ptr, scale_stride,
                   (const uint8_t *)(uintptr_t)zero_ptr, zero_stride, group_blocks, signed_nibbles,
-                  (const float *)(uintptr_t)bias_ptr, N, K, (K + QK - 1) / QK};
+                  (const float *)(uintptr_t)bias_ptr, N, K, (K + QK - 1) / QK, 0};
     Py_ssize_t nb = w.nb;
     int k_type = fmt > F_I4 && is_k_format(fmt);
     int8_t *q = malloc((size_t)(M * nb * QK) + 64);
@@ -526,9 +527,13 @@ static PyObject *linear(PyObject *self, PyObject *args) {
 /* ---- batch-1 decode steps ------------------------------------------------------------------------ */
 #include "_matmul_kernels_decode.h"
 
+/* ---- the forward pass over many tokens ------------------------------------------------------------ */
+#include "_matmul_kernels_forward.h"
+
 static PyMethodDef METHODS[] = {
     {"linear", linear, METH_VARARGS, linear_doc},
     {"decode", decode, METH_VARARGS, decode_doc},
+    {"forward", forward, METH_VARARGS, forward_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,16 +22,21 @@
  */
 
 #define DECODE_WEIGHTS 7           /* q, k, v, o, gate, up, down */
-#define WEIGHT_FIELDS 12           /* fmt, w, w_stride, scale, scale_stride, zero, zero_stride, group_blocks,
-                                      signed_nibbles, bias, N, K (addresses as integers; 0 for none) */
+#define WEIGHT_FIELDS 13           /* fmt, w, w_stride, scale, scale_stride, zero, zero_stride, group_blocks,
+                                      signed_nibbles, bias, N, K (addresses as integers; 0 for none), rowwise
+                                      (1: one activation scale per row, int8-dynamic's, as `linear`'s rowwise) */
 #define LAYER_FIELDS (DECODE_WEIGHTS * WEIGHT_FIELDS + 4)   /* then the attention and MLP norm weights' addresses,
                                                                the per-head query and key norms' (0: none) */
 #define DECODE_SPLIT_BYTES 32768   /* a product shares its rows between threads from this many weight bytes */
+#ifndef FORWARD_SPLIT_WORK
+#define FORWARD_SPLIT_WORK (1 << 18) /* ... or, over several activation rows, this many multiply-adds */
+#endif
 
-enum { ACT_Q8_0, ACT_PAIRS, ACT_Q8_K, ACT_KINDS };
+enum { ACT_Q8_0, ACT_PAIRS, ACT_Q8_K, ACT_ROWWISE, ACT_KINDS };
 
-static inline int act_kind(int fmt) {
-    return fmt == F_I4 ? ACT_PAIRS : fmt > F_I4 && is_k_format(fmt) ? ACT_Q8_K : ACT_Q8_0;
+static inline int act_kind(const weight_t *w) {
+    int fmt = w->fmt;
+    return w->rowwise ? ACT_ROWWISE : fmt == F_I4 ? ACT_PAIRS : fmt > F_I4 && is_k_format(fmt) ? ACT_Q8_K : ACT_Q8_0;
 }
 
 /* One weight of the plan -> weight_t, checked as `linear` checks its arguments. */
@@ -40,12 +45,17 @@ static int plan_weight(const int64_t *f, weight_t *w) {
     Py_ssize_t K = (Py_ssize_t)f[11];
     *w = (weight_t){fmt, (const uint8_t *)(uintptr_t)f[1], (Py_ssize_t)f[2], (const void *)(uintptr_t)f[3],
                     (Py_ssize_t)f[4], (const uint8_t *)(uintptr_t)f[5], (Py_ssize_t)f[6], (Py_ssize_t)f[7],
-                    (int)f[8], (const float *)(uintptr_t)f[9], (Py_ssize_t)f[10], K, (K + QK - 1) / QK};
-    if (fmt < F_I8 || fmt > F_LAST || w->N < 1 || K < 1 || !w->w) return 0;
+                    (int)f[8], (const float *)(uintptr_t)f[9], (Py_ssize_t)f[10], K, (K + QK - 1) / QK, (int)f[12]};
+    if ((w->rowwise && fmt != F_I8) || fmt < F_I8 || fmt > F_LAST || w->N < 1 || K < 1 || !w->w) return 0;
     if ((fmt != F_I8 && K % QK) || (fmt > F_I4 && is_k_format(fmt) && K % QKK) ||
         ((fmt == F_I8 || fmt == F_I4) && !w->scale) || (fmt == F_I4 && (w->group_blocks < 1 || (!w->signed_nibbles && !w->zero))))
         return 0;
     return 1;
+}
+
+/* A layer's norm weight i of the plan: 0 attention, 1 MLP, 2 and 3 the per-head query and key norms (NULL: none). */
+static inline const float *plan_norm(const int64_t *f, int i) {
+    return (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + i];
 }
 
 /* ---- attention of one query head and SwiGLU: portable, and AVX2 where the kernels are ------------- */
@@ -219,6 +229,29 @@ static void rotate(float *x, Py_ssize_t heads, Py_ssize_t hd, const float *cos, 
         }
 }
 
+/* One token's q, k (heads x hd, kv_heads x hd) made ready: per-head norms (Qwen3; NULL: none), the rotary at its
+ * position (cos, sin: that position's rows); then its k and v stored at `pos` of the (kv_heads, window, hd) cache. */
+typedef struct {
+    const float *q_norm, *k_norm;
+    float eps;
+    Py_ssize_t heads, kv_heads, hd;
+} head_norms_t;
+
+static void place_row(const head_norms_t *n, float *q, float *k, const float *v, const float *cos, const float *sin,
+                      float *keys, float *values, Py_ssize_t window, Py_ssize_t pos) {
+    const Py_ssize_t hd = n->hd;
+    if (n->q_norm)
+        for (Py_ssize_t i = 0; i < n->heads; i++) rmsnorm(q + i * hd, n->q_norm, hd, n->eps, q + i * hd);
+    if (n->k_norm)
+        for (Py_ssize_t i = 0; i < n->kv_heads; i++) rmsnorm(k + i * hd, n->k_norm, hd, n->eps, k + i * hd);
+    rotate(q, n->heads, hd, cos, sin);
+    rotate(k, n->kv_heads, hd, cos, sin);
+    for (Py_ssize_t g = 0; g < n->kv_heads; g++) {
+        memcpy(keys + (g * window + pos) * hd, k + g * hd, sizeof(float) * (size_t)hd);
+        memcpy(values + (g * window + pos) * hd, v + g * hd, sizeof(float) * (size_t)hd);
+    }
+}
+
 /* ---- activations: one input, rounded once per kind the weights reading it need ------------------ */
 
 typedef struct {
@@ -235,12 +268,13 @@ typedef struct {
 
 /* The activations of `in` as weight `w` reads them (rounded on first use), writing to y. */
 static act_t input_act(int isa, const act_bufs_t *b, input_t *in, const weight_t *w, float *y) {
-    int kind = act_kind(w->fmt);
+    int kind = act_kind(w);
     if (!in->done[kind]) {
         if (kind == ACT_Q8_K)
             ALL_ISAS[isa].quantize_k(in->x, 1, in->K, b->q[kind], b->d[kind], b->bsums);
         else
-            ALL_ISAS[isa].quantize(in->x, 1, in->K, w->nb, kind == ACT_PAIRS, 0, b->q[kind], b->d[kind], b->s[kind]);
+            ALL_ISAS[isa].quantize(in->x, 1, in->K, w->nb, kind == ACT_PAIRS, kind == ACT_ROWWISE, b->q[kind], b->d[kind],
+                                   b->s[kind]);
         in->done[kind] = 1;
     }
     return (act_t){b->q[kind], b->d[kind], b->s[kind], 1, y, b->bsums};
@@ -273,16 +307,23 @@ static void products_task(const void *ctx, Py_ssize_t task) {
     }
     p->rows[0](p->w[0], &p->a[0], r0, r1);
     p->rows[1](p->w[1], &p->a[1], r0, r1);
-    p->swiglu(p->a[0].y + r0, p->a[1].y + r0, p->act + r0, r1 - r0);
+    Py_ssize_t N = p->w[0]->N;
+    for (Py_ssize_t m = 0; m < p->a[0].M; m++)          /* outputs are (M, N): these rows of each activation row */
+        p->swiglu(p->a[0].y + m * N + r0, p->a[1].y + m * N + r0, p->act + m * N + r0, r1 - r0);
 }
 
 static Py_ssize_t weight_bytes(const weight_t *w) { return w->N * w->w_stride; }
 
-/* Run the products (their acts set up), split between `threads` where they are large enough. */
+/* Run the products (their acts set up), split between `threads` where they are large enough: one activation
+ * row from DECODE_SPLIT_BYTES of weights, several (the forward of _matmul_kernels_forward.h) from
+ * FORWARD_SPLIT_WORK multiply-adds. */
 static void run_products(products_t *p, int threads) {
-    Py_ssize_t bytes = 0, tasks = 0;
-    for (int i = 0; i < p->n; i++) bytes += weight_bytes(p->w[i]);
-    if (bytes < DECODE_SPLIT_BYTES) threads = 1;
+    Py_ssize_t bytes = 0, work = 0, tasks = 0;
+    for (int i = 0; i < p->n; i++) {
+        bytes += weight_bytes(p->w[i]);
+        work += p->w[i]->N * p->w[i]->K * p->a[i].M;
+    }
+    if (p->a[0].M == 1 ? bytes < DECODE_SPLIT_BYTES : work < FORWARD_SPLIT_WORK) threads = 1;
     int counted = p->swiglu ? 1 : p->n;      /* SwiGLU: the tasks walk gate's rows (up's are the same) */
     for (int i = 0; i < counted; i++) {
         Py_ssize_t tiles = (p->w[i]->N + ROWS - 1) / ROWS;
@@ -344,10 +385,7 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
         const int64_t *f = plan + l * LAYER_FIELDS;
         weight_t w[DECODE_WEIGHTS];
         for (int i = 0; i < DECODE_WEIGHTS; i++) plan_weight(f + i * WEIGHT_FIELDS, &w[i]);
-        const float *attn_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS];
-        const float *mlp_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + 1];
-        const float *q_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + 2];
-        const float *k_norm = (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + 3];
+        const float *attn_norm = plan_norm(f, 0), *mlp_norm = plan_norm(f, 1);
         float *keys = s->keys + l * s->layer_stride, *values = s->values + l * s->layer_stride;
 
         rmsnorm(x, attn_norm, C, s->eps, h);
@@ -356,16 +394,8 @@ static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layer
                           input_act(s->isa, b, &in, &w[2], v)}, {0}, 3};
         for (int i = 0; i < 3; i++) qkv.rows[i] = rows_for(s->isa, w[i].fmt);
         run_products(&qkv, s->threads);
-        if (q_norm)
-            for (Py_ssize_t i = 0; i < s->heads; i++) rmsnorm(q + i * s->hd, q_norm, s->hd, s->eps, q + i * s->hd);
-        if (k_norm)
-            for (Py_ssize_t i = 0; i < s->kv_heads; i++) rmsnorm(k + i * s->hd, k_norm, s->hd, s->eps, k + i * s->hd);
-        rotate(q, s->heads, s->hd, s->cos, s->sin);
-        rotate(k, s->kv_heads, s->hd, s->cos, s->sin);
-        for (Py_ssize_t g = 0; g < s->kv_heads; g++) {
-            memcpy(keys + (g * s->window + s->pos) * s->hd, k + g * s->hd, sizeof(float) * (size_t)s->hd);
-            memcpy(values + (g * s->window + s->pos) * s->hd, v + g * s->hd, sizeof(float) * (size_t)s->hd);
-        }
+        const head_norms_t norms = {plan_norm(f, 2), plan_norm(f, 3), s->eps, s->heads, s->kv_heads, s->hd};
+        place_row(&norms, q, k, v, s->cos, s->sin, keys, values, s->window, s->pos);
         attention_t at = {q, keys, values, y, scores, s->heads / s->kv_heads, s->hd, s->window, s->pos + 1,
                           1.0f / sqrtf((float)s->hd)};
         attention_job_t heads_job = {&at, attend};

@@ -14,7 +14,7 @@ import copy
 import fnmatch
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -132,9 +132,19 @@ class QuantizedModule(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.scheme}, layout={self.layout}, shape={list(self.weight_shape)}"
 
+    def fused_forward(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """`model`'s logits from its whole block stack in one C call (quantizers/fast_forward.py), or None where
+        that does not apply. tinylm's forward asks its first product for this (the models layer imports no
+        quantizer); any product of the model may answer, the plan checks all of them."""
+        from modelkit.quantizers import fast_forward
+
+        return fast_forward.tinylm_logits(model, input_ids)
+
 
 class QuantizedLinear(QuantizedModule):
     """nn.Linear with a quantized weight: y = x @ dequantize(W).T + b."""
+
+    ROWWISE_ACTIVATIONS: ClassVar[bool] = False     # the fused plans (fast_decode) round its input per block of 32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed() if fast_linear.usable(x) else None

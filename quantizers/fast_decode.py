@@ -6,7 +6,12 @@ runs the whole stack in C instead (_matmul_kernels_decode.h): the same kernels a
 for the products (q/k/v in one job on activations rounded once, gate/up in one job with their SwiGLU),
 attention over the static key/value cache one head per task, and the pool's threads kept polling
 between the step's jobs. It applies when every product of every block is a quantized Linear the
-kernels read (`plan` returns None otherwise, and the caller runs its torch path).
+kernels read, or int8-dynamic's (its activations rounded per row); `plan` returns None otherwise, and the
+caller runs its torch path.
+
+`DecodePlan.forward` is the many-token counterpart on the same plan (_matmul_kernels_forward.h): B sequences
+of T tokens in one call, with causal attention over their own tokens (tinylm's forward pass,
+quantizers/fast_forward.py) or over a cache slot it fills (the decoders' prefill).
 """
 from __future__ import annotations
 
@@ -20,14 +25,16 @@ from torch import nn
 
 from modelkit.errors import ConfigError
 from modelkit.quantizers import fast_linear
-from modelkit.quantizers._modules import QuantizedLinear
 
 logger = logging.getLogger("modelkit.quantizers")
 
 
 def _weight_fields(layer: nn.Module, keep: list[torch.Tensor]) -> list[int] | None:
-    """The C plan's fields of one product (DECODE_WEIGHT_FIELDS int64), or None when no kernel reads it."""
-    if type(layer) is not QuantizedLinear:
+    """The C plan's fields of one product (DECODE_WEIGHT_FIELDS int64), or None when no kernel reads it.
+    A Linear product on packed weights says how its activations are rounded (ROWWISE_ACTIVATIONS: QuantizedLinear
+    per block of 32, int8-dynamic's DynamicInt8Linear one scale per row); other layers do not say."""
+    rowwise = getattr(type(layer), "ROWWISE_ACTIVATIONS", None)
+    if rowwise is None:
         return None
     packed = layer.packed()
     if packed is None:
@@ -37,7 +44,8 @@ def _weight_fields(layer: nn.Module, keep: list[torch.Tensor]) -> list[int] | No
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()
         keep.append(bias)
-    return [*fast_linear.weight_args(packed), 0 if bias is None else bias.data_ptr(), packed.rows, packed.cols]
+    return [*fast_linear.weight_args(packed), 0 if bias is None else bias.data_ptr(), packed.rows, packed.cols,
+            int(rowwise)]
 
 
 def _norm(module: nn.Module, size: int, keep: list[torch.Tensor]) -> tuple[int, float] | None:
@@ -139,6 +147,53 @@ class DecodePlan:
         return out if self.head is not None else self.head_module(out)
 
 
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, start: int = 0, slot: int | None = None,
+                last_only: bool = False, isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+        """The logits of B sequences of T tokens in one call of the kernels (_matmul_kernels_forward.h): (B, T, vocab),
+        or (B, vocab) of each sequence's last token with `last_only`.
+
+        Args:
+            x: The tokens' embeddings, (B, T, hidden) float32, contiguous, on CPU.
+            cos, sin: Rotary tables (positions, head_dim) covering positions start..start+T-1 (float32, contiguous).
+            start: The position of each sequence's first token (only with `slot`).
+            slot: None: each sequence attends to its own tokens alone (a forward pass); else the bound cache's slot
+                (B 1) whose positions start..start+T-1 are written, each token attending from position 0 (prefill).
+            isa, threads: As in `step`.
+        """
+        isa = isa or fast_linear.ISA
+        if isa is None:
+            raise ConfigError("the packed-weight kernels are not available (modelkit was built without a C compiler)")
+        g = self.geometry
+        if x.dtype != torch.float32 or not x.is_contiguous() or not x.is_cpu or x.ndim != 3 or x.shape[2] != g.hidden:
+            raise ConfigError(f"a fused forward's input is (sequences, tokens, {g.hidden}) float32 values, contiguous")
+        B, T = x.shape[0], x.shape[1]
+        keys = values = layer_stride = window = 0
+        if slot is not None:
+            if not self.cache:
+                raise ConfigError("bind() the caches before a prefill into them")
+            slots, window, per_slot, *_, keys, values, _, _ = self.cache
+            if B != 1 or not 0 <= slot < slots or not 0 <= start or start + T > window:
+                raise ConfigError(f"{B} sequence(s) of {T} tokens from position {start} into slot {slot} of a cache of "
+                                  f"{slots} slots of {window}")
+            keys, values, layer_stride = keys + 4 * slot * per_slot, values + 4 * slot * per_slot, slots * per_slot
+        elif start:
+            raise ConfigError("a forward pass without a cache starts at position 0")
+        if cos.dtype != torch.float32 or not cos.is_contiguous() or cos.shape != sin.shape or sin.dtype != torch.float32 \
+                or not sin.is_contiguous() or cos.ndim != 2 or cos.shape[1] != g.head_dim or len(cos) < start + T:
+            raise ConfigError(f"rotary tables of {tuple(cos.shape)} for positions {start}..{start + T - 1} of head size "
+                              f"{g.head_dim} (float32, contiguous)")
+        rows = B if last_only else B * T
+        out = torch.empty(rows, self.vocab if self.head is not None else g.hidden)
+        fast_linear.kernels().forward(
+            isa, threads or torch.get_num_threads(), self.plan_address, self.layers, x.data_ptr(), B, T, start, g.hidden,
+            g.heads, g.kv_heads, g.head_dim, g.intermediate, self.eps, cos.data_ptr() + 4 * start * g.head_dim,
+            sin.data_ptr() + 4 * start * g.head_dim, keys, values, layer_stride, window, self.final_norm, self.head_address,
+            out.data_ptr(), last_only)
+        if self.head is None:
+            out = self.head_module(out)
+        return out if last_only else out.view(B, T, -1)
+
+
 def _shapes(g: Geometry) -> tuple[tuple[int, int], ...]:
     """(out, in) features of q, k, v, o, gate, up, down."""
     q, kv = g.heads * g.head_dim, g.kv_heads * g.head_dim
@@ -165,8 +220,8 @@ def plan(blocks: Sequence[Sequence[nn.Module]], final_norm: nn.Module, head: nn.
             if found is None:
                 logger.debug("no fused decode: block %d has a product the kernels do not read (%s)", i, type(layer).__name__)
                 return None
-            if tuple(found[-2:]) != shape:
-                raise ConfigError(f"block {i}: a product of shape {tuple(found[-2:])} where {geometry} needs {shape}")
+            if tuple(found[-3:-1]) != shape:
+                raise ConfigError(f"block {i}: a product of shape {tuple(found[-3:-1])} where {geometry} needs {shape}")
             fields += found
         if len(head_norms) not in (0, 2):
             raise ConfigError(f"block {i}: {len(block)} modules; a block is 9, or 11 with its query and key norms")
@@ -181,9 +236,9 @@ def plan(blocks: Sequence[Sequence[nn.Module]], final_norm: nn.Module, head: nn.
         logger.debug("no fused decode: the final norm differs from the blocks' norms")
         return None
     head_fields = _weight_fields(head, keep)
-    if head_fields is not None and head_fields[-1] != g.hidden:
-        raise ConfigError(f"an output head of {head_fields[-1]} input features after a hidden size of {g.hidden}")
+    if head_fields is not None and head_fields[-2] != g.hidden:
+        raise ConfigError(f"an output head of {head_fields[-2]} input features after a hidden size of {g.hidden}")
     head_tensor = None if head_fields is None else torch.tensor(head_fields, dtype=torch.int64)
-    vocab = head_fields[-2] if head_fields is not None else 0
+    vocab = head_fields[-3] if head_fields is not None else 0
     table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), fast_linear.kernels().DECODE_LAYER_FIELDS)
     return DecodePlan(table, keep, g, final[1], final[0], head_tensor, head, vocab)

@@ -66,6 +66,8 @@ def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
 class DynamicInt8Linear(_modules.QuantizedModule):
     """Linear with int8 weights whose inputs are quantized to int8 per row at each call."""
 
+    ROWWISE_ACTIVATIONS: ClassVar[bool] = True      # the fused plans (fast_decode) round its input per row too
+
     def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None) -> None:
         if weight.layout != "affine" or int(weight.params.get("bits", 0)) != 8 or weight.parts["scale"].shape[0] != weight.shape[0]:
             raise ConfigError("int8-dynamic needs per-channel symmetric int8 weights (affine layout, bits 8)")

@@ -19,7 +19,7 @@ from modelkit.checkpoint import Checkpoint
 from modelkit.errors import ConfigError
 from modelkit.models import build
 from modelkit.models.tinylm import example_inputs
-from modelkit.quantizers import _modules, fast_linear, gguf_blocks, int4, int8
+from modelkit.quantizers import _modules, fast_forward, fast_linear, gguf_blocks, int4, int8
 from modelkit.quantizers.gguf_arrays import Q4_0Config, Q4_K_MConfig, Q8_0Config
 
 # max |kernel - reference| / max |reference|, pinned at about 1.5x the worst measured on 2026-11-25
@@ -191,7 +191,10 @@ def test_a_loaded_quantized_model_holds_no_float_copy(tinylm_files, suffix, monk
     monkeypatch.setattr(fast_linear, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = example_inputs(2, seq_len=8)
     with torch.no_grad():
-        model(x)
+        model(x)                                   # the fused forward: the block stack in one C call, no matmul
+        with fast_forward.unfused():
+            model(x)                               # tinylm's torch path: one kernel call per quantized Linear
+    assert fast_forward._PLANS[model].plan is not None
     tensors = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
     tensors.update({id(v): v.numel() * v.element_size() for m in model.modules() for v in m.__dict__.values()
                     if isinstance(v, torch.Tensor)})

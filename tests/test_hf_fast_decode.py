@@ -71,7 +71,8 @@ def _quantized(name: str, scheme: str) -> torch.nn.Module:
 
 def _worst(model: torch.nn.Module, steps: int = 12) -> float:
     """Greedy from a 5-token prompt, both fed transformers' tokens: the largest |fused - transformers| logit
-    difference over the steps, as a fraction of the largest logit; the fused step taken every time."""
+    difference over the prefill and the steps, as a fraction of the largest logit; the fused prefill and step
+    taken every time."""
     from transformers.cache_utils import DynamicCache
 
     from modelkit.testing.causal_lm import _cache_argument, returned_cache
@@ -89,6 +90,9 @@ def _worst(model: torch.nn.Module, steps: int = 12) -> float:
         return original(*args, **kwargs)
 
     decoder.plan.step = counted
+    prefills = []
+    fused_prefill = decoder.plan.forward
+    decoder.plan.forward = lambda *args, **kwargs: prefills.append(1) or fused_prefill(*args, **kwargs)
     with torch.no_grad():
         got = decoder.prefill(seq)
         out = model(input_ids=torch.tensor([seq.ids]), use_cache=True, **{cache: DynamicCache(config=model.config)})
@@ -99,7 +103,7 @@ def _worst(model: torch.nn.Module, steps: int = 12) -> float:
             seq.ids.append(token)
             got = decoder.step([seq])[0]
             out = model(input_ids=torch.tensor([[token]]), use_cache=True, **{cache: returned_cache(out)})
-    assert calls == steps
+    assert calls == steps and prefills == [1]            # the prompt in one fused call, every step fused
     return worst
 
 

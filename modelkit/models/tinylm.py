@@ -196,6 +196,13 @@ class TinyLM(nn.Module):
                 f"tinylm: input of {T} tokens exceeds max_position_embeddings "
                 f"{self.config.max_position_embeddings}"
             )
+        if not torch.is_grad_enabled():
+            # Packed quantized products can run the whole stack in one C call (quantizers/fast_forward.py): asked of
+            # the first product, duck-typed, since the models layer imports no quantizer. None: the path below.
+            fused = getattr(self.model.layers[0].self_attn.q_proj, "fused_forward", None)
+            logits = fused(self, input_ids) if fused is not None else None
+            if logits is not None:
+                return logits
         x = self.model.embed_tokens(input_ids)                                           # (B, T, C)
         cos, sin = (t.to(x.dtype) for t in rotary_tables(self.config, T, input_ids.device))  # f16/bf16 models too
         for layer in self.model.layers:

@@ -3,8 +3,8 @@ fused C decode step (quantizers/fast_decode.py): what `modelkit generate` and se
 model of these families, such as a GGUF file, instead of transformers' own loop.
 
 The decoder is tinylm's (pipeline/tinylm_decoder.py) with the family's differences:
-- the prompt runs through transformers' own forward (its DynamicCache is copied into the static cache), so
-  prefill is exactly transformers';
+- the prompt runs in one C call too (DecodePlan.forward writing the static cache); where the plan does not
+  apply, through transformers' own forward (its DynamicCache copied into the static cache);
 - the rotary tables are the model's own `rotary_emb` at every position of the window (default, linear,
   Llama-3 and YaRN scaling, YaRN's attention factor folded in);
 - Qwen3's per-head query/key RMSNorms; Qwen2's q/k/v biases are the products' own biases;
@@ -83,19 +83,21 @@ class HFLlamaDecoder(TinyLMDecoder):
         return q, k
 
     def prefill(self, seq: Cached) -> torch.Tensor:
-        """transformers' forward over the prompt; its keys and values fill a cache slot."""
+        """The prompt in one call of the kernels into a cache slot (TinyLMDecoder._fused_prefill) where the plan
+        applies; else transformers' forward over it, its keys and values copied into the slot."""
         from transformers.cache_utils import DynamicCache
 
         from modelkit.testing.causal_lm import returned_cache
 
         if len(seq.ids) >= self.window:
             return self._full(seq)
+        fused = self._fused_prefill(seq)
+        if fused is not None:
+            return fused
         T = len(seq.ids)
         out = self.model(input_ids=torch.tensor([seq.ids], device=self.device), use_cache=True,
                          **{self.cache_argument: DynamicCache(config=self.model.config)})
-        slot = len(self.owners)
-        self.owners.append(seq)
-        seq.state = slot
+        slot = self._take_slot(seq)
         for i, layer in enumerate(returned_cache(out).layers):
             self.keys[i, slot, :, :T], self.values[i, slot, :, :T] = layer.keys[0], layer.values[0]
         return out.logits[0, -1]

@@ -8,8 +8,9 @@ per token, so the text stays equal.
 
 A step of one cached sequence on a float32 model whose products are all packed quantized weights
 (a GGUF or int8/int4 file) runs as one call of the C kernels (quantizers/fast_decode.py): norms,
-rotary, attention over this cache and SwiGLU in C around the same weight products; anything else runs
-the torch path below. Hugging Face Llama-family models run through the same class
+rotary, attention over this cache and SwiGLU in C around the same weight products; so does the prompt
+(DecodePlan.forward: all its tokens in one call that writes their keys and values into the slot).
+Anything else runs the torch path below. Hugging Face Llama-family models run through the same class
 (pipeline/hf_llama_decoder.py overrides the family's rotary tables, per-head norms and prefill).
 """
 from __future__ import annotations
@@ -146,15 +147,32 @@ class TinyLMDecoder:
         token = seq.ids[-1] if self.row is None else self.row(seq.ids[-1])
         return self.plan.step(token, len(seq.ids) - 1, seq.state)
 
+    def _take_slot(self, seq: Cached) -> int:
+        slot = len(self.owners)
+        self.owners.append(seq)
+        seq.state = slot
+        return slot
+
+    def _fused_prefill(self, seq: Cached) -> torch.Tensor | None:
+        """The logits after the prompt from one call of the kernels (DecodePlan.forward into the sequence's cache
+        slot), or None where the fused path does not apply (no plan, the kernels off, an embedding not float32)."""
+        if self.plan is None or fast_linear.ISA is None:
+            return None
+        x = self.model.model.embed_tokens(torch.tensor([seq.ids], device=self.device))          # (1, T, C)
+        if x.dtype != torch.float32:
+            return None
+        return self.plan.forward(x.contiguous(), self.cos, self.sin, slot=self._take_slot(seq), last_only=True)[0]
+
     def prefill(self, seq: Cached) -> torch.Tensor:
         """The logits after the prompt; fills a cache slot unless the prompt already fills the window."""
         if len(seq.ids) >= self.window:
             return self._full(seq)
+        fused = self._fused_prefill(seq)
+        if fused is not None:
+            return fused
         from modelkit.models.tinylm import apply_rotary
 
-        slot = len(self.owners)
-        self.owners.append(seq)
-        seq.state = slot
+        slot = self._take_slot(seq)
         ids = torch.tensor([seq.ids], device=self.device)
         T = ids.shape[1]
         x = self.model.model.embed_tokens(ids)                                           # (1, T, C)
