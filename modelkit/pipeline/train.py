@@ -101,9 +101,10 @@ def _loader(dataset, batch_size: int, info: distributed.DistInfo, *, seed: int, 
 @torch.no_grad()
 def evaluate(
     model: nn.Module, model_name: str, split: str, *, device: torch.device | str = "cpu",
-    batch_size: int = 256, info: distributed.DistInfo | None = None,
+    batch_size: int | None = None, info: distributed.DistInfo | None = None,
 ) -> dict[str, float]:
-    """Metrics of `model` on a split of its task's data (every rank takes a strided shard)."""
+    """Metrics of `model` on a split of its task's data (every rank takes a strided shard), `batch_size`
+    examples a forward pass (default: the task's `eval_batch_size`)."""
     info = info or distributed.DistInfo()
     device = torch.device(device)
     task = load_model_module(model_name).TASK
@@ -112,7 +113,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
-    for inputs, targets in DataLoader(shard, batch_size=batch_size):
+    for inputs, targets in DataLoader(shard, batch_size=batch_size or task.eval_batch_size):
         for key, value in task.metric_sums(model, (inputs.to(device), targets.to(device))).items():
             sums[key] = sums.get(key, 0.0) + value
     model.train(was_training)
