@@ -53,6 +53,48 @@ static int plan_weight(const int64_t *f, weight_t *w) {
     return 1;
 }
 
+/* Every weight of one layer of the plan (checked once per call by check_plan). */
+static void plan_layer_weights(const int64_t *f, weight_t w[DECODE_WEIGHTS]) {
+    for (int i = 0; i < DECODE_WEIGHTS; i++) plan_weight(f + i * WEIGHT_FIELDS, &w[i]);
+}
+
+/* The index of `name` in ALL_ISAS where this CPU runs it; else -1 with ValueError set. */
+static int isa_index(const char *name) {
+    for (int i = 0; i < N_ISAS; i++)
+        if (strcmp(name, ALL_ISAS[i].name) == 0 && isa_ok[i]) return i;
+    PyErr_Format(PyExc_ValueError, "no %s kernels on this CPU", name);
+    return -1;
+}
+
+/* The plan's products chain (q, k, v: (nq | nkv, hidden), o: (hidden, nq), gate, up: (inter, hidden), down:
+ * (hidden, inter)), every layer has its norms, the head (if any; read into `head`) reads `hidden` columns:
+ * checked once per call, so the layers read them unchecked. 0 with ValueError set (naming `what`) when not. */
+static int check_plan(const char *what, const int64_t *plan, Py_ssize_t layers, Py_ssize_t hidden, Py_ssize_t nq,
+                      Py_ssize_t nkv, Py_ssize_t inter, unsigned long long head_ptr, weight_t *head) {
+    const Py_ssize_t shapes[DECODE_WEIGHTS][2] = {{nq, hidden}, {nkv, hidden}, {nkv, hidden}, {hidden, nq},
+                                                   {inter, hidden}, {inter, hidden}, {hidden, inter}};
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        const int64_t *f = plan + l * LAYER_FIELDS;
+        for (int i = 0; i < DECODE_WEIGHTS; i++) {
+            weight_t w;
+            if (!plan_weight(f + i * WEIGHT_FIELDS, &w) || w.N != shapes[i][0] || w.K != shapes[i][1]) {
+                PyErr_Format(PyExc_ValueError, "%s: layer %zd weight %d is not a (%zd, %zd) packed weight", what, l, i,
+                             shapes[i][0], shapes[i][1]);
+                return 0;
+            }
+        }
+        if (!f[DECODE_WEIGHTS * WEIGHT_FIELDS] || !f[DECODE_WEIGHTS * WEIGHT_FIELDS + 1]) {
+            PyErr_Format(PyExc_ValueError, "%s: layer %zd has no norm weights", what, l);
+            return 0;
+        }
+    }
+    if (head_ptr && (!plan_weight((const int64_t *)(uintptr_t)head_ptr, head) || head->K != hidden)) {
+        PyErr_Format(PyExc_ValueError, "%s: the head is not a packed weight of %zd columns", what, hidden);
+        return 0;
+    }
+    return 1;
+}
+
 /* A layer's norm weight i of the plan: 0 attention, 1 MLP, 2 and 3 the per-head query and key norms (NULL: none). */
 static inline const float *plan_norm(const int64_t *f, int i) {
     return (const float *)(uintptr_t)f[DECODE_WEIGHTS * WEIGHT_FIELDS + i];
@@ -368,23 +410,30 @@ static void one_product(const step_t *s, const act_bufs_t *b, input_t *in, const
     run_products(&p, s->threads);
 }
 
+/* The attention and SwiGLU kernels of an ISA: AVX2 ones for every x86 ISA (they all run AVX2 and FMA). */
+static void block_kernels(int isa, attend_fn *attend, swiglu_fn *swiglu) {
+    *attend = attend_generic;
+    *swiglu = swiglu_generic;
+#ifdef HAVE_X86_KERNELS
+    if (strcmp(ALL_ISAS[isa].name, "generic") != 0) {
+        *attend = attend_avx2;
+        *swiglu = swiglu_avx2;
+    }
+#endif
+}
+
 static void decode_layers(const step_t *s, const int64_t *plan, Py_ssize_t layers, float *x, const act_bufs_t *b,
                           float *work) {
     Py_ssize_t C = s->hidden, nq = s->heads * s->hd, nkv = s->kv_heads * s->hd;
     float *h = work, *q = h + (C > s->inter ? C : s->inter), *k = q + nq, *v = k + nkv, *y = v + nkv, *o = y + nq;
     float *gate = o + C, *up = gate + s->inter, *act = up + s->inter, *scores = act + s->inter;
-    attend_fn attend = attend_generic;
-    swiglu_fn swiglu = swiglu_generic;
-#ifdef HAVE_X86_KERNELS
-    if (strcmp(ALL_ISAS[s->isa].name, "generic") != 0) {     /* every other ISA runs AVX2 and FMA */
-        attend = attend_avx2;
-        swiglu = swiglu_avx2;
-    }
-#endif
+    attend_fn attend;
+    swiglu_fn swiglu;
+    block_kernels(s->isa, &attend, &swiglu);
     for (Py_ssize_t l = 0; l < layers; l++) {
         const int64_t *f = plan + l * LAYER_FIELDS;
         weight_t w[DECODE_WEIGHTS];
-        for (int i = 0; i < DECODE_WEIGHTS; i++) plan_weight(f + i * WEIGHT_FIELDS, &w[i]);
+        plan_layer_weights(f, w);
         const float *attn_norm = plan_norm(f, 0), *mlp_norm = plan_norm(f, 1);
         float *keys = s->keys + l * s->layer_stride, *values = s->values + l * s->layer_stride;
 
@@ -451,10 +500,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
                           &heads, &kv_heads, &hd, &inter, &eps, &cos_ptr, &sin_ptr, &keys_ptr, &values_ptr,
                           &layer_stride, &window, &norm_ptr, &head_ptr, &out_ptr))
         return NULL;
-    int isa = -1;
-    for (int i = 0; i < N_ISAS; i++)
-        if (strcmp(isa_name, ALL_ISAS[i].name) == 0 && isa_ok[i]) isa = i;
-    if (isa < 0) return PyErr_Format(PyExc_ValueError, "no %s kernels on this CPU", isa_name);
+    int isa = isa_index(isa_name);
+    if (isa < 0) return NULL;
     if (layers < 0 || hidden < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || hd < 2 || hd % 2 || inter < 1 ||
         window < 1 || pos < 0 || pos >= window || !plan_ptr || !x_ptr || !cos_ptr || !sin_ptr || !keys_ptr ||
         !values_ptr || !norm_ptr || !out_ptr)
@@ -464,23 +511,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_ssize_t nq = heads * hd, nkv = kv_heads * hd, kmax = hidden;
     if (nq > kmax) kmax = nq;
     if (inter > kmax) kmax = inter;
-    /* the products' shapes must chain: checked once here, so the loop reads them unchecked */
-    for (Py_ssize_t l = 0; l < layers; l++) {
-        const int64_t *f = plan + l * LAYER_FIELDS;
-        const Py_ssize_t shapes[DECODE_WEIGHTS][2] = {{nq, hidden}, {nkv, hidden}, {nkv, hidden}, {hidden, nq},
-                                                       {inter, hidden}, {inter, hidden}, {hidden, inter}};
-        for (int i = 0; i < DECODE_WEIGHTS; i++) {
-            weight_t w;
-            if (!plan_weight(f + i * WEIGHT_FIELDS, &w) || w.N != shapes[i][0] || w.K != shapes[i][1])
-                return PyErr_Format(PyExc_ValueError, "decode: layer %zd weight %d is not a (%zd, %zd) packed weight", l, i,
-                                    shapes[i][0], shapes[i][1]);
-        }
-        if (!f[DECODE_WEIGHTS * WEIGHT_FIELDS] || !f[DECODE_WEIGHTS * WEIGHT_FIELDS + 1])
-            return PyErr_Format(PyExc_ValueError, "decode: layer %zd has no norm weights", l);
-    }
     weight_t head;
-    if (head_ptr && (!plan_weight((const int64_t *)(uintptr_t)head_ptr, &head) || head.K != hidden))
-        return PyErr_Format(PyExc_ValueError, "decode: the head is not a packed weight of %zd columns", hidden);
+    if (!check_plan("decode", plan, layers, hidden, nq, nkv, inter, head_ptr, &head)) return NULL;
     Py_ssize_t nb = (kmax + QK - 1) / QK;
     size_t act_bytes = (size_t)(nb * QK + 64) * ACT_KINDS + sizeof(float) * (size_t)(2 * nb * ACT_KINDS) +
                        sizeof(int16_t) * (size_t)(kmax / 16 + 16);

@@ -143,19 +143,14 @@ typedef struct {
 static const float *forward_layers(const forward_t *s, const int64_t *plan, Py_ssize_t layers, float *x,
                                    const act_bufs_t *b, const forward_work_t *wk) {
     Py_ssize_t C = s->hidden, M = s->B * s->T, nq = s->heads * s->hd;
-    attend_fn attend = attend_generic;
-    swiglu_fn swiglu = swiglu_generic;
-#ifdef HAVE_X86_KERNELS
-    if (strcmp(ALL_ISAS[s->isa].name, "generic") != 0) {     /* every other ISA runs AVX2 and FMA */
-        attend = attend_avx2;
-        swiglu = swiglu_avx2;
-    }
-#endif
+    attend_fn attend;
+    swiglu_fn swiglu;
+    block_kernels(s->isa, &attend, &swiglu);
     const float *pending = NULL;       /* the last product of the previous block, still to add to x */
     for (Py_ssize_t l = 0; l < layers; l++) {
         const int64_t *f = plan + l * LAYER_FIELDS;
         weight_t w[DECODE_WEIGHTS];
-        for (int i = 0; i < DECODE_WEIGHTS; i++) plan_weight(f + i * WEIGHT_FIELDS, &w[i]);
+        plan_layer_weights(f, w);
         const weight_t *qkv_w[3] = {&w[0], &w[1], &w[2]}, *mlp_w[2] = {&w[4], &w[5]};
 
         prepare(s->isa, s->threads, b, x, pending, plan_norm(f, 0), wk->h, M, C, s->eps, kinds_of(qkv_w, 3));
@@ -313,10 +308,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                           &start, &hidden, &heads, &kv_heads, &hd, &inter, &eps, &cos_ptr, &sin_ptr, &keys_ptr,
                           &values_ptr, &layer_stride, &window, &norm_ptr, &head_ptr, &out_ptr, &last_only))
         return NULL;
-    int isa = -1;
-    for (int i = 0; i < N_ISAS; i++)
-        if (strcmp(isa_name, ALL_ISAS[i].name) == 0 && isa_ok[i]) isa = i;
-    if (isa < 0) return PyErr_Format(PyExc_ValueError, "no %s kernels on this CPU", isa_name);
+    int isa = isa_index(isa_name);
+    if (isa < 0) return NULL;
     int cached = keys_ptr != 0;
     if (layers < 0 || B < 1 || T < 1 || hidden < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || hd < 2 || hd % 2 ||
         inter < 1 || start < 0 || (cached ? B != 1 || !values_ptr || start + T > window : start != 0) || !plan_ptr ||
@@ -327,22 +320,8 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     Py_ssize_t nq = heads * hd, nkv = kv_heads * hd, kmax = hidden, M = B * T;
     if (nq > kmax) kmax = nq;
     if (inter > kmax) kmax = inter;
-    for (Py_ssize_t l = 0; l < layers; l++) {      /* the products' shapes must chain (as `decode` checks them) */
-        const int64_t *f = plan + l * LAYER_FIELDS;
-        const Py_ssize_t shapes[DECODE_WEIGHTS][2] = {{nq, hidden}, {nkv, hidden}, {nkv, hidden}, {hidden, nq},
-                                                       {inter, hidden}, {inter, hidden}, {hidden, inter}};
-        for (int i = 0; i < DECODE_WEIGHTS; i++) {
-            weight_t w;
-            if (!plan_weight(f + i * WEIGHT_FIELDS, &w) || w.N != shapes[i][0] || w.K != shapes[i][1])
-                return PyErr_Format(PyExc_ValueError, "forward: layer %zd weight %d is not a (%zd, %zd) packed weight", l,
-                                    i, shapes[i][0], shapes[i][1]);
-        }
-        if (!f[DECODE_WEIGHTS * WEIGHT_FIELDS] || !f[DECODE_WEIGHTS * WEIGHT_FIELDS + 1])
-            return PyErr_Format(PyExc_ValueError, "forward: layer %zd has no norm weights", l);
-    }
     weight_t head;
-    if (head_ptr && (!plan_weight((const int64_t *)(uintptr_t)head_ptr, &head) || head.K != hidden))
-        return PyErr_Format(PyExc_ValueError, "forward: the head is not a packed weight of %zd columns", hidden);
+    if (!check_plan("forward", plan, layers, hidden, nq, nkv, inter, head_ptr, &head)) return NULL;
     if (!cached) {
         window = T;                                /* a scratch cache of this call's positions, reused by every layer */
         layer_stride = 0;
