@@ -23,19 +23,28 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slim-install")]
 
 @pytest.fixture(scope="module")
 def slim_python(tmp_path_factory) -> Path:
-    """A new virtual environment with `pip install <this checkout>` (no extras) in it."""
+    """A new virtual environment with this checkout's wheel installed (no extras): what `pip install modelkit` does.
+
+    The wheel is built by this interpreter's pip without build isolation (its setuptools is the one `make` installed)
+    and installed by the same pip into a venv made without pip of its own (`pip --python`): the same files and the
+    same dependency resolution as pip inside the venv, for ~8 s of CPU instead of ~14 s (2026-11-28: the venv's own
+    pip took 4 s to set up, and an isolated build installs setuptools into a fresh environment first)."""
     folder = tmp_path_factory.mktemp("slim") / "venv"
-    venv.EnvBuilder(with_pip=True).create(folder)
+    venv.EnvBuilder(with_pip=False).create(folder)
     python = folder / "bin" / "python"
     # Built from a copy of the sources, so the build leaves nothing (build/, *.egg-info) in the checkout.
     source = tmp_path_factory.mktemp("slim-src") / "modelkit"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "runs",
                                                                 "__pycache__", "*.so", "tests", "bench", "docs"))
     _reuse_compiled_extensions(source)
+    wheels = tmp_path_factory.mktemp("slim-wheel")
     env = {**os.environ, "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    result = subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(source)], capture_output=True, text=True,
-                            env=env, cwd=folder, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
+    pip = [sys.executable, "-m", "pip"]
+    for step in ("wheel", "install"):
+        command = ([*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(wheels), str(source)]
+                   if step == "wheel" else [*pip, "--python", str(python), "install", "--quiet", *map(str, wheels.glob("*.whl"))])
+        result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=folder, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
     return python
 
 

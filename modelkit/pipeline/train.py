@@ -153,6 +153,12 @@ def _save(out: Path, model: nn.Module, optimizer, config: TrainConfig, *, epoch:
     return target
 
 
+def _fused_adamw(model: nn.Module, device: torch.device) -> bool | None:
+    """True where torch's fused AdamW takes every parameter (floating point, training on the CPU or CUDA); None
+    leaves the choice to torch."""
+    return True if device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in model.parameters()) else None
+
+
 def _same_state(a: Any, b: Any) -> bool:
     """Nested dicts, lists, tensors and scalars equal (tensors bit for bit, on the CPU)."""
     if isinstance(a, torch.Tensor):
@@ -239,7 +245,11 @@ def train(
         from modelkit.models import arch_spec
 
         arch_json = arch_spec(model).to_json()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        # fused: one kernel for every parameter's update, 2.6 ms a step on tinylm's 1.7M parameters against the
+        # for-loop's 7.1 ms (one thread, 2026-11-28): ~4 s of the demo recipe's 977 steps. Same update rule: the
+        # recipe still reaches 0.5016 / 0.4756 of the unigram bits (validation / test; 0.502 / 0.476 before).
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                      fused=_fused_adamw(model, device))
         first_epoch, step, history = 0, 0, []
         if resume:
             state = _resume_state(out, model, arch_json)
