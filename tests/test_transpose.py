@@ -192,3 +192,25 @@ def test_every_instruction_set_gives_the_same_bits():
         KERNEL.use_isa(KERNEL.ISA)
     with pytest.raises(ValueError, match="use_isa takes"):
         KERNEL.use_isa("neon")
+
+
+def test_row_blocks_shared_out_between_threads_in_runs_of_blocks(path, monkeypatch):
+    """A matrix in many blocks over the threshold: each thread takes a run of consecutive blocks of about
+    the same rows; made whole, streamed and compared, it is the transpose, and a difference is found in any
+    thread's run."""
+    monkeypatch.setattr(transpose, "_PARALLEL", 1 << 10)
+    monkeypatch.setattr(transpose, "WORKERS", 3)
+    w = _matrix((70, 36), np.float32, seed=6)
+    data = np.frombuffer(w.tobytes(), dtype=np.uint8)
+    cuts = [0, 144, 1000, 1001, 4000, 6000, 9000, data.size]           # rows cut between pieces, uneven blocks
+    blocks = transpose.RowBlocks.of_bytes([data[a:b] for a, b in zip(cuts, cuts[1:], strict=False)], (70, 36), np.float32)
+    runs = transpose._runs(blocks.blocks, 3)
+    assert len(runs) == 3 and [item for run in runs for item in run] == blocks.blocks
+    assert blocks.transposed().tobytes() == w.T.tobytes()
+    assert b"".join(band.tobytes() for band in blocks.transposed_chunks(5 * 70 * 4)) == w.T.tobytes()
+    whole = np.ascontiguousarray(w.T)
+    assert blocks.equals_transposed(whole)
+    for row in (0, 35, 69):
+        changed = whole.copy()
+        changed.view(np.uint32)[20, row] ^= 1
+        assert not blocks.equals_transposed(changed), row

@@ -129,32 +129,57 @@ class RowBlocks:
     def transposed(self) -> np.ndarray:
         """The transpose, (cols, rows), as one new array."""
         out = np.empty(self.shape[::-1], dtype=self.dtype)
-        with _pool(out.nbytes) as pool:
-            list(pool.map(lambda item: transpose_into(out[:, item[0]:item[0] + len(item[1])], item[1]), self.blocks))
+        self._each_group(lambda group: [transpose_into(out[:, first:first + len(block)], block, threads=None
+                                                       if len(self.blocks) == 1 else 1) for first, block in group])
         return out
 
     def transposed_chunks(self, nbytes: int, bands: Bands | None = None) -> Iterator[np.ndarray]:
         """The transpose in bands of whole rows of about `nbytes`, made in two buffers in turn: each band
         is valid until the one after next is asked for. `bands`: buffers shared with the matrices streamed
-        before and after this one (by one consumer), else two of its own."""
+        before and after this one (by one consumer), else two of its own. A matrix in one block (a torch
+        kernel) is transposed on the calling thread alone (the consumer's writer has the other core); one
+        in many (a TF.js kernel across its shards) by WORKERS threads, each a run of whole blocks."""
         rows, cols = self.shape
         step = max(1, nbytes // max(1, rows * self.dtype.itemsize))
         bands = bands or Bands()
-        with _pool(rows * cols * self.dtype.itemsize) as pool:
-            for start in range(0, cols, step):
-                band = bands.next((min(step, cols - start), rows), self.dtype)
-                list(pool.map(lambda item, b=band, s=start: transpose_into(b[:, item[0]:item[0] + len(item[1])],
-                                                                           item[1][:, s:s + len(b)]), self.blocks))
-                yield band
+        for start in range(0, cols, step):
+            band = bands.next((min(step, cols - start), rows), self.dtype)
+            self._each_group(lambda group, b=band, s=start: [transpose_into(b[:, first:first + len(block)],
+                                                                            block[:, s:s + len(b)])
+                                                             for first, block in group])
+            yield band
 
     def equals_transposed(self, array: np.ndarray) -> bool:
         """True when `array` (cols, rows) is the stored matrix transposed, bit for bit; compared block by
         block in the stored layout, nothing made."""
         if array.dtype != self.dtype or array.shape != self.shape[::-1]:
             return False
-        with _pool(array.nbytes) as pool:
-            return all(pool.map(lambda item: transposed_equal(item[1], array[:, item[0]:item[0] + len(item[1])],
-                                                              threads=1), self.blocks))
+        threads = None if len(self.blocks) == 1 else 1        # one block: shared out by rows instead
+        return all(self._each_group(lambda group: all(
+            transposed_equal(block, array[:, first:first + len(block)], threads=threads) for first, block in group)))
+
+    def _each_group(self, work: Any) -> list[Any]:
+        """`work(group)` for each of up to WORKERS runs of consecutive blocks (about the same rows each), on
+        threads of their own when the matrix is large: one hand-off per thread, not one per block (a TF.js
+        kernel in 4 MiB shards is 16 blocks; per block, a 1 GiB model's bands made 4096 hand-offs)."""
+        groups = _runs(self.blocks, WORKERS if self.shape[0] * self.shape[1] * self.dtype.itemsize >= _PARALLEL else 1)
+        if len(groups) == 1:
+            return [work(groups[0])]
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="modelkit-transpose") as pool:
+            return list(pool.map(work, groups))
+
+
+def _runs(blocks: list[tuple[int, np.ndarray]], n: int) -> list[list[tuple[int, np.ndarray]]]:
+    """`blocks` cut into at most `n` runs of consecutive blocks holding about the same number of rows."""
+    total = sum(len(block) for _, block in blocks)
+    runs: list[list[tuple[int, np.ndarray]]] = [[]]
+    held = 0
+    for item in blocks:
+        if runs[-1] and held >= total * len(runs) / n:
+            runs.append([])
+        runs[-1].append(item)
+        held += len(item[1])
+    return runs
 
 
 class Bands:
@@ -177,22 +202,3 @@ class Bands:
         if memory is None or memory.nbytes < need:
             memory = self._memory[turn] = np.empty(max(need, 1), dtype=np.uint8)
         return memory[:need].view(dtype).reshape(shape)
-
-
-class _Serial:
-    """A stand-in for a thread pool that maps in the calling thread (a small matrix)."""
-
-    def __enter__(self) -> _Serial:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    @staticmethod
-    def map(fn: Any, items: Any) -> Iterator[Any]:
-        return map(fn, items)
-
-
-def _pool(nbytes: int) -> ThreadPoolExecutor | _Serial:
-    """Threads to share a matrix's blocks out between: WORKERS from _PARALLEL bytes, else the caller alone."""
-    return ThreadPoolExecutor(WORKERS, thread_name_prefix="modelkit-transpose") if nbytes >= _PARALLEL and WORKERS > 1 else _Serial()
