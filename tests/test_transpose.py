@@ -214,3 +214,32 @@ def test_row_blocks_shared_out_between_threads_in_runs_of_blocks(path, monkeypat
         changed = whole.copy()
         changed.view(np.uint32)[20, row] ^= 1
         assert not blocks.equals_transposed(changed), row
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_the_worker_threads_are_started_again_in_a_forked_child(monkeypatch):
+    """The module keeps one pool of threads; a child forked after it was started (multiprocessing's default
+    on Linux) has none of them, and must start its own rather than wait forever on the parent's."""
+    import os
+
+    monkeypatch.setattr(transpose, "_PARALLEL", 1 << 10)
+    w = _matrix((64, 48), np.float32, seed=7)
+    assert transpose.transposed_equal(w, np.ascontiguousarray(w.T), threads=2)     # the pool is started
+    pid = os.fork()
+    if pid == 0:                                       # the child: exit 0 only if the threads work here too
+        try:
+            out = np.empty((48, 64), np.float32)
+            transpose.transpose_into(out, w, threads=2)
+            os._exit(0 if out.tobytes() == w.T.tobytes() and transpose.transposed_equal(w, out, threads=2) else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung on the parent's threads")

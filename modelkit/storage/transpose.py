@@ -9,9 +9,10 @@ by tile. Items are moved and compared as raw bits: a NaN equals its own bits, -0
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -50,8 +51,7 @@ def transpose_into(out: np.ndarray, w: np.ndarray, *, threads: int | None = 1) -
         if len(bands) == 1:
             _kernel.transpose(w, out)
         else:
-            with ThreadPoolExecutor(len(bands), thread_name_prefix="modelkit-transpose") as pool:
-                list(pool.map(lambda b: _kernel.transpose(w[b], out[:, b]), bands))
+            _on_threads(lambda b: _kernel.transpose(w[b], out[:, b]), bands)
         return
     # numpy's copy of w.T strides across the whole source for every output row; 16-row tiles keep the
     # rows read in cache (about 8x faster on a 4096 x 4096 float32)
@@ -71,8 +71,7 @@ def transposed_equal(a: np.ndarray, b: np.ndarray, *, threads: int | None = None
         bands = _bands(a.shape[0], a.nbytes, threads)
         if len(bands) == 1:
             return bool(_kernel.transposed_equal(a, b))
-        with ThreadPoolExecutor(len(bands), thread_name_prefix="modelkit-verify") as pool:
-            return all(pool.map(lambda r: _kernel.transposed_equal(a[r], b[:, r]), bands))
+        return all(_on_threads(lambda r: _kernel.transposed_equal(a[r], b[:, r]), bands))
     rows, cols = _TILE
     for i in range(0, a.shape[0], rows):
         for j in range(0, a.shape[1], cols):
@@ -163,10 +162,7 @@ class RowBlocks:
         threads of their own when the matrix is large: one hand-off per thread, not one per block (a TF.js
         kernel in 4 MiB shards is 16 blocks; per block, a 1 GiB model's bands made 4096 hand-offs)."""
         groups = _runs(self.blocks, WORKERS if self.shape[0] * self.shape[1] * self.dtype.itemsize >= _PARALLEL else 1)
-        if len(groups) == 1:
-            return [work(groups[0])]
-        with ThreadPoolExecutor(len(groups), thread_name_prefix="modelkit-transpose") as pool:
-            return list(pool.map(work, groups))
+        return [work(groups[0])] if len(groups) == 1 else _on_threads(work, groups)
 
 
 def _runs(blocks: list[tuple[int, np.ndarray]], n: int) -> list[list[tuple[int, np.ndarray]]]:
@@ -202,3 +198,31 @@ class Bands:
         if memory is None or memory.nbytes < need:
             memory = self._memory[turn] = np.empty(max(need, 1), dtype=np.uint8)
         return memory[:need].view(dtype).reshape(shape)
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_threads: ThreadPoolExecutor | None = None
+_threads_lock = threading.Lock()
+
+
+def _on_threads(work: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+    """`work(item)` for every item on the module's worker threads, in order: one pool of WORKERS threads,
+    started on first use and kept, where a pool per call started 2 threads per band of a TF.js kernel (512
+    per 1 GiB model). Work run there never hands work back to the pool (no nesting, no deadlock)."""
+    global _threads
+    with _threads_lock:
+        if _threads is None:
+            _threads = ThreadPoolExecutor(max(2, WORKERS), thread_name_prefix="modelkit-transpose")
+        pool = _threads
+    return list(pool.map(work, items))
+
+
+def _forget_threads() -> None:
+    """In a forked child the parent's threads do not exist: start a pool of its own when one is needed."""
+    global _threads, _threads_lock
+    _threads, _threads_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads)
