@@ -195,9 +195,8 @@ def test_every_instruction_set_gives_the_same_bits():
 
 
 def test_row_blocks_shared_out_between_threads_in_runs_of_blocks(path, monkeypatch):
-    """A matrix in many blocks over the threshold: each thread takes a run of consecutive blocks of about
-    the same rows; made whole, streamed and compared, it is the transpose, and a difference is found in any
-    thread's run."""
+    """A matrix in many blocks over the threshold is shared out in runs of consecutive blocks of about the
+    same rows; made whole, streamed and compared, it is the transpose, and a difference is found in any run."""
     monkeypatch.setattr(transpose, "_PARALLEL", 1 << 10)
     monkeypatch.setattr(transpose, "WORKERS", 3)
     w = _matrix((70, 36), np.float32, seed=6)

@@ -137,7 +137,7 @@ class RowBlocks:
         is valid until the one after next is asked for. `bands`: buffers shared with the matrices streamed
         before and after this one (by one consumer), else two of its own. A matrix in one block (a torch
         kernel) is transposed on the calling thread alone (the consumer's writer has the other core); one
-        in many (a TF.js kernel across its shards) by WORKERS threads, each a run of whole blocks."""
+        in many (a TF.js kernel across its shards) on the worker threads, in runs of whole blocks."""
         rows, cols = self.shape
         step = max(1, nbytes // max(1, rows * self.dtype.itemsize))
         bands = bands or Bands()
@@ -158,10 +158,13 @@ class RowBlocks:
             transposed_equal(block, array[:, first:first + len(block)], threads=threads) for first, block in group)))
 
     def _each_group(self, work: Any) -> list[Any]:
-        """`work(group)` for each of up to WORKERS runs of consecutive blocks (about the same rows each), on
-        threads of their own when the matrix is large: one hand-off per thread, not one per block (a TF.js
-        kernel in 4 MiB shards is 16 blocks; per block, a 1 GiB model's bands made 4096 hand-offs)."""
-        groups = _runs(self.blocks, WORKERS if self.shape[0] * self.shape[1] * self.dtype.itemsize >= _PARALLEL else 1)
+        """`work(group)` for runs of consecutive blocks (about the same rows each), on the worker threads when
+        the matrix is large: twice as many runs as threads, taken as threads come free, so one hand-off per
+        run, not one per block (a TF.js kernel in 4 MiB shards is 16 blocks; per block, a 1 GiB model's bands
+        made 4096 hand-offs), and a thread that is descheduled leaves its next run to the other (with one
+        fixed share each, the other waited: 30-70% more wall time at load 5-6, 2026-11-28)."""
+        large = self.shape[0] * self.shape[1] * self.dtype.itemsize >= _PARALLEL and WORKERS > 1
+        groups = _runs(self.blocks, 2 * WORKERS if large else 1)
         return [work(groups[0])] if len(groups) == 1 else _on_threads(work, groups)
 
 
