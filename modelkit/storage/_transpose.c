@@ -84,16 +84,6 @@ static void copy_sse(const plan_t *p, Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j
     if (i < i1) copy_uint32_t(p, i, i1, j0, j1);
 }
 
-/* Rows [i0, i1) x columns [j0, j1) of a compared with b's transpose item by item: 1 where any differs. */
-static int differ_uint32(const plan_t *p, Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1) {
-    for (Py_ssize_t i = i0; i < i1; i++) {
-        const uint32_t *row = (const uint32_t *)(p->a + i * p->a_stride);
-        for (Py_ssize_t j = j0; j < j1; j++)
-            if (((const uint32_t *)(p->b + j * p->b_stride))[i] != row[j]) return 1;
-    }
-    return 0;
-}
-
 /* Eight rows of eight 32-bit items through AVX2 registers (unpack 32-bit, shuffle 64-bit pairs, swap 128-bit
  * halves), and sixteen of sixteen through AVX-512's (unpack 32-bit, then 64-bit, then two rounds of 128-bit
  * lane shuffles). Only data moves: the bits pass unchanged. Built with target attributes and chosen at run
@@ -103,6 +93,16 @@ static int differ_uint32(const plan_t *p, Py_ssize_t i0, Py_ssize_t i1, Py_ssize
 #define HAVE_AVX2_PATH 1
 #define TARGET_AVX2 __attribute__((target("avx2")))
 #define TARGET_AVX512 __attribute__((target("avx512f")))
+
+/* Rows [i0, i1) x columns [j0, j1) of a compared with b's transpose item by item: 1 where any differs. */
+static int differ_uint32(const plan_t *p, Py_ssize_t i0, Py_ssize_t i1, Py_ssize_t j0, Py_ssize_t j1) {
+    for (Py_ssize_t i = i0; i < i1; i++) {
+        const uint32_t *row = (const uint32_t *)(p->a + i * p->a_stride);
+        for (Py_ssize_t j = j0; j < j1; j++)
+            if (((const uint32_t *)(p->b + j * p->b_stride))[i] != row[j]) return 1;
+    }
+    return 0;
+}
 
 /* r[k] = row k of an 8 x 8 tile in, column k out. */
 TARGET_AVX2 static inline void transpose8(__m256 r[8]) {
