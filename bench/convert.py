@@ -139,7 +139,10 @@ def run_once(src: Path, dst: Path, kind: str, python: str = sys.executable) -> d
     if folder.exists():
         folder.unlink() if folder.is_file() else __import__("shutil").rmtree(folder)
     subprocess.run(["sync"], check=False)
-    result = subprocess.run([python, "-c", _HARNESS, str(src), str(dst), kind],
+    # -P: nothing put before the install's own path; `python -c` puts the current folder first, so a run from a
+    # checkout (the bench's own folder) imported that checkout's modelkit under any `python`: until 2026-11-28
+    # --baseline-python run from a branch's worktree measured the branch against itself
+    result = subprocess.run([python, "-P", "-c", _HARNESS, str(src), str(dst), kind],
                             capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"{kind} {src.name} -> {dst.name} failed:\n{result.stderr[-2000:]}")

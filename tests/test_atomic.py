@@ -156,3 +156,41 @@ def test_a_failed_writer_leaves_no_output_and_its_error_is_the_one_raised(tmp_pa
         write_output(tmp_path / "out.bin", write, verify=None, force=False)
     assert "out.bin" not in synced                   # abandoned: nothing synced for an output that goes
     assert not list(tmp_path.iterdir())
+
+
+def test_weights_stream_with_the_cyclic_collector_off_and_it_comes_back_as_it_was(tmp_path, monkeypatch):
+    """write_checkpoint defers collections while a weight format is written and verified, and leaves the
+    collector as it found it: on, off, or on after a failed write."""
+    import gc
+
+    import torch
+
+    from modelkit.checkpoint import Checkpoint
+    from modelkit.formats import load_format
+    from modelkit.pipeline.write import write_checkpoint
+
+    converter = load_format("safetensors")
+    seen = []
+    real_write = converter.write
+
+    def write(ckpt, path, options):
+        seen.append(gc.isenabled())
+        real_write(ckpt, path, options)
+    monkeypatch.setattr(converter, "write", write)
+    ckpt = Checkpoint.from_state_dict({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
+    assert gc.isenabled()
+    write_checkpoint(ckpt, tmp_path / "a.safetensors", "safetensors", force=False)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        write_checkpoint(ckpt, tmp_path / "b.safetensors", "safetensors", force=False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    def fail(ckpt, path, options):
+        raise OSError("disk full")
+    monkeypatch.setattr(converter, "write", fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_checkpoint(ckpt, tmp_path / "c.safetensors", "safetensors", force=False)
+    assert gc.isenabled() and not (tmp_path / "c.safetensors").exists()

@@ -10,23 +10,24 @@ import pytest
 
 from modelkit.storage import transpose
 
-PATHS = ["numpy"] + (["c"] if transpose.ACCELERATED else [])
-# the C kernels' AVX2 path for 4-byte items, where the CPU has it; "c" then runs the SSE2 one
 KERNEL = transpose._kernel
-AVX2 = KERNEL is not None and KERNEL.ISA == "avx2"
-PATHS += ["c-avx2"] if AVX2 else []
+# the C kernels' paths for 4-byte items: each instruction set this CPU has (the others' items go one way)
+ISAS = [] if KERNEL is None else [isa for isa in ("sse2", "avx2", "avx512") if KERNEL.use_isa(isa) == isa]
+if KERNEL is not None:
+    KERNEL.use_isa(KERNEL.ISA)
+PATHS = ["numpy"] + (["c"] if KERNEL is not None and not ISAS else []) + [f"c-{isa}" for isa in ISAS]
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
     """Each test once through the numpy path and once through the C kernels (where they were built), for
-    4-byte items once through each of their instruction sets."""
+    4-byte items once through each instruction set the CPU has."""
     if request.param == "numpy":
         monkeypatch.setattr(transpose, "_kernel", None)
-    if AVX2:
-        KERNEL.use_avx2(request.param == "c-avx2")
+    if request.param.startswith("c-"):
+        KERNEL.use_isa(request.param[2:])
         yield request.param
-        KERNEL.use_avx2(True)
+        KERNEL.use_isa(KERNEL.ISA)
         return
     yield request.param
 
@@ -148,3 +149,96 @@ def test_shared_bands_take_turns_across_matrices_and_are_allocated_once(path):
     seen.append(held.tobytes())
     assert b"".join(seen) == first.T.tobytes() + second.T.tobytes()
     assert len(memory) == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("shape", [(16, 16), (8, 24), (31, 33), (48, 272), (257, 15), (15, 513)])
+def test_whole_tiles_edges_and_strides_and_any_flipped_item_found(path, dtype, shape):
+    """Around the register tiles (8 and 16 items) and the 256-column strip of the direct paths, on views of
+    a larger matrix (row strides not the width): the transpose is exact, and one flipped bit anywhere (whole
+    tiles, the last rows, the last columns, the corner) is found."""
+    rows, cols = shape
+    big = _matrix((rows + 3, cols + 40), dtype, seed=rows * cols)
+    w = big[2:2 + rows, 7:7 + cols]                                  # strided rows, an unaligned start
+    room = np.zeros((cols + 1, rows + 9), dtype=dtype)
+    out = room[1:, 5:5 + rows]                                       # a strided, unaligned target
+    transpose.transpose_into(out, w)
+    assert out.tobytes() == np.ascontiguousarray(w.T).tobytes()
+    assert not room[0].any() and not room[1:, :5].any() and not room[1:, 5 + rows:].any()
+    assert transpose.transposed_equal(w, out)
+    rng = np.random.default_rng(cols)
+    spots = {(0, 0), (rows - 1, cols - 1), (rows - 1, 0), (0, cols - 1), (rows // 2, cols // 2)}
+    spots |= {(int(rng.integers(rows)), int(rng.integers(cols))) for _ in range(6)}
+    for i, j in spots:
+        changed = out.copy()
+        changed.view(np.uint8).reshape(cols, rows, -1)[j, i, -1] ^= 0x80     # the top bit of item (j, i)
+        assert not transpose.transposed_equal(w, changed), (i, j)
+
+
+def test_every_instruction_set_gives_the_same_bits():
+    """The C paths for 4-byte items agree with numpy on a 4096-wide band like the TF.js writer's."""
+    if KERNEL is None:
+        pytest.skip("the C kernels were not built")
+    w = _matrix((300, 4096), np.float32, seed=9)[:, 1000:1300]
+    want = np.ascontiguousarray(w.T).tobytes()
+    try:
+        for isa in ISAS:
+            KERNEL.use_isa(isa)
+            out = np.empty((300, 300), np.float32)
+            transpose.transpose_into(out, w)
+            assert out.tobytes() == want, isa
+            assert transpose.transposed_equal(w, out), isa
+    finally:
+        KERNEL.use_isa(KERNEL.ISA)
+    with pytest.raises(ValueError, match="use_isa takes"):
+        KERNEL.use_isa("neon")
+
+
+def test_row_blocks_shared_out_between_threads_in_runs_of_blocks(path, monkeypatch):
+    """A matrix in many blocks over the threshold is shared out in runs of consecutive blocks of about the
+    same rows; made whole, streamed and compared, it is the transpose, and a difference is found in any run."""
+    monkeypatch.setattr(transpose, "_PARALLEL", 1 << 10)
+    monkeypatch.setattr(transpose, "WORKERS", 3)
+    w = _matrix((70, 36), np.float32, seed=6)
+    data = np.frombuffer(w.tobytes(), dtype=np.uint8)
+    cuts = [0, 144, 1000, 1001, 4000, 6000, 9000, data.size]           # rows cut between pieces, uneven blocks
+    blocks = transpose.RowBlocks.of_bytes([data[a:b] for a, b in zip(cuts, cuts[1:], strict=False)], (70, 36), np.float32)
+    runs = transpose._runs(blocks.blocks, 3)
+    assert len(runs) == 3 and [item for run in runs for item in run] == blocks.blocks
+    assert blocks.transposed().tobytes() == w.T.tobytes()
+    assert b"".join(band.tobytes() for band in blocks.transposed_chunks(5 * 70 * 4)) == w.T.tobytes()
+    whole = np.ascontiguousarray(w.T)
+    assert blocks.equals_transposed(whole)
+    for row in (0, 35, 69):
+        changed = whole.copy()
+        changed.view(np.uint32)[20, row] ^= 1
+        assert not blocks.equals_transposed(changed), row
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_the_worker_threads_are_started_again_in_a_forked_child(monkeypatch):
+    """The module keeps one pool of threads; a child forked after it was started (multiprocessing's default
+    on Linux) has none of them, and must start its own rather than wait forever on the parent's."""
+    import os
+
+    monkeypatch.setattr(transpose, "_PARALLEL", 1 << 10)
+    w = _matrix((64, 48), np.float32, seed=7)
+    assert transpose.transposed_equal(w, np.ascontiguousarray(w.T), threads=2)     # the pool is started
+    pid = os.fork()
+    if pid == 0:                                       # the child: exit 0 only if the threads work here too
+        try:
+            out = np.empty((48, 64), np.float32)
+            transpose.transpose_into(out, w, threads=2)
+            os._exit(0 if out.tobytes() == w.T.tobytes() and transpose.transposed_equal(w, out, threads=2) else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung on the parent's threads")

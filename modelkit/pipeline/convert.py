@@ -17,6 +17,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from modelkit.formats import (
     format_for_output,
     load_format,
 )
-from modelkit.pipeline.write import write_checkpoint
+from modelkit.pipeline.write import collections_deferred, write_checkpoint
 from modelkit.storage.dtypes import DTYPE_NAMES, DType, as_dtype, cast_float, dtype_name
 
 if TYPE_CHECKING:       # weight containers convert without torch; graphs import it where they are built
@@ -170,41 +171,43 @@ def convert(
     if dst.resolve() == src.resolve():
         raise ConfigError(f"{dst} is the input file; choose another output path (inputs are never modified)")
 
-    ckpt = load_format(in_fmt).read(src, ReadOptions(trust=trust, key=key))
-    notes: list[str] = []
-    if isinstance(arch, str) and ":" not in arch:
-        arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
-    if isinstance(arch, ArchSpec):
-        ckpt = Checkpoint(ckpt.tensors, ckpt.metadata, arch, ckpt.assets)
-        adopt = getattr(load_format(in_fmt), "adopt_arch", None)      # tfjs: a foreign Keras model's names
-        if adopt is not None:
-            ckpt = adopt(ckpt)
-    ckpt = _cast(ckpt, cast)
+    # weights only (no graph to export): no cyclic collection while the file is read, written and checked
+    with collections_deferred() if not FORMATS[out_fmt].has_graph else nullcontext():
+        ckpt = load_format(in_fmt).read(src, ReadOptions(trust=trust, key=key))
+        notes: list[str] = []
+        if isinstance(arch, str) and ":" not in arch:
+            arch = ArchSpec(arch, ckpt.arch.config if ckpt.arch and ckpt.arch.name == arch else {})
+        if isinstance(arch, ArchSpec):
+            ckpt = Checkpoint(ckpt.tensors, ckpt.metadata, arch, ckpt.assets)
+            adopt = getattr(load_format(in_fmt), "adopt_arch", None)      # tfjs: a foreign Keras model's names
+            if adopt is not None:
+                ckpt = adopt(ckpt)
+        ckpt = _cast(ckpt, cast)
 
-    module = None
-    options = WriteOptions(shard_size=shard_bytes, final_path=dst)
-    factory = isinstance(arch, str) and ":" in arch
-    if FORMATS[out_fmt].has_graph or (factory and FORMATS[out_fmt].maps_module):
-        # built here, once, so the writer exports and the verification runs the same module
-        module = instantiate(ckpt, arch=arch if isinstance(arch, str) else None, source=str(src), target=out_fmt,
-                             dequantize=True)
-        if cast is not None:
-            module = module.to(cast.torch)
-        options = replace(_module_options(module, example_inputs, dynamic, cast, final_path=dst), kv_cache=kv_cache)
-    elif example_inputs is not None or dynamic:
-        raise ConfigError(f"example inputs and dynamic axes apply to graph outputs (onnx, pt2, torchscript) and HDF5's "
-                          f"Keras layout of a user's module, not to {out_fmt}")
-    if not FORMATS[out_fmt].has_graph:
-        module = None                            # a mapped module (Keras layout) is not run: weights are checked
-    sharded = shard_bytes is not None
-    verify_result, size = write_checkpoint(ckpt, dst, out_fmt, options, force=force, verify=verify,
-                                          module=module, sharded=sharded, progress=progress)
-    return ConversionReport(
-        source={"path": str(src), "format": in_fmt},
-        target={"path": str(dst), "format": out_fmt, "bytes": size, "dtype": dtype_name(cast) if cast else None},
-        tensors=len(ckpt), parameters=ckpt.num_parameters, verify=verify_result,
-        seconds=time.perf_counter() - started, notes=notes,
-    )
+        module = None
+        options = WriteOptions(shard_size=shard_bytes, final_path=dst)
+        factory = isinstance(arch, str) and ":" in arch
+        if FORMATS[out_fmt].has_graph or (factory and FORMATS[out_fmt].maps_module):
+            # built here, once, so the writer exports and the verification runs the same module
+            module = instantiate(ckpt, arch=arch if isinstance(arch, str) else None, source=str(src), target=out_fmt,
+                                 dequantize=True)
+            if cast is not None:
+                module = module.to(cast.torch)
+            options = replace(_module_options(module, example_inputs, dynamic, cast, final_path=dst), kv_cache=kv_cache)
+        elif example_inputs is not None or dynamic:
+            raise ConfigError(f"example inputs and dynamic axes apply to graph outputs (onnx, pt2, torchscript) and HDF5's "
+                              f"Keras layout of a user's module, not to {out_fmt}")
+        if not FORMATS[out_fmt].has_graph:
+            module = None                            # a mapped module (Keras layout) is not run: weights are checked
+        sharded = shard_bytes is not None
+        verify_result, size = write_checkpoint(ckpt, dst, out_fmt, options, force=force, verify=verify,
+                                              module=module, sharded=sharded, progress=progress)
+        return ConversionReport(
+            source={"path": str(src), "format": in_fmt},
+            target={"path": str(dst), "format": out_fmt, "bytes": size, "dtype": dtype_name(cast) if cast else None},
+            tensors=len(ckpt), parameters=ckpt.num_parameters, verify=verify_result,
+            seconds=time.perf_counter() - started, notes=notes,
+        )
 
 
 def _check_kv_cache(kv_cache: bool, fmt: str) -> None:

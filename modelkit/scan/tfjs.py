@@ -11,7 +11,7 @@ import os
 
 from modelkit.errors import ParseError
 from modelkit.parse import tfjs
-from modelkit.parse.paths import location_problem
+from modelkit.parse.paths import location_problem, plain_file
 from modelkit.scan import tf_ops
 from modelkit.scan.model import Severity
 
@@ -33,9 +33,22 @@ def scan_model(doc: Any, ctx: Context, label: str) -> str:
     """Judge a decoded TF.js model.json; returns a phrase for `examined`."""
     sink = ctx.sink(label)
     on_disk = ctx.depth == 0 and ctx.directory is not None
+    root = os.path.realpath(ctx.directory) if on_disk and ctx.directory is not None else None
+    places: dict[str, tuple[str | None, str | None]] = {}
+
+    def place(path: str) -> tuple[str | None, str | None]:
+        """(the shard's real path on disk or None, why it may not be read or None). A plain name of a regular
+        file in the folder costs one lstat (parse.paths.plain_file); anything else goes through the full rules."""
+        if path not in places:
+            plain = plain_file(root, path) if root is not None else None
+            problem = None if plain is not None else location_problem(path, root)
+            real = plain or (os.path.realpath(os.path.join(root, path.replace("\\", "/")))
+                             if root is not None and problem is None else None)
+            places[path] = (real, problem)
+        return places[path]
     # Manifest paths first, from the raw document: an escape counts even when the rest does not parse.
     for group, path in tfjs.declared_paths(doc):
-        problem = location_problem(path, ctx.directory if on_disk else None)
+        problem = place(path)[1]
         if problem is not None:
             sink.add(Severity.DANGEROUS, "tfjs.path.escape",
                      f"weightsManifest[{group}] names shard {path[:200]!r}, which {problem}", name=path[:200])
@@ -60,9 +73,8 @@ def scan_model(doc: Any, ctx: Context, label: str) -> str:
             elif problem.kind == "size":
                 sink.add(Severity.SUSPICIOUS, "tfjs.shard.size", problem.message, name=problem.path)
             # "escape" was reported above, from the document
-        ctx.data_files.extend(os.path.realpath(os.path.join(ctx.directory, path.replace("\\", "/")))
-                              for group in model.groups for path in group.paths
-                              if location_problem(path, ctx.directory) is None)
+        ctx.data_files.extend(real for group in model.groups for path in group.paths
+                              if (real := place(path)[0]) is not None)
     nodes = f", {len(model.nodes)} graph nodes" if model.format == "graph-model" else ""
     checked = "shard sizes checked" if on_disk else "shards not checked (not on disk)"
     return f"TF.js {model.format}{nodes}, {weights} weights in {shards} shards, {checked}"

@@ -9,9 +9,10 @@ by tile. Items are moved and compared as raw bits: a NaN equals its own bits, -0
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -50,8 +51,7 @@ def transpose_into(out: np.ndarray, w: np.ndarray, *, threads: int | None = 1) -
         if len(bands) == 1:
             _kernel.transpose(w, out)
         else:
-            with ThreadPoolExecutor(len(bands), thread_name_prefix="modelkit-transpose") as pool:
-                list(pool.map(lambda b: _kernel.transpose(w[b], out[:, b]), bands))
+            _on_threads(lambda b: _kernel.transpose(w[b], out[:, b]), bands)
         return
     # numpy's copy of w.T strides across the whole source for every output row; 16-row tiles keep the
     # rows read in cache (about 8x faster on a 4096 x 4096 float32)
@@ -71,8 +71,7 @@ def transposed_equal(a: np.ndarray, b: np.ndarray, *, threads: int | None = None
         bands = _bands(a.shape[0], a.nbytes, threads)
         if len(bands) == 1:
             return bool(_kernel.transposed_equal(a, b))
-        with ThreadPoolExecutor(len(bands), thread_name_prefix="modelkit-verify") as pool:
-            return all(pool.map(lambda r: _kernel.transposed_equal(a[r], b[:, r]), bands))
+        return all(_on_threads(lambda r: _kernel.transposed_equal(a[r], b[:, r]), bands))
     rows, cols = _TILE
     for i in range(0, a.shape[0], rows):
         for j in range(0, a.shape[1], cols):
@@ -129,32 +128,57 @@ class RowBlocks:
     def transposed(self) -> np.ndarray:
         """The transpose, (cols, rows), as one new array."""
         out = np.empty(self.shape[::-1], dtype=self.dtype)
-        with _pool(out.nbytes) as pool:
-            list(pool.map(lambda item: transpose_into(out[:, item[0]:item[0] + len(item[1])], item[1]), self.blocks))
+        self._each_group(lambda group: [transpose_into(out[:, first:first + len(block)], block, threads=None
+                                                       if len(self.blocks) == 1 else 1) for first, block in group])
         return out
 
     def transposed_chunks(self, nbytes: int, bands: Bands | None = None) -> Iterator[np.ndarray]:
         """The transpose in bands of whole rows of about `nbytes`, made in two buffers in turn: each band
         is valid until the one after next is asked for. `bands`: buffers shared with the matrices streamed
-        before and after this one (by one consumer), else two of its own."""
+        before and after this one (by one consumer), else two of its own. A matrix in one block (a torch
+        kernel) is transposed on the calling thread alone (the consumer's writer has the other core); one
+        in many (a TF.js kernel across its shards) on the worker threads, in runs of whole blocks."""
         rows, cols = self.shape
         step = max(1, nbytes // max(1, rows * self.dtype.itemsize))
         bands = bands or Bands()
-        with _pool(rows * cols * self.dtype.itemsize) as pool:
-            for start in range(0, cols, step):
-                band = bands.next((min(step, cols - start), rows), self.dtype)
-                list(pool.map(lambda item, b=band, s=start: transpose_into(b[:, item[0]:item[0] + len(item[1])],
-                                                                           item[1][:, s:s + len(b)]), self.blocks))
-                yield band
+        for start in range(0, cols, step):
+            band = bands.next((min(step, cols - start), rows), self.dtype)
+            self._each_group(lambda group, b=band, s=start: [transpose_into(b[:, first:first + len(block)],
+                                                                            block[:, s:s + len(b)])
+                                                             for first, block in group])
+            yield band
 
     def equals_transposed(self, array: np.ndarray) -> bool:
         """True when `array` (cols, rows) is the stored matrix transposed, bit for bit; compared block by
         block in the stored layout, nothing made."""
         if array.dtype != self.dtype or array.shape != self.shape[::-1]:
             return False
-        with _pool(array.nbytes) as pool:
-            return all(pool.map(lambda item: transposed_equal(item[1], array[:, item[0]:item[0] + len(item[1])],
-                                                              threads=1), self.blocks))
+        threads = None if len(self.blocks) == 1 else 1        # one block: shared out by rows instead
+        return all(self._each_group(lambda group: all(
+            transposed_equal(block, array[:, first:first + len(block)], threads=threads) for first, block in group)))
+
+    def _each_group(self, work: Any) -> list[Any]:
+        """`work(group)` for runs of consecutive blocks (about the same rows each), on the worker threads when
+        the matrix is large: twice as many runs as threads, taken as threads come free, so one hand-off per
+        run, not one per block (a TF.js kernel in 4 MiB shards is 16 blocks; per block, a 1 GiB model's bands
+        made 4096 hand-offs), and a thread that is descheduled leaves its next run to the other (with one
+        fixed share each, the other waited: 30-70% more wall time at load 5-6, 2026-11-28)."""
+        large = self.shape[0] * self.shape[1] * self.dtype.itemsize >= _PARALLEL and WORKERS > 1
+        groups = _runs(self.blocks, 2 * WORKERS if large else 1)
+        return [work(groups[0])] if len(groups) == 1 else _on_threads(work, groups)
+
+
+def _runs(blocks: list[tuple[int, np.ndarray]], n: int) -> list[list[tuple[int, np.ndarray]]]:
+    """`blocks` cut into at most `n` runs of consecutive blocks holding about the same number of rows."""
+    total = sum(len(block) for _, block in blocks)
+    runs: list[list[tuple[int, np.ndarray]]] = [[]]
+    held = 0
+    for item in blocks:
+        if runs[-1] and held >= total * len(runs) / n:
+            runs.append([])
+        runs[-1].append(item)
+        held += len(item[1])
+    return runs
 
 
 class Bands:
@@ -179,20 +203,29 @@ class Bands:
         return memory[:need].view(dtype).reshape(shape)
 
 
-class _Serial:
-    """A stand-in for a thread pool that maps in the calling thread (a small matrix)."""
-
-    def __enter__(self) -> _Serial:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    @staticmethod
-    def map(fn: Any, items: Any) -> Iterator[Any]:
-        return map(fn, items)
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_threads: ThreadPoolExecutor | None = None
+_threads_lock = threading.Lock()
 
 
-def _pool(nbytes: int) -> ThreadPoolExecutor | _Serial:
-    """Threads to share a matrix's blocks out between: WORKERS from _PARALLEL bytes, else the caller alone."""
-    return ThreadPoolExecutor(WORKERS, thread_name_prefix="modelkit-transpose") if nbytes >= _PARALLEL and WORKERS > 1 else _Serial()
+def _on_threads(work: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+    """`work(item)` for every item on the module's worker threads, in order: one pool of WORKERS threads,
+    started on first use and kept, where a pool per call started 2 threads per band of a TF.js kernel (512
+    per 1 GiB model). Work run there never hands work back to the pool (no nesting, no deadlock)."""
+    global _threads
+    with _threads_lock:
+        if _threads is None:
+            _threads = ThreadPoolExecutor(max(2, WORKERS), thread_name_prefix="modelkit-transpose")
+        pool = _threads
+    return list(pool.map(work, items))
+
+
+def _forget_threads() -> None:
+    """In a forked child the parent's threads do not exist: start a pool of its own when one is needed."""
+    global _threads, _threads_lock
+    _threads, _threads_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads)
