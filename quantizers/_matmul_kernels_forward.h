@@ -195,6 +195,20 @@ static const float *forward_layers(const forward_t *s, const int64_t *plan, Py_s
 #define GROUP_ROWS 64              /* rows of a group of whole sequences (forward) */
 #endif
 #define MAX_GROUPS 64
+#ifndef GROUP_WEIGHT_BYTES
+#define GROUP_WEIGHT_BYTES (8 << 20)   /* groups only where the blocks' weights stay in the caches (see below) */
+#endif
+
+/* Bytes of the blocks' packed weights (their rows; scales aside). */
+static size_t plan_weight_bytes(const int64_t *plan, Py_ssize_t layers) {
+    size_t bytes = 0;
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        weight_t w[DECODE_WEIGHTS];
+        plan_layer_weights(plan + l * LAYER_FIELDS, w);
+        for (int i = 0; i < DECODE_WEIGHTS; i++) bytes += (size_t)(w[i].w_stride * w[i].N);
+    }
+    return bytes;
+}
 
 /* One group's sequences b0..b1 and its buffers (forward_alloc). */
 typedef struct {
@@ -332,11 +346,14 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     }
     /* A batch of sequences runs as groups of whole sequences of ~GROUP_ROWS rows, each through the whole stack on
      * one thread (the threads claim groups): a group's activations stay in its core's cache, and no barrier
-     * separates the ~10 jobs of a block (on a shared machine every barrier waits for the slowest thread). */
+     * separates the ~10 jobs of a block (on a shared machine every barrier waits for the slowest thread). Each
+     * group reads every weight again, so only blocks of up to GROUP_WEIGHT_BYTES run so (tinylm's ~1-3 MB);
+     * larger ones (llama-100m's 40-80 MB, which stream from memory) run all rows in each job. */
     int th = threads < 1 ? 1 : threads;
     Py_ssize_t per = (GROUP_ROWS + T - 1) / T, groups = 1;
     if (per < (B + MAX_GROUPS - 1) / MAX_GROUPS) per = (B + MAX_GROUPS - 1) / MAX_GROUPS;
-    if (B > per && M >= 2 * GROUP_ROWS) groups = (B + per - 1) / per;
+    if (B > per && M >= 2 * GROUP_ROWS && plan_weight_bytes(plan, layers) <= GROUP_WEIGHT_BYTES)
+        groups = (B + per - 1) / per;
     forward_t s = {isa, groups > 1 ? 1 : th, B, T, start, hidden, heads, kv_heads, hd, inter, window, layer_stride,
                    nkv * window, (float)eps, (const float *)(uintptr_t)cos_ptr, (const float *)(uintptr_t)sin_ptr,
                    (float *)(uintptr_t)keys_ptr, (float *)(uintptr_t)values_ptr};
@@ -345,7 +362,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
                             head_ptr ? &head : NULL, (const float *)(uintptr_t)norm_ptr, last_only, kmax, group};
     for (Py_ssize_t g = 0; g < groups; g++) {
         group[g].b0 = g * per;
-        group[g].b1 = (g + 1) * per < B ? (g + 1) * per : B;
+        group[g].b1 = g + 1 < groups ? (g + 1) * per : B;      /* (one group: every sequence, however many) */
         group[g].memory = forward_alloc(&s, kmax, group[g].b1 - group[g].b0, last_only, cached, &group[g]);
         if (!group[g].memory) {
             for (Py_ssize_t i = 0; i < g; i++) free(group[i].memory);

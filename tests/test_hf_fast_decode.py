@@ -8,6 +8,11 @@ Worst measured difference, 2026-11-28, over the cases below, 20 steps, every ker
 generic) at 1 and 2 threads, and the GGUF file: 2.9e-07 of the largest logit (the products are the same
 kernels on the same rounded activations; only float summation order differs). Pinned at test_fast_decode's
 RTOL (0.03), which also covers an int8 rounding tie going the other way in one of them.
+
+Then the forward pass, `model(input_ids)` (quantizers/hf_forward.py: the whole stack in one C call): logits and
+the returned DynamicCache against transformers' forward on the same packed layers (`type(model).forward`), a
+generate continued from that cache, each case the fused path must leave to transformers, copies and replaced
+layers.
 """
 from __future__ import annotations
 
@@ -389,8 +394,7 @@ def test_what_the_fused_forward_does_not_take_runs_transformers(monkeypatch):
         sliding = _quantized("mistral", "q8_0")
         for layer in sliding.model.layers:
             layer.self_attn.sliding_window = 4
-        sliding.config.sliding_window = 4
-        fast_forward._PLANS.pop(sliding, None)
+        sliding.config.sliding_window = 4                               # (read when its plan is built)
         assert torch.equal(sliding(ids).logits, type(sliding).forward(sliding, ids).logits) and calls == [1]
 
 
@@ -448,3 +452,22 @@ def test_a_loaded_gguf_runs_the_fused_forward(llama_gguf, monkeypatch):
         ids = torch.tensor([[1, 2, 3, 400, 5]])
         _close(model(ids).logits, type(model).forward(model, ids).logits)
     assert calls == [1]
+
+
+def test_a_model_too_large_for_groups_runs_every_row_at_once(monkeypatch):
+    """Blocks of more than the C forward's GROUP_WEIGHT_BYTES (8 MiB; here ~19 MB of q8_0) run 10 sequences of
+    16 tokens in one group (re-reading the weights per group would stream them from memory again)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = quantize_module(transformers.LlamaForCausalLM(config).eval(), schemes.load_scheme("q8_0")()).eval()
+    calls = _counted(monkeypatch)
+    ids = torch.randint(0, 256, (10, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got, expected = model(ids), type(model).forward(model, ids)
+    assert calls == [1]
+    for b in range(10):
+        _close(got.logits[b], expected.logits[b])
+    _caches_close(got, expected)
