@@ -25,8 +25,8 @@ Float models are never touched: only `replace` / `rebuild` (quantized layers) ca
 **The contract.** The fused path answers only where it produces what transformers' forward would (to the
 kernels' rounding; tests/test_hf_fast_decode.py): input_ids (B, T) on CPU; the attention_mask absent or all
 ones; no position_ids, cache / past_key_values, inputs_embeds or other keyword (flash-attention's, debug_io,
-...); output_attentions / output_hidden_states off (argument and config); logits_to_keep 0 or 1; no gradient,
-eval mode, not tracing or compiling; a float32 embedding; `config.is_causal` not False; no forward hook on
+...); output_attentions / output_hidden_states off (argument and config); logits_to_keep 0 or 1; at most 64
+rows (B T) where the products are int8-dynamic's (ROWWISE_ROWS); no gradient, eval mode, not tracing or compiling; a float32 embedding; `config.is_causal` not False; no forward hook on
 the model's blocks (it would not run; transformers' output-capturing hooks count only while they collect).
 Otherwise transformers' forward runs, unchanged. labels: the model's own `loss_function` on the fused logits,
 as transformers computes it. use_cache (the config's default, True for these families): the C forward also
@@ -50,6 +50,10 @@ from modelkit.quantizers import fast_decode, fast_forward, fast_linear
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")      # tables fixed per position (dynamic/longrope are not)
 _TABLE_MIN = 64                                           # rotary rows built at first; doubled as needed
+# int8-dynamic's layers run torch._int_mm on large weights, which beats the fused forward's kernels on many rows
+# (llama-100m, 1024 rows, one thread, CPU time: fused 1.41-1.48x transformers' forward; at 16 rows 0.59x):
+# plans with such products are fused up to this many rows.
+ROWWISE_ROWS = 64
 # Keywords the fused path takes (with the values it takes, checked below); any other sends the call to
 # transformers' forward.
 _TAKEN = frozenset({"input_ids", "attention_mask", "use_cache", "return_dict", "logits_to_keep", "labels",
@@ -116,7 +120,8 @@ def _entry(model: nn.Module) -> fast_forward.Entry:
         if plan is None:
             return fast_forward.Entry((), [], [], None)
         cos, sin = rotary_tables(model, _TABLE_MIN)
-        return fast_forward.Entry((), [], [], plan, cos, sin, (sliding, (parts["model"], *modules)))
+        rowwise = any(getattr(type(m), "ROWWISE_ACTIVATIONS", False) for block in blocks for m in block)
+        return fast_forward.Entry((), [], [], plan, cos, sin, (sliding, (parts["model"], *modules), rowwise))
 
     return fast_forward.cached_plan(model, modules, build)
 
@@ -175,9 +180,9 @@ def fused_outputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     entry = _entry(model)
     if entry.plan is None or cfg.num_hidden_layers != entry.plan.layers:
         return None
-    sliding, hooked = entry.extra
+    sliding, hooked, rowwise = entry.extra
     B, T = ids.shape
-    if (sliding is not None and sliding < T) or _hooked(hooked):
+    if (sliding is not None and sliding < T) or (rowwise and B * T > ROWWISE_ROWS) or _hooked(hooked):
         return None
     x = model.model.embed_tokens(ids)
     if x.dtype != torch.float32:

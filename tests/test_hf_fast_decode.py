@@ -471,3 +471,18 @@ def test_a_model_too_large_for_groups_runs_every_row_at_once(monkeypatch):
     for b in range(10):
         _close(got.logits[b], expected.logits[b])
     _caches_close(got, expected)
+
+
+def test_int8_dynamic_fuses_up_to_64_rows(monkeypatch):
+    """int8-dynamic's products: fused up to ROWWISE_ROWS rows (4 x 16), transformers' forward (its layers on
+    torch._int_mm) past them (5 x 16), bit for bit."""
+    from modelkit.quantizers.hf_forward import ROWWISE_ROWS
+
+    model = _quantized("llama3-rope", "int8-dynamic")
+    calls = _counted(monkeypatch)
+    with torch.no_grad():
+        few = torch.randint(0, 512, (ROWWISE_ROWS // 16, 16), generator=torch.Generator().manual_seed(8))
+        _close(model(few).logits, type(model).forward(model, few).logits)
+        assert calls == [1]
+        many = torch.randint(0, 512, (ROWWISE_ROWS // 16 + 1, 16), generator=torch.Generator().manual_seed(8))
+        assert torch.equal(model(many).logits, type(model).forward(model, many).logits) and calls == [1]
