@@ -15,7 +15,9 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    on 16-token windows at batch 1 and 64 for float and every scheme (quantized layers as load_module
    builds them), float and the schemes interleaved in each of --rounds rounds, each ratio taken against
    float's time in the same round (median and range over the rounds reported; the bars judge the median;
-   a quantized tinylm's forward is the fused C forward, quantizers/fast_forward.py);
+   a quantized model's forward is the fused C forward where it applies: tinylm, quantizers/fast_forward.py;
+   llama-100m, quantizers/hf_forward.py; each scheme is also timed in the same round inside
+   fast_forward.unfused(), the model's own forward around the same packed layers, as `*_vs_unfused`);
    --cpu-time (with --threads 1) times in this thread's CPU time, so a shared machine's other work does not
    count; beside each ratio, the same ratio in process CPU time (every thread of ours counted, spinning
    included), which load disturbs less than wall clock. For llama-100m also `generate` prompt processing (64 tokens) and decode tokens/s.
@@ -44,6 +46,7 @@ Bars are reported, never asserted: the exit code is 0 either way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -169,10 +172,14 @@ def forward_ms(model: nn.Module, vocab: int, batch: int, repeats: int) -> float:
     return forward_times(model, vocab, batch, repeats)[0]
 
 
-def forward_times(model: nn.Module, vocab: int, batch: int, repeats: int) -> tuple[float, float]:
-    """(ms by CLOCK: median of the calls, process CPU ms: mean over the same calls, every thread counted)."""
+def forward_times(model: nn.Module, vocab: int, batch: int, repeats: int, *, fused: bool = True) -> tuple[float, float]:
+    """(ms by CLOCK: median of the calls, process CPU ms: mean over the same calls, every thread counted);
+    `fused=False`: inside fast_forward.unfused() (the forward around the packed layers: transformers' for
+    llama-100m, tinylm's torch path)."""
+    from modelkit.quantizers import fast_forward
+
     ids = torch.randint(0, vocab, (batch, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.nullcontext() if fused else fast_forward.unfused():
         cpu, runs = time.process_time(), repeats + 1
         ms = 1e3 * timed(model, ids, repeats=repeats)
         return ms, 1e3 * (time.process_time() - cpu) / runs
@@ -220,14 +227,15 @@ def models(only: set[str], scheme_names: tuple[str, ...] = SCHEMES, rounds: int 
         heavy = name != "tinylm"
         every = {"float32": model, **{scheme: quantized(model, scheme) for scheme in scheme_names}}
         gc.collect()
-        ms: dict[str, dict[int, list[float]]] = {key: {1: [], 64: []} for key in every}
-        cpu: dict[str, dict[int, list[float]]] = {key: {1: [], 64: []} for key in every}
+        ms: dict[str, dict[int, list[float]]] = {key: {1: [], 64: []} for key in [*every, *(f"{k} unfused" for k in scheme_names)]}
+        cpu: dict[str, dict[int, list[float]]] = {key: {1: [], 64: []} for key in ms}
         for _ in range(rounds):
             for key, m in every.items():
                 for b in (1, 64):
-                    wall, used = forward_times(m, vocab, b, 1 if heavy and b > 1 else 10)
-                    ms[key][b].append(wall)
-                    cpu[key][b].append(used)
+                    for fused in (True, False) if key != "float32" else (True,):
+                        wall, used = forward_times(m, vocab, b, 1 if heavy and b > 1 else 10, fused=fused)
+                        ms[key if fused else f"{key} unfused"][b].append(wall)
+                        cpu[key if fused else f"{key} unfused"][b].append(used)
         rates = generate_rates(model, vocab) if has_generate else None
         row(name, scheme="float32", batch1_ms=statistics.median(ms["float32"][1]),
             batch64_ms=statistics.median(ms["float32"][64]),
@@ -240,8 +248,14 @@ def models(only: set[str], scheme_names: tuple[str, ...] = SCHEMES, rounds: int 
                 q_rates = generate_rates(every[scheme], vocab)
                 extra = {"prompt_vs_float": round(q_rates[0] / rates[0], 2), "decode_vs_float": round(q_rates[1] / rates[1], 2),
                          "decode_tok_s": q_rates[1]}
+            unfused = f"{scheme} unfused"        # the same layers in the model's own forward, the same round
+            fused_ratio = {b: [q / u for q, u in zip(ms[scheme][b], ms[unfused][b], strict=True)] for b in (1, 64)}
+            fused_cpu = {b: [q / u for q, u in zip(cpu[scheme][b], cpu[unfused][b], strict=True)] for b in (1, 64)}
             row(name, scheme=scheme, batch1_ratio=spread(ratio[1]), batch64_ratio=spread(ratio[64]),
-                batch1_process_cpu_ratio=spread(cpu_ratio[1]), batch64_process_cpu_ratio=spread(cpu_ratio[64]), **extra)
+                batch1_process_cpu_ratio=spread(cpu_ratio[1]), batch64_process_cpu_ratio=spread(cpu_ratio[64]),
+                batch1_vs_unfused=spread(fused_ratio[1]), batch64_vs_unfused=spread(fused_ratio[64]),
+                batch1_process_cpu_vs_unfused=spread(fused_cpu[1]), batch64_process_cpu_vs_unfused=spread(fused_cpu[64]),
+                **extra)
             bar(f"{name} {scheme} batch 1 / float", statistics.median(ratio[1]), GOAL_BATCH1.get(scheme, 1.0))  # others: faster than float
             bar(f"{name} {scheme} batch 64 / float", statistics.median(ratio[64]), 1.0)
         del every, model

@@ -7,8 +7,9 @@
  *   q, k, v = h @ W.T                   one pool job over the 8-row tiles of all three (the multi-row tiles of
  *                                       `linear`: 8 activation rows per weight load, VNNI / AVX2 / portable)
  *   per-head norms (Qwen3), rotary at each row's position, k and v stored at their positions    one row job
- *   y = causal softmax(q K.T / sqrt(hd)) V   one task per (sequence, query head) over its T queries; keys and
- *                                       values from the static cache (prefill: positions 0..start+t) or,
+*   y = causal softmax(q K.T / sqrt(hd)) V   one task per (sequence, query head) over its T queries; keys and
+ *                                       values from a cache (prefill: positions 0..start+t; a forward pass that
+ *                                       returns its keys and values: a cache of T positions a sequence) or,
  *                                       without one, a scratch of this call's own T positions
  *   x += round(y) @ Wo.T; h = rmsnorm(x) * w_mlp_norm, rounded              one row job after the product
  *   a = silu(h @ Wgate.T) * (h @ Wup.T)   one pool job (each task: the same rows of gate and up, their SwiGLU)
@@ -194,6 +195,20 @@ static const float *forward_layers(const forward_t *s, const int64_t *plan, Py_s
 #define GROUP_ROWS 64              /* rows of a group of whole sequences (forward) */
 #endif
 #define MAX_GROUPS 64
+#ifndef GROUP_WEIGHT_BYTES
+#define GROUP_WEIGHT_BYTES (8 << 20)   /* groups only where the blocks' weights stay in the caches (see below) */
+#endif
+
+/* Bytes of the blocks' packed weights (their rows; scales aside). */
+static size_t plan_weight_bytes(const int64_t *plan, Py_ssize_t layers) {
+    size_t bytes = 0;
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        weight_t w[DECODE_WEIGHTS];
+        plan_layer_weights(plan + l * LAYER_FIELDS, w);
+        for (int i = 0; i < DECODE_WEIGHTS; i++) bytes += (size_t)(w[i].w_stride * w[i].N);
+    }
+    return bytes;
+}
 
 /* One group's sequences b0..b1 and its buffers (forward_alloc). */
 typedef struct {
@@ -262,6 +277,9 @@ static void forward_group(const void *ctx, Py_ssize_t task) {
     if (g->keys) {                 /* a forward pass: its own scratch of keys and values; else the cache's */
         s.keys = g->keys;
         s.values = g->values;
+    } else {                       /* this group's sequences in the cache */
+        s.keys += g->b0 * s.seq_stride;
+        s.values += g->b0 * s.seq_stride;
     }
     memcpy(g->x, all->x + g->b0 * T * C, sizeof(float) * (size_t)(M * C));
     const float *pending = forward_layers(&s, all->plan, all->layers, g->x, &g->b, &g->wk);
@@ -291,9 +309,9 @@ PyDoc_STRVAR(forward_doc,
 "The Llama blocks of `plan` (as `decode` reads it) over B sequences of T tokens: `x` (B T, hidden) float32\n"
 "embeddings, row b T + t at position start + t (see _matmul_kernels_forward.h). `cos`, `sin`: the rotary rows\n"
 "from `start` (T rows of head_dim). `keys`, `values`: 0 (attention over this call's tokens alone; start 0),\n"
-"or layer 0 of one sequence's static cache (B 1; (kv_heads, window, head_dim) float32 per layer,\n"
-"`layer_stride` floats apart): positions start..start+T-1 are written, and each token attends to the cache\n"
-"from position 0. `out`: the head's logits of every row, or of each sequence's last row with `last_only`\n"
+"or layer 0 of the first sequence's cache (kv_heads, window, head_dim) float32, sequence b's kv_heads window\n"
+"head_dim floats after sequence b-1's, layer l's `layer_stride` floats after layer l-1's: positions\n"
+"start..start+T-1 are written, and each token attends to the cache from position 0. `out`: the head's logits of every row, or of each sequence's last row with `last_only`\n"
 "(rows x vocab); without a head (0), those rows after the final norm (rows x hidden). Every address is of\n"
 "contiguous memory the caller keeps alive. Releases the GIL while it runs.");
 
@@ -312,7 +330,7 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     if (isa < 0) return NULL;
     int cached = keys_ptr != 0;
     if (layers < 0 || B < 1 || T < 1 || hidden < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || hd < 2 || hd % 2 ||
-        inter < 1 || start < 0 || (cached ? B != 1 || !values_ptr || start + T > window : start != 0) || !plan_ptr ||
+        inter < 1 || start < 0 || (cached ? !values_ptr || start + T > window : start != 0) || !plan_ptr ||
         !x_ptr || !cos_ptr || !sin_ptr || !norm_ptr || !out_ptr)
         return PyErr_Format(PyExc_ValueError, "bad forward arguments: %zd x %zd tokens from %zd, hidden %zd, heads %zd/%zd, "
                             "head_dim %zd, window %zd", B, T, start, hidden, heads, kv_heads, hd, window);
@@ -328,20 +346,23 @@ static PyObject *forward(PyObject *self, PyObject *args) {
     }
     /* A batch of sequences runs as groups of whole sequences of ~GROUP_ROWS rows, each through the whole stack on
      * one thread (the threads claim groups): a group's activations stay in its core's cache, and no barrier
-     * separates the ~10 jobs of a block (on a shared machine every barrier waits for the slowest thread). */
+     * separates the ~10 jobs of a block (on a shared machine every barrier waits for the slowest thread). Each
+     * group reads every weight again, so only blocks of up to GROUP_WEIGHT_BYTES run so (tinylm's ~1-3 MB);
+     * larger ones (llama-100m's 40-80 MB, which stream from memory) run all rows in each job. */
     int th = threads < 1 ? 1 : threads;
     Py_ssize_t per = (GROUP_ROWS + T - 1) / T, groups = 1;
     if (per < (B + MAX_GROUPS - 1) / MAX_GROUPS) per = (B + MAX_GROUPS - 1) / MAX_GROUPS;
-    if (!cached && B > per && M >= 2 * GROUP_ROWS) groups = (B + per - 1) / per;
+    if (B > per && M >= 2 * GROUP_ROWS && plan_weight_bytes(plan, layers) <= GROUP_WEIGHT_BYTES)
+        groups = (B + per - 1) / per;
     forward_t s = {isa, groups > 1 ? 1 : th, B, T, start, hidden, heads, kv_heads, hd, inter, window, layer_stride,
-                   cached ? 0 : nkv * T, (float)eps, (const float *)(uintptr_t)cos_ptr, (const float *)(uintptr_t)sin_ptr,
+                   nkv * window, (float)eps, (const float *)(uintptr_t)cos_ptr, (const float *)(uintptr_t)sin_ptr,
                    (float *)(uintptr_t)keys_ptr, (float *)(uintptr_t)values_ptr};
     forward_group_t group[MAX_GROUPS];
     forward_groups_t all = {&s, plan, layers, (const float *)(uintptr_t)x_ptr, (float *)(uintptr_t)out_ptr,
                             head_ptr ? &head : NULL, (const float *)(uintptr_t)norm_ptr, last_only, kmax, group};
     for (Py_ssize_t g = 0; g < groups; g++) {
         group[g].b0 = g * per;
-        group[g].b1 = (g + 1) * per < B ? (g + 1) * per : B;
+        group[g].b1 = g + 1 < groups ? (g + 1) * per : B;      /* (one group: every sequence, however many) */
         group[g].memory = forward_alloc(&s, kmax, group[g].b1 - group[g].b0, last_only, cached, &group[g]);
         if (!group[g].memory) {
             for (Py_ssize_t i = 0; i < g; i++) free(group[i].memory);

@@ -78,7 +78,9 @@ def replace(model: nn.Module, config: Any, convert: Convert, *,
     if not changed:
         raise ConfigError(f"{config.scheme}: no layer of {type(model).__name__} can be quantized with {config!r} "
                           "(every candidate was skipped or has an incompatible shape; run with -v to see why)")
-    return result.eval() if not model.training else result
+    from modelkit.quantizers import hf_forward
+
+    return hf_forward.install(result.eval() if not model.training else result)
 
 
 class QuantizedModule(nn.Module):
@@ -252,4 +254,6 @@ def rebuild(model: nn.Module, entries: dict[str, QuantizedTensor], *, source: st
             model.set_submodule(owner, new)
         else:
             model = new
-    return model
+    from modelkit.quantizers import hf_forward
+
+    return hf_forward.install(model)

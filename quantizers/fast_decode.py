@@ -148,7 +148,8 @@ class DecodePlan:
 
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, start: int = 0, slot: int | None = None,
-                last_only: bool = False, isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+                into: tuple[torch.Tensor, torch.Tensor] | None = None, last_only: bool = False, isa: str | None = None,
+                threads: int | None = None) -> torch.Tensor:
         """The logits of B sequences of T tokens in one call of the kernels (_matmul_kernels_forward.h): (B, T, vocab),
         or (B, vocab) of each sequence's last token with `last_only`.
 
@@ -158,6 +159,8 @@ class DecodePlan:
             start: The position of each sequence's first token (only with `slot`).
             slot: None: each sequence attends to its own tokens alone (a forward pass); else the bound cache's slot
                 (B 1) whose positions start..start+T-1 are written, each token attending from position 0 (prefill).
+            into: (keys, values), each (layers, B, kv_heads, T, head_dim) float32, contiguous: a forward pass (start 0,
+                no `slot`) that also writes every token's keys (after the rotary) and values there.
             isa, threads: As in `step`.
         """
         isa = isa or fast_linear.ISA
@@ -178,6 +181,13 @@ class DecodePlan:
             keys, values, layer_stride = keys + 4 * slot * per_slot, values + 4 * slot * per_slot, slots * per_slot
         elif start:
             raise ConfigError("a forward pass without a cache starts at position 0")
+        elif into is not None:
+            shape = (self.layers, B, g.kv_heads, T, g.head_dim)
+            if any(t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu or t.shape != shape for t in into):
+                raise ConfigError(f"a forward pass writes its keys and values into two {shape} float32 CPU tensors, "
+                                  "contiguous")
+            keys, values = into[0].data_ptr(), into[1].data_ptr()
+            layer_stride, window = B * g.kv_heads * T * g.head_dim, T
         if cos.dtype != torch.float32 or not cos.is_contiguous() or cos.shape != sin.shape or sin.dtype != torch.float32 \
                 or not sin.is_contiguous() or cos.ndim != 2 or cos.shape[1] != g.head_dim or len(cos) < start + T:
             raise ConfigError(f"rotary tables of {tuple(cos.shape)} for positions {start}..{start + T - 1} of head size "

@@ -312,3 +312,12 @@ def test_sequences_in_groups():
     _close(got, expected)
     assert torch.allclose(got, one, rtol=0, atol=1e-6 * float(one.abs().max()))
     assert torch.allclose(last, got[:, -1], rtol=0, atol=1e-6 * float(one.abs().max()))
+
+
+def test_a_batch_of_more_sequences_than_a_group_in_one_call():
+    """6 sequences of 16 tokens: more sequences than one group's 64 rows hold, too few rows for groups, so one
+    call runs them all (every sequence's logits, not the first four's alone)."""
+    model = _model("gqa3", "q8_0")
+    got, expected = _forward_both(model, _ids(6, 16))
+    for b in range(6):
+        _close(got[b], expected[b])

@@ -8,6 +8,11 @@ Worst measured difference, 2026-11-28, over the cases below, 20 steps, every ker
 generic) at 1 and 2 threads, and the GGUF file: 2.9e-07 of the largest logit (the products are the same
 kernels on the same rounded activations; only float summation order differs). Pinned at test_fast_decode's
 RTOL (0.03), which also covers an int8 rounding tie going the other way in one of them.
+
+Then the forward pass, `model(input_ids)` (quantizers/hf_forward.py: the whole stack in one C call): logits and
+the returned DynamicCache against transformers' forward on the same packed layers (`type(model).forward`), a
+generate continued from that cache, each case the fused path must leave to transformers, copies and replaced
+layers.
 """
 from __future__ import annotations
 
@@ -266,3 +271,218 @@ def test_serve_decodes_packed_models_with_the_static_cache(name):
     for job, prompt, n in ((jobs[1], prompts[1], 4), (jobs[2], prompts[2], 7)):
         alone = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0].tolist()
         assert job.ids == alone
+
+
+# ---- the forward pass: model(input_ids) on the fused forward (quantizers/hf_forward.py) ----
+
+def _counted(monkeypatch) -> list[int]:
+    """DecodePlan.forward's calls from here on (one a fused forward pass)."""
+    calls: list[int] = []
+    forward = fast_decode.DecodePlan.forward
+    monkeypatch.setattr(fast_decode.DecodePlan, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    return calls
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.shape == expected.shape
+    assert float((got - expected).abs().max()) <= RTOL * float(expected.abs().max())
+
+
+def _caches_close(got, expected) -> None:
+    from modelkit.testing.causal_lm import returned_cache
+
+    got, expected = returned_cache(got), returned_cache(expected)
+    assert type(got) is type(expected) and len(got.layers) == len(expected.layers)
+    for a, b in zip(got.layers, expected.layers, strict=True):
+        _close(a.keys, b.keys)
+        _close(a.values, b.values)
+
+
+@pytest.mark.parametrize(("name", "scheme"), CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_the_fused_forward_pass_equals_transformers(name, scheme, monkeypatch):
+    """model(ids) at batch 3 (the config's use_cache: True): logits and the returned DynamicCache against
+    transformers' forward on the same packed layers (the class's forward); the next step from either cache
+    gives the same logits."""
+    model = _quantized(name, scheme)
+    calls = _counted(monkeypatch)
+    ids = torch.randint(0, 512, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids)
+        assert calls == [1]
+        expected = type(model).forward(model, ids)
+        _close(got.logits, expected.logits)
+        _caches_close(got, expected)
+        from modelkit.testing.causal_lm import _cache_argument, returned_cache
+
+        step = ids[:, -1:] + 1
+        after = [type(model).forward(model, step, **{_cache_argument(model): returned_cache(out)}) for out in (got, expected)]
+        _close(after[0].logits, after[1].logits)
+
+
+@pytest.mark.parametrize("name", ["llama3-rope", "qwen3"])
+def test_the_returned_cache_continues_transformers_generate(name):
+    """A greedy generate continued from the fused forward's cache gives the tokens of one continued from
+    transformers' own cache (batch 2; past 64 rotary rows, so the tables grow)."""
+    from modelkit.testing.causal_lm import _cache_argument, returned_cache
+
+    model = _quantized(name, "q8_0")
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        runs = []
+        for out in (model(ids), type(model).forward(model, ids)):
+            runs.append(model.generate(ids, **{_cache_argument(model): returned_cache(out)}, max_new_tokens=6,
+                                       do_sample=False, attention_mask=torch.ones_like(ids)))
+        assert torch.equal(runs[0], runs[1]) and runs[0].shape == (2, 15)
+        long = torch.randint(0, 512, (1, 70), generator=torch.Generator().manual_seed(3))
+        _close(model(long, use_cache=False).logits, type(model).forward(model, long, use_cache=False).logits)
+
+
+def test_many_sequences_run_in_groups_with_their_cache(monkeypatch):
+    """20 sequences of 8 tokens (the C forward's groups of whole sequences, each writing its own rows of the
+    cache); logits_to_keep=1, labels (the model's own loss), return_dict=False, use_cache False."""
+    model = _quantized("llama-bias", "q8_0")
+    calls = _counted(monkeypatch)
+    ids = torch.randint(0, 512, (20, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, expected = model(ids), type(model).forward(model, ids)
+        _close(got.logits, expected.logits)
+        _caches_close(got, expected)
+        last = model(input_ids=ids, logits_to_keep=1)
+        _close(last.logits, expected.logits[:, -1:])
+        loss = model(ids, labels=ids, use_cache=False)
+        assert loss.cache is None and abs(float(loss.loss) - float(type(model).forward(model, ids, labels=ids).loss)) < 1e-3
+        as_tuple = model(ids, return_dict=False, use_cache=False)
+        assert type(as_tuple) is tuple and len(as_tuple) == 1
+        _close(as_tuple[0], expected.logits)
+    assert len(calls) == 4
+
+
+def test_what_the_fused_forward_does_not_take_runs_transformers(monkeypatch):
+    """Each case the fused path cannot answer as transformers would gives transformers' own result, bit for bit,
+    without a fused call: padding, explicit positions, a cache, embeddings, hidden states asked for, other
+    logits_to_keep, gradients, training mode, a hook on a block, a sliding window inside the input, unfused()."""
+    from transformers.cache_utils import DynamicCache
+
+    from modelkit.quantizers import fast_forward
+
+    model = _quantized("qwen2", "q8_0")
+    calls = _counted(monkeypatch)
+    ids = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(5))
+    padded = torch.ones_like(ids)
+    padded[0, :2] = 0
+    cases = [lambda: {"attention_mask": padded}, lambda: {"position_ids": torch.arange(6)[None] + 3},
+             lambda: {"cache": DynamicCache(config=model.config)}, lambda: {"output_hidden_states": True},
+             lambda: {"logits_to_keep": 2}]
+    with torch.no_grad():
+        for kwargs in cases:
+            assert torch.equal(model(ids, **kwargs()).logits, type(model).forward(model, ids, **kwargs()).logits), kwargs()
+        embeds = model.model.embed_tokens(ids)
+        assert torch.equal(model(inputs_embeds=embeds).logits, type(model).forward(model, inputs_embeds=embeds).logits)
+        with fast_forward.unfused():
+            assert torch.equal(model(ids).logits, type(model).forward(model, ids).logits)
+        handle = model.model.layers[1].mlp.register_forward_hook(lambda *_: None)
+        assert torch.equal(model(ids).logits, type(model).forward(model, ids).logits)
+        handle.remove()
+        model.train()
+        assert torch.equal(model(ids).logits, type(model).forward(model, ids).logits)
+        model.eval()
+    assert torch.equal(model(ids).logits, type(model).forward(model, ids).logits)        # gradients on
+    assert calls == []
+    with torch.no_grad():
+        model(ids, attention_mask=torch.ones_like(ids))                 # an all-ones mask is no mask: fused
+        assert calls == [1]
+        sliding = _quantized("mistral", "q8_0")
+        for layer in sliding.model.layers:
+            layer.self_attn.sliding_window = 4
+        sliding.config.sliding_window = 4                               # (read when its plan is built)
+        assert torch.equal(sliding(ids).logits, type(sliding).forward(sliding, ids).logits) and calls == [1]
+
+
+def test_float_models_copies_and_replaced_layers(monkeypatch):
+    """A float model keeps transformers' forward (quantize_module leaves its input alone); a deep copy's and an
+    unpickled model's fused forward run that model; the signature is transformers'; a replaced layer or a new
+    tensor builds a new plan, a float product runs transformers."""
+    import copy
+    import inspect
+    import pickle
+
+    from modelkit.quantizers import fast_forward
+    from modelkit.quantizers.hf_forward import FusedForward
+
+    float_model = _model("llama3-rope")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = quantize_module(float_model, schemes.load_scheme("q4_0")()).eval()
+    assert "forward" not in vars(float_model) and type(model.forward) is FusedForward
+    assert "logits_to_keep" in inspect.signature(model.forward).parameters
+    ids = torch.randint(0, 512, (2, 5), generator=torch.Generator().manual_seed(6))
+    calls = _counted(monkeypatch)
+    with torch.no_grad():
+        float_model(ids)
+        assert calls == []
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert other.forward.model is other
+            _close(other(ids).logits, type(model).forward(model, ids).logits)
+        model(ids)
+        first = fast_forward._PLANS[model]
+        model(ids)
+        assert fast_forward._PLANS[model] is first
+        model.model.layers[1].mlp.down_proj = _quantized("llama3-rope", "q8_0").model.layers[1].mlp.down_proj
+        _close(model(ids).logits, type(model).forward(model, ids).logits)
+        assert fast_forward._PLANS[model] is not first and fast_forward._PLANS[model].plan is not None
+        norm = model.model.norm
+        norm.weight = torch.nn.Parameter(norm.weight * 2)
+        second = fast_forward._PLANS[model]
+        _close(model(ids).logits, type(model).forward(model, ids).logits)
+        assert fast_forward._PLANS[model] is not second
+        count = len(calls)
+        model.model.layers[0].self_attn.q_proj = float_model.model.layers[0].self_attn.q_proj
+        assert torch.equal(model(ids).logits, type(model).forward(model, ids).logits)
+        assert fast_forward._PLANS[model].plan is None and len(calls) == count
+
+
+def test_a_loaded_gguf_runs_the_fused_forward(llama_gguf, monkeypatch):
+    """load_module's model of a GGUF file: model(ids) fused, as transformers' forward on its layers."""
+    from modelkit.quantizers.hf_forward import FusedForward
+
+    model = modelkit.load_module(llama_gguf)
+    assert type(model.forward) is FusedForward
+    calls = _counted(monkeypatch)
+    with torch.no_grad():
+        ids = torch.tensor([[1, 2, 3, 400, 5]])
+        _close(model(ids).logits, type(model).forward(model, ids).logits)
+    assert calls == [1]
+
+
+def test_a_model_too_large_for_groups_runs_every_row_at_once(monkeypatch):
+    """Blocks of more than the C forward's GROUP_WEIGHT_BYTES (8 MiB; here ~19 MB of q8_0) run 10 sequences of
+    16 tokens in one group (re-reading the weights per group would stream them from memory again)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = quantize_module(transformers.LlamaForCausalLM(config).eval(), schemes.load_scheme("q8_0")()).eval()
+    calls = _counted(monkeypatch)
+    ids = torch.randint(0, 256, (10, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got, expected = model(ids), type(model).forward(model, ids)
+    assert calls == [1]
+    for b in range(10):
+        _close(got.logits[b], expected.logits[b])
+    _caches_close(got, expected)
+
+
+def test_int8_dynamic_fuses_up_to_64_rows(monkeypatch):
+    """int8-dynamic's products: fused up to ROWWISE_ROWS rows (4 x 16), transformers' forward (its layers on
+    torch._int_mm) past them (5 x 16), bit for bit."""
+    from modelkit.quantizers.hf_forward import ROWWISE_ROWS
+
+    model = _quantized("llama3-rope", "int8-dynamic")
+    calls = _counted(monkeypatch)
+    with torch.no_grad():
+        few = torch.randint(0, 512, (ROWWISE_ROWS // 16, 16), generator=torch.Generator().manual_seed(8))
+        _close(model(few).logits, type(model).forward(model, few).logits)
+        assert calls == [1]
+        many = torch.randint(0, 512, (ROWWISE_ROWS // 16 + 1, 16), generator=torch.Generator().manual_seed(8))
+        assert torch.equal(model(many).logits, type(model).forward(model, many).logits) and calls == [1]

@@ -12,45 +12,19 @@ The decoder is tinylm's (pipeline/tinylm_decoder.py) with the family's differenc
 
 `llama_decoder` says None (the caller keeps transformers' path) for other families, a float model (no plan),
 rope types whose tables change with the length (dynamic, longrope), sliding-window attention that would
-reach inside the window, or an attention scale other than 1/sqrt(head_dim). GGUF's Q/K row permutation is
-undone when the file is read (models/_hf.py from_llama_rope), so the products here are in Hugging Face's
-rotate-half layout, as the C step's rotary expects.
+reach inside the window, or an attention scale other than 1/sqrt(head_dim) (`unsupported`, shared with the
+fused forward pass of these models, quantizers/hf_forward.py, as are the rotary tables and the block modules).
+GGUF's Q/K row permutation is undone when the file is read (models/_hf.py from_llama_rope), so the products
+here are in Hugging Face's rotate-half layout, as the C step's rotary expects.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from modelkit.errors import ConfigError
 from modelkit.pipeline.tinylm_decoder import Cached, TinyLMDecoder
-
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")      # tables fixed per position (dynamic/longrope are not)
-
-
-def unsupported(model: nn.Module, window: int) -> str | None:
-    """Why `model` cannot run as an HFLlamaDecoder with `window` positions (None: it can)."""
-    cfg = getattr(model, "config", None)
-    body = getattr(model, "model", None)
-    if getattr(cfg, "model_type", None) not in FAMILIES or not hasattr(body, "rotary_emb") or not hasattr(model, "lm_head"):
-        return f"not a model of {', '.join(FAMILIES)}"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act}"
-    rope = getattr(body.rotary_emb, "rope_type", "default")
-    if rope not in ROPE_TYPES:
-        return f"rope type {rope}"
-    layers = body.layers
-    sliding = [getattr(layer.self_attn, "sliding_window", None) for layer in layers]
-    if cfg.model_type == "mistral":
-        sliding.append(getattr(cfg, "sliding_window", None))
-    if any(w is not None and w < window for w in sliding):
-        return f"a sliding window of {min(w for w in sliding if w is not None)} positions"
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if any(not math.isclose(getattr(layer.self_attn, "scaling", head_dim ** -0.5), head_dim ** -0.5) for layer in layers):
-        return "an attention scale other than 1/sqrt(head_dim)"
-    return None
+from modelkit.quantizers.hf_forward import rotary_tables, unsupported
 
 
 class HFLlamaDecoder(TinyLMDecoder):
@@ -67,15 +41,7 @@ class HFLlamaDecoder(TinyLMDecoder):
         super().__init__(model, slots, fused=fused, window=window)
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(self.window, device=self.device)[None]
-        probe = torch.zeros(1, dtype=torch.float32, device=self.device)
-        cos, sin = self.model.model.rotary_emb(probe, positions)
-        return cos[0].float(), sin[0].float()
-
-    def _block(self, layer: nn.Module) -> tuple[nn.Module, ...]:
-        attn = layer.self_attn
-        norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()
-        return (*super()._block(layer), *norms)
+        return rotary_tables(self.model, self.window, self.device)
 
     def _head_norms(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if hasattr(attn, "q_norm"):

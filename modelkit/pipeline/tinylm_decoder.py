@@ -113,22 +113,18 @@ class TinyLMDecoder:
 
         return rotary_tables(self.model.config, self.window, self.device)
 
-    def _block(self, layer: nn.Module) -> tuple[nn.Module, ...]:
-        """A layer's modules as fast_decode.plan takes them."""
-        a, m = layer.self_attn, layer.mlp
-        return (layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj, layer.post_attention_layernorm,
-                m.gate_proj, m.up_proj, m.down_proj)
-
     def _head_norms(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys (B, T, heads, head_dim) before the rotary; tinylm has no per-head norms."""
         return q, k
 
     def _plan(self) -> Any:
-        from modelkit.quantizers import fast_decode
+        """The block stack's plan (each layer's modules as fast_forward.block_modules reads them: Qwen3's per-head
+        norms too), or None."""
+        from modelkit.quantizers import fast_decode, fast_forward
 
-        cfg, body = self.model.config, self.model.model
-        geometry = fast_decode.Geometry(cfg.hidden_size, self.heads, self.kv_heads, self.head_dim, cfg.intermediate_size)
-        return fast_decode.plan([self._block(b) for b in body.layers], body.norm, self.model.lm_head, geometry)
+        blocks = [fast_forward.block_modules(layer) for layer in fast_forward.layers(self.model)]
+        body = self.model.model
+        return fast_decode.plan(blocks, body.norm, self.model.lm_head, fast_forward.geometry(self.model.config))
 
     def _fused_step(self, seq: Cached) -> torch.Tensor:
         """The next logits of one cached sequence, in one call of the kernels."""
