@@ -29,13 +29,15 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    tinylm with the 100M body (hidden 768, 12 layers; its byte vocabulary, as llama.cpp reads tinylm),
    decode tokens/s against `modelkit generate` on those files (tinylm with serve's static key/value
    cache and its fused C step) and the same decoder's torch step, in interleaved rounds (`--rounds`), and
-   against modelkit's layers from those files run in transformers' generate (its KV cache).
+   against modelkit's layers from those files run in transformers' generate (its KV cache; the model's
+   forward the fused one that load_module installs, which continues generate's cache: quantizers/hf_cache.py).
    Goal: >= 0.5x llama.cpp for q8_0 and q4_0 (q4_k_m reported beside them).
    hfllama (part of anchors): the same against a transformers LlamaForCausalLM of llama-100m's shape
    (vocabulary 32000, 12 heads / 4 KV heads), saved with save_pretrained (the llama3 tokenizer fixture) and
    quantized from that folder to GGUF by `modelkit quantize`: llama.cpp on the file against `modelkit
    generate` on it (pipeline.generate.generate_tokens: the fused step, pipeline/hf_llama_decoder.py) and
-   against transformers' generate on the same loaded layers (the path before it), interleaved rounds; also
+   against transformers' generate on the same loaded layers with transformers' forward (the path before it,
+   fast_forward.unfused()), interleaved rounds; also
    the CPU time (process time) per decoded token of llama.cpp and of the fused decoder's steps; and prompt
    processing tokens/s of all three (modelkit: the fused forward into the cache, DecodePlan.forward).
 4. memory: resident memory (RSS growth in a fresh process) of load_module's model from modelkit's GGUF
@@ -350,6 +352,7 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
         return
     import modelkit
     from modelkit.checkpoint import Checkpoint
+    from modelkit.quantizers import hf_forward
 
     body = {k: v for k, v in LLAMA_100M.items() if k != "vocab_size"}
     model = build("tinylm", body, seed=0).eval()
@@ -365,6 +368,7 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
             for name, module in loaded.named_modules():
                 if type(module).__name__.startswith("Quantized"):
                     hf.set_submodule(name, module)
+            hf_forward.install(hf)      # the fused forward, as load_module installs it on a Llama of packed layers
             hf_prompt, hf_decode = generate_rates(hf, 256)
             llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=256, verbose=False)
             prompt = list(range(1, 65))
@@ -414,6 +418,7 @@ def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
     from modelkit.pipeline.load import load_language_model
     from modelkit.pipeline.quantize import quantize as quantize_file
     from modelkit.pipeline.tinylm_decoder import Stream
+    from modelkit.quantizers import fast_forward
 
     text = " ".join(f"w{i}" for i in range(40))
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
@@ -444,7 +449,8 @@ def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
                 g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32)
                 runs["own"].append((g.new_tokens - 1) / g.decode_seconds)
                 runs["own_prompt"].append(g.prompt_tokens / g.prompt_seconds)
-                g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32, fused=False)
+                with fast_forward.unfused():        # transformers' generate on transformers' forward
+                    g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32, fused=False)
                 runs["hf"].append((g.new_tokens - 1) / g.decode_seconds)
                 runs["hf_prompt"].append(g.prompt_tokens / g.prompt_seconds)
                 decoder, seq = llama_decoder(lm.model, 1, len(ids) + 32), Stream(list(ids))
