@@ -121,8 +121,8 @@ def cached_logits(model: nn.Module, entry: fast_forward.Entry, ids: torch.Tensor
         if last_only:
             logits = logits.unsqueeze(1)
     n = past + T
-    for i, layer in enumerate(cache.layers):        # what DynamicLayer.update's concatenation would hold
-        keys, values = shadow.keys[i, :, :, :n], shadow.values[i, :, :, :n]
+    views = zip(shadow.keys[:, :, :, :n].unbind(), shadow.values[:, :, :, :n].unbind(), strict=True)
+    for layer, (keys, values) in zip(cache.layers, views, strict=True):    # what update's concatenation would hold
         if not layer.is_initialized:
             layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
