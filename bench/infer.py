@@ -30,7 +30,8 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    decode tokens/s against `modelkit generate` on those files (tinylm with serve's static key/value
    cache and its fused C step) and the same decoder's torch step, in interleaved rounds (`--rounds`), and
    against modelkit's layers from those files run in transformers' generate (its KV cache; the model's
-   forward the fused one that load_module installs, which continues generate's cache: quantizers/hf_cache.py).
+   forward the fused one that load_module installs, which continues generate's cache: quantizers/hf_cache.py;
+   and the same on transformers' forward, fast_forward.unfused(), the path before), each in every round.
    Goal: >= 0.5x llama.cpp for q8_0 and q4_0 (q4_k_m reported beside them).
    hfllama (part of anchors): the same against a transformers LlamaForCausalLM of llama-100m's shape
    (vocabulary 32000, 12 heads / 4 KV heads), saved with save_pretrained (the llama3 tokenizer fixture) and
@@ -352,7 +353,7 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
         return
     import modelkit
     from modelkit.checkpoint import Checkpoint
-    from modelkit.quantizers import hf_forward
+    from modelkit.quantizers import fast_forward, hf_forward
 
     body = {k: v for k, v in LLAMA_100M.items() if k != "vocab_size"}
     model = build("tinylm", body, seed=0).eval()
@@ -369,12 +370,13 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
                 if type(module).__name__.startswith("Quantized"):
                     hf.set_submodule(name, module)
             hf_forward.install(hf)      # the fused forward, as load_module installs it on a Llama of packed layers
-            hf_prompt, hf_decode = generate_rates(hf, 256)
+            generate_rates(hf, 256)                                      # warm-up
             llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=256, verbose=False)
             prompt = list(range(1, 65))
-            runs: dict[str, list[float]] = {"llama_prompt": [], "llama": [], "own_prompt": [], "own": [], "torch_path": []}
+            runs: dict[str, list[float]] = {k: [] for k in ("llama_prompt", "llama", "own_prompt", "own", "torch_path",
+                                                            "hf_prompt", "hf", "hf_unfused")}
             own_generate_rates(loaded)                                  # warm-up
-            for _ in range(rounds):                # each round: llama.cpp, modelkit generate, the torch step
+            for _ in range(rounds):     # each round: llama.cpp, modelkit generate, the torch step, transformers' generate
                 llm.reset()
                 t0 = time.perf_counter()
                 llm.eval(prompt)
@@ -388,6 +390,11 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
                 runs["own_prompt"].append(own_prompt)
                 runs["own"].append(own_decode)
                 runs["torch_path"].append(torch_path_decode_rate(loaded))
+                hf_prompt, hf_decode = generate_rates(hf, 256)
+                runs["hf_prompt"].append(hf_prompt)
+                runs["hf"].append(hf_decode)
+                with fast_forward.unfused():           # the same on transformers' forward: the path before
+                    runs["hf_unfused"].append(generate_rates(hf, 256)[1])
             del llm
             ratio = [o / ll for o, ll in zip(runs["own"], runs["llama"], strict=True)]
             before = [t / ll for t, ll in zip(runs["torch_path"], runs["llama"], strict=True)]
@@ -395,11 +402,12 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
                 modelkit_decode_tok_s=_spread(runs["own"]), torch_step_decode_tok_s=_spread(runs["torch_path"]),
                 modelkit_vs_llama_cpp=_spread(ratio), torch_step_vs_llama_cpp=_spread(before),
                 llama_cpp_prompt_tok_s=_spread(runs["llama_prompt"]), modelkit_prompt_tok_s=_spread(runs["own_prompt"]),
-                hf_generate_prompt_tok_s=hf_prompt, hf_generate_decode_tok_s=hf_decode)
+                hf_generate_prompt_tok_s=_spread(runs["hf_prompt"]), hf_generate_decode_tok_s=_spread(runs["hf"]),
+                hf_generate_unfused_decode_tok_s=_spread(runs["hf_unfused"]))
             bar(f"{scheme} decode tokens/s, modelkit generate / llama.cpp (median of rounds)", statistics.median(ratio),
                 0.5, higher=True)
-            bar(f"{scheme} decode tokens/s, modelkit layers in transformers' generate / llama.cpp",
-                hf_decode / statistics.median(runs["llama"]), 0.5, higher=True)
+            bar(f"{scheme} decode tokens/s, modelkit layers in transformers' generate / llama.cpp (median of rounds)",
+                statistics.median([h / ll for h, ll in zip(runs["hf"], runs["llama"], strict=True)]), 0.5, higher=True)
 
 
 def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
