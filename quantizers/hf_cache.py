@@ -19,9 +19,12 @@ the last fused call left there (every DynamicLayer edit, update, crop, beam sear
 new ones), batch 1. Otherwise the call runs transformers' forward (and the cache stays off the fused path until
 it is emptied: a cache reset to nothing starts a new shadow). An in-place write into the cache's tensors is not
 seen. The window starts at twice the first chunk (16 at least) and doubles, copied, when a sequence outgrows it.
+The plan holds one binding (DecodePlan.bind), so binding and the kernel call hold a lock: generates in several
+threads on one model take turns there.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +51,7 @@ class Shadow:
 
 
 _SHADOWS: weakref.WeakKeyDictionary[Any, Shadow] = weakref.WeakKeyDictionary()
+_BINDING = threading.Lock()
 
 
 def past_length(cache: Any, layers: int) -> int | None:
@@ -111,15 +115,17 @@ def cached_logits(model: nn.Module, entry: fast_forward.Entry, ids: torch.Tensor
 
         shadow.row = (embed, row_reader(embed))
     window = shadow.keys.shape[3]
-    bound = getattr(plan, "bound", None)
-    if bound is None or bound[2] is not shadow.keys:
-        plan.bind(entry.cos[:window], entry.sin[:window], shadow.keys, shadow.values)
-    if T == 1 and x.ndim == 1:
-        logits = plan.step(x, past, 0).view(1, 1, -1)
-    else:
-        logits = plan.forward(x.view(1, T, -1), plan.bound[0], plan.bound[1], start=past, slot=0, last_only=last_only)
-        if last_only:
-            logits = logits.unsqueeze(1)
+    with _BINDING:          # the plan's binding is one per plan: a generate in another thread must not move it
+        bound = getattr(plan, "bound", None)
+        if bound is None or bound[2] is not shadow.keys:
+            plan.bind(entry.cos[:window], entry.sin[:window], shadow.keys, shadow.values)
+        if T == 1 and x.ndim == 1:
+            logits = plan.step(x, past, 0).view(1, 1, -1)
+        else:
+            logits = plan.forward(x.view(1, T, -1), plan.bound[0], plan.bound[1], start=past, slot=0,
+                                  last_only=last_only)
+            if last_only:
+                logits = logits.unsqueeze(1)
     n = past + T
     views = zip(shadow.keys[:, :, :, :n].unbind(), shadow.values[:, :, :, :n].unbind(), strict=True)
     for layer, (keys, values) in zip(cache.layers, views, strict=True):    # what update's concatenation would hold
