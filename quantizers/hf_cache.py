@@ -57,9 +57,11 @@ _BINDING = threading.Lock()
 def past_length(cache: Any, layers: int) -> int | None:
     """How many positions `cache` holds where the fused path may continue it (0: an empty DynamicCache), else
     None (see the module docstring)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    held = cache.layers if type(cache) is DynamicCache else None
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+    except ImportError:                 # (a transformers before its cache layers: not continued)
+        return None
+    held = getattr(cache, "layers", None) if type(cache) is DynamicCache else None
     if held is None or getattr(cache, "offloading", False) or len(held) != layers \
             or any(type(layer) is not DynamicLayer for layer in held):
         return None
@@ -97,8 +99,8 @@ def _window(shadow: Shadow | None, length: int, entry: fast_forward.Entry, model
 def cached_logits(model: nn.Module, entry: fast_forward.Entry, ids: torch.Tensor, cache: Any, past: int,
                   last_only: bool) -> torch.Tensor | None:
     """The logits of `ids` (1, T) after the `past` positions of `cache` (past_length's answer), (1, T, vocab) or
-    (1, 1, vocab) with `last_only`, from the kernels on the cache's shadow; the new keys and values appended to
-    `cache`. None where the embedding is not float32 (nothing written)."""
+    (1, 1, vocab) with `last_only`, from the kernels on the cache's shadow; `cache`'s layers then hold every
+    position's keys and values (views of the shadow). None where the embedding is not float32 (nothing written)."""
     plan, T = entry.plan, ids.shape[1]
     shadow = _SHADOWS.get(cache) if past else None
     embed = model.model.embed_tokens

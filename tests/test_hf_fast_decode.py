@@ -12,7 +12,9 @@ RTOL (0.03), which also covers an int8 rounding tie going the other way in one o
 Then the forward pass, `model(input_ids)` (quantizers/hf_forward.py: the whole stack in one C call): logits and
 the returned DynamicCache against transformers' forward on the same packed layers (`type(model).forward`), a
 generate continued from that cache, each case the fused path must leave to transformers, copies and replaced
-layers.
+layers. Last, transformers' own `generate` on the fused path (quantizers/hf_cache.py: its DynamicCache continued
+through a shadow static cache): the tokens of transformers' forward, what falls back (beams, padding, an edited
+cache).
 """
 from __future__ import annotations
 
