@@ -575,3 +575,34 @@ def test_beams_padding_and_edited_caches_run_transformers(monkeypatch):
         assert torch.equal(got.logits, expected.logits) and forwards == [1, 1] and steps == [1]
         assert model(chunks[:, :4], cache=caches[0], position_ids=torch.arange(4)[None] + 9).logits is not None
         assert forwards == [1, 1]
+
+
+def test_generates_in_two_threads_keep_their_own_caches(monkeypatch):
+    """Two threads generating on one model at once (one plan, one binding, two shadows): each gets the tokens it
+    gets alone, every step fused."""
+    import sys
+    import threading
+
+    model = _quantized("llama3-rope", "q4_0")
+    prompts = [torch.tensor([[3, 17, 99, 250, 7]]), torch.tensor([[400, 2, 81]])]
+    with torch.no_grad():
+        alone = [model.generate(p, max_new_tokens=24, do_sample=False) for p in prompts]
+        forwards, steps = _counted_steps(monkeypatch)
+        got: list[torch.Tensor | None] = [None, None]
+
+        def run(i: int) -> None:
+            with torch.no_grad():
+                got[i] = model.generate(prompts[i], max_new_tokens=24, do_sample=False)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)                 # switch threads between any two bytecodes, as often as can be
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            sys.setswitchinterval(interval)
+    assert all(torch.equal(g, a) for g, a in zip(got, alone, strict=True))
+    assert len(forwards) == 2 and len(steps) == 46
