@@ -29,13 +29,16 @@ model, or the other runtime on the same weights), so a loaded machine shifts bot
    tinylm with the 100M body (hidden 768, 12 layers; its byte vocabulary, as llama.cpp reads tinylm),
    decode tokens/s against `modelkit generate` on those files (tinylm with serve's static key/value
    cache and its fused C step) and the same decoder's torch step, in interleaved rounds (`--rounds`), and
-   against modelkit's layers from those files run in transformers' generate (its KV cache).
+   against modelkit's layers from those files run in transformers' generate (its KV cache; the model's
+   forward the fused one that load_module installs, which continues generate's cache: quantizers/hf_cache.py;
+   and the same on transformers' forward, fast_forward.unfused(), the path before), each in every round.
    Goal: >= 0.5x llama.cpp for q8_0 and q4_0 (q4_k_m reported beside them).
    hfllama (part of anchors): the same against a transformers LlamaForCausalLM of llama-100m's shape
    (vocabulary 32000, 12 heads / 4 KV heads), saved with save_pretrained (the llama3 tokenizer fixture) and
    quantized from that folder to GGUF by `modelkit quantize`: llama.cpp on the file against `modelkit
    generate` on it (pipeline.generate.generate_tokens: the fused step, pipeline/hf_llama_decoder.py) and
-   against transformers' generate on the same loaded layers (the path before it), interleaved rounds; also
+   against transformers' generate on the same loaded layers with transformers' forward (the path before it,
+   fast_forward.unfused()), interleaved rounds; also
    the CPU time (process time) per decoded token of llama.cpp and of the fused decoder's steps; and prompt
    processing tokens/s of all three (modelkit: the fused forward into the cache, DecodePlan.forward).
 4. memory: resident memory (RSS growth in a fresh process) of load_module's model from modelkit's GGUF
@@ -350,6 +353,7 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
         return
     import modelkit
     from modelkit.checkpoint import Checkpoint
+    from modelkit.quantizers import fast_forward, hf_forward
 
     body = {k: v for k, v in LLAMA_100M.items() if k != "vocab_size"}
     model = build("tinylm", body, seed=0).eval()
@@ -365,12 +369,14 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
             for name, module in loaded.named_modules():
                 if type(module).__name__.startswith("Quantized"):
                     hf.set_submodule(name, module)
-            hf_prompt, hf_decode = generate_rates(hf, 256)
+            hf_forward.install(hf)      # the fused forward, as load_module installs it on a Llama of packed layers
+            generate_rates(hf, 256)                                      # warm-up
             llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=256, verbose=False)
             prompt = list(range(1, 65))
-            runs: dict[str, list[float]] = {"llama_prompt": [], "llama": [], "own_prompt": [], "own": [], "torch_path": []}
+            runs: dict[str, list[float]] = {k: [] for k in ("llama_prompt", "llama", "own_prompt", "own", "torch_path",
+                                                            "hf_prompt", "hf", "hf_unfused")}
             own_generate_rates(loaded)                                  # warm-up
-            for _ in range(rounds):                # each round: llama.cpp, modelkit generate, the torch step
+            for _ in range(rounds):     # each round: llama.cpp, modelkit generate, the torch step, transformers' generate
                 llm.reset()
                 t0 = time.perf_counter()
                 llm.eval(prompt)
@@ -384,6 +390,11 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
                 runs["own_prompt"].append(own_prompt)
                 runs["own"].append(own_decode)
                 runs["torch_path"].append(torch_path_decode_rate(loaded))
+                hf_prompt, hf_decode = generate_rates(hf, 256)
+                runs["hf_prompt"].append(hf_prompt)
+                runs["hf"].append(hf_decode)
+                with fast_forward.unfused():           # the same on transformers' forward: the path before
+                    runs["hf_unfused"].append(generate_rates(hf, 256)[1])
             del llm
             ratio = [o / ll for o, ll in zip(runs["own"], runs["llama"], strict=True)]
             before = [t / ll for t, ll in zip(runs["torch_path"], runs["llama"], strict=True)]
@@ -391,11 +402,12 @@ def llama_cpp_anchor(threads: int, rounds: int) -> None:
                 modelkit_decode_tok_s=_spread(runs["own"]), torch_step_decode_tok_s=_spread(runs["torch_path"]),
                 modelkit_vs_llama_cpp=_spread(ratio), torch_step_vs_llama_cpp=_spread(before),
                 llama_cpp_prompt_tok_s=_spread(runs["llama_prompt"]), modelkit_prompt_tok_s=_spread(runs["own_prompt"]),
-                hf_generate_prompt_tok_s=hf_prompt, hf_generate_decode_tok_s=hf_decode)
+                hf_generate_prompt_tok_s=_spread(runs["hf_prompt"]), hf_generate_decode_tok_s=_spread(runs["hf"]),
+                hf_generate_unfused_decode_tok_s=_spread(runs["hf_unfused"]))
             bar(f"{scheme} decode tokens/s, modelkit generate / llama.cpp (median of rounds)", statistics.median(ratio),
                 0.5, higher=True)
-            bar(f"{scheme} decode tokens/s, modelkit layers in transformers' generate / llama.cpp",
-                hf_decode / statistics.median(runs["llama"]), 0.5, higher=True)
+            bar(f"{scheme} decode tokens/s, modelkit layers in transformers' generate / llama.cpp (median of rounds)",
+                statistics.median([h / ll for h, ll in zip(runs["hf"], runs["llama"], strict=True)]), 0.5, higher=True)
 
 
 def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
@@ -414,6 +426,7 @@ def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
     from modelkit.pipeline.load import load_language_model
     from modelkit.pipeline.quantize import quantize as quantize_file
     from modelkit.pipeline.tinylm_decoder import Stream
+    from modelkit.quantizers import fast_forward
 
     text = " ".join(f"w{i}" for i in range(40))
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
@@ -444,7 +457,8 @@ def hf_llama_cpp_anchor(threads: int, rounds: int) -> None:
                 g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32)
                 runs["own"].append((g.new_tokens - 1) / g.decode_seconds)
                 runs["own_prompt"].append(g.prompt_tokens / g.prompt_seconds)
-                g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32, fused=False)
+                with fast_forward.unfused():        # transformers' generate on transformers' forward
+                    g = generate_tokens(lm.model, lm.tokenizer, text, max_new_tokens=32, fused=False)
                 runs["hf"].append((g.new_tokens - 1) / g.decode_seconds)
                 runs["hf_prompt"].append(g.prompt_tokens / g.prompt_seconds)
                 decoder, seq = llama_decoder(lm.model, 1, len(ids) + 32), Stream(list(ids))

@@ -24,17 +24,21 @@ Float models are never touched: only `replace` / `rebuild` (quantized layers) ca
 
 **The contract.** The fused path answers only where it produces what transformers' forward would (to the
 kernels' rounding; tests/test_hf_fast_decode.py): input_ids (B, T) on CPU; the attention_mask absent or all
-ones; no position_ids, cache / past_key_values, inputs_embeds or other keyword (flash-attention's, debug_io,
-...); output_attentions / output_hidden_states off (argument and config); logits_to_keep 0 or 1; at most 64
-rows (B T) where the products are int8-dynamic's (ROWWISE_ROWS); no gradient, eval mode, not tracing or compiling; a float32 embedding; `config.is_causal` not False; no forward hook on
-the model's blocks (it would not run; transformers' output-capturing hooks count only while they collect).
+ones; no position_ids, cache, inputs_embeds or other keyword (flash-attention's, debug_io, past_key_values, ...),
+except a DynamicCache the fused path may continue (batch 1, positions absent or the default past..past+T-1:
+transformers' generate; hf_cache.py); output_attentions / output_hidden_states off (argument and config);
+logits_to_keep 0 or 1; at most 64 rows (B T) where the products are int8-dynamic's (ROWWISE_ROWS); no gradient,
+eval mode, not tracing or compiling; a float32 embedding; `config.is_causal` not False; no sliding window inside
+the positions attended; no forward hook on the model's blocks (it would not run; transformers' output-capturing
+hooks count only while they collect).
 Otherwise transformers' forward runs, unchanged. labels: the model's own `loss_function` on the fused logits,
 as transformers computes it. use_cache (the config's default, True for these families): the C forward also
 writes every token's keys (after the rotary and Qwen3's key norm) and values into a (layers, B, kv_heads, T,
 head_dim) buffer, fed to a DynamicCache built from the config through `update(keys, values, layer)`, as
 transformers' attention fills it, so sliding-window layers keep what they keep there; the returned cache
 continues decoding in transformers (a generate from it gives the tokens of one from transformers' own).
-return_dict as `can_return_tuple` does.
+return_dict as `can_return_tuple` does. Given a cache, that cache is continued and returned instead (its shadow
+static cache, hf_cache.py: the prompt through DecodePlan.forward, each token through the C decode step).
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelkit.quantizers import fast_decode, fast_forward, fast_linear
+from modelkit.quantizers import fast_decode, fast_forward, fast_linear, hf_cache
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")      # tables fixed per position (dynamic/longrope are not)
@@ -155,6 +159,17 @@ def _output(model: nn.Module, logits: torch.Tensor, cache: Any, loss: torch.Tens
     return CausalLMOutputWithPast(loss=loss, logits=logits, **{name: cache})
 
 
+def _default_positions(positions: Any, B: int, T: int, past: int) -> bool:
+    """Whether `positions` are the ones transformers takes by default: past..past+T-1 for each sequence (what
+    generate passes with its cache; without a cache, given positions keep transformers' forward, as before)."""
+    if not isinstance(positions, torch.Tensor) or positions.shape not in ((T,), (1, T), (B, T)) \
+            or positions.is_floating_point() or positions.device.type != "cpu":
+        return False
+    if positions.numel() == 1:
+        return int(positions.reshape(())) == past
+    return torch.equal(positions, torch.arange(past, past + T).expand_as(positions))
+
+
 def fused_outputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What `model(*args, **kwargs)` returns, from the fused forward; None where it does not apply (see the
     module docstring: the caller runs transformers' forward)."""
@@ -165,7 +180,7 @@ def fused_outputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     get = kwargs.get
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.device.type != "cpu" or ids.shape[1] < 1 \
             or ids.is_floating_point() or ids.is_complex() \
-            or get("position_ids") is not None or get("cache") is not None or get("inputs_embeds") is not None \
+            or get("inputs_embeds") is not None \
             or get("output_attentions") or get("output_hidden_states"):
         return None
     cfg = model.config
@@ -174,24 +189,34 @@ def fused_outputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             or getattr(cfg, "is_causal", None) is False or type(keep) is not int or keep not in (0, 1) \
             or (keep and get("labels") is not None):
         return None
-    mask = get("attention_mask")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape or not bool(mask.all())):
+    use_cache = get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(cfg, "use_cache", False)
+    B, T = ids.shape
+    given, past = get("cache"), 0
+    if given is not None:            # continue it (generate's cache): hf_cache.py
+        past = hf_cache.past_length(given, cfg.num_hidden_layers) if use_cache and B == 1 else None
+        if past is None:
+            return None
+    mask, positions = get("attention_mask"), get("position_ids")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != (B, past + T) or not bool(mask.all())):
+        return None
+    if positions is not None and (given is None or not _default_positions(positions, B, T, past)):
         return None
     entry = _entry(model)
     if entry.plan is None or cfg.num_hidden_layers != entry.plan.layers:
         return None
     sliding, hooked, rowwise = entry.extra
-    B, T = ids.shape
-    if (sliding is not None and sliding < T) or (rowwise and B * T > ROWWISE_ROWS) or _hooked(hooked):
+    if (sliding is not None and sliding < past + T) or (rowwise and B * T > ROWWISE_ROWS) or _hooked(hooked):
         return None
+    if given is not None:
+        logits = hf_cache.cached_logits(model, entry, ids, given, past, keep == 1)
+        return None if logits is None else _finish(model, kwargs, logits, given)
     x = model.model.embed_tokens(ids)
     if x.dtype != torch.float32:
         return None
     if len(entry.cos) < T:
         entry.cos, entry.sin = rotary_tables(model, max(T, 2 * len(entry.cos)))
-    use_cache = get("use_cache")
-    if use_cache is None:
-        use_cache = getattr(cfg, "use_cache", False)
     plan, g = entry.plan, entry.plan.geometry
     into = None
     if use_cache:
@@ -206,10 +231,15 @@ def fused_outputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         cache = DynamicCache(config=cfg)
         for i in range(plan.layers):
             cache.update(into[0][i], into[1][i], i)
-    labels = get("labels")
+    return _finish(model, kwargs, logits, cache)
+
+
+def _finish(model: nn.Module, kwargs: dict[str, Any], logits: torch.Tensor, cache: Any) -> Any:
+    """The call's output around the fused logits: the loss where labels are given, a tuple where asked."""
+    labels, cfg = kwargs.get("labels"), model.config
     loss = None if labels is None else model.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size)
     out = _output(model, logits, cache, loss)
-    return_dict = get("return_dict")
+    return_dict = kwargs.get("return_dict")
     if return_dict is None:
         return_dict = getattr(cfg, "return_dict", True)
     return out if return_dict else out.to_tuple()

@@ -12,7 +12,9 @@ RTOL (0.03), which also covers an int8 rounding tie going the other way in one o
 Then the forward pass, `model(input_ids)` (quantizers/hf_forward.py: the whole stack in one C call): logits and
 the returned DynamicCache against transformers' forward on the same packed layers (`type(model).forward`), a
 generate continued from that cache, each case the fused path must leave to transformers, copies and replaced
-layers.
+layers. Last, transformers' own `generate` on the fused path (quantizers/hf_cache.py: its DynamicCache continued
+through a shadow static cache): the tokens of transformers' forward, what falls back (beams, padding, an edited
+cache).
 """
 from __future__ import annotations
 
@@ -486,3 +488,121 @@ def test_int8_dynamic_fuses_up_to_64_rows(monkeypatch):
         assert calls == [1]
         many = torch.randint(0, 512, (ROWWISE_ROWS // 16 + 1, 16), generator=torch.Generator().manual_seed(8))
         assert torch.equal(model(many).logits, type(model).forward(model, many).logits) and calls == [1]
+
+
+# ---- transformers' generate on the fused forward: its DynamicCache continued (quantizers/hf_cache.py) ----
+
+def _counted_steps(monkeypatch) -> tuple[list[int], list[int]]:
+    """DecodePlan.forward's and DecodePlan.step's calls from here on."""
+    forwards, steps = _counted(monkeypatch), []
+    step = fast_decode.DecodePlan.step
+    monkeypatch.setattr(fast_decode.DecodePlan, "step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
+    return forwards, steps
+
+
+@pytest.mark.parametrize(("name", "scheme"), [("llama3-rope", "q4_0"), ("qwen3", "q8_0")])
+def test_generate_runs_fused_on_its_cache(name, scheme, monkeypatch):
+    """Greedy generate, 40 tokens: the prompt in one fused call, every step on the C decode step (the shadow cache
+    grown from 16 to 64 positions on the way), the tokens of transformers' forward (unfused()); the returned cache
+    equals transformers' and continues in transformers' forward as it does."""
+    from modelkit.quantizers import fast_forward, hf_cache
+    from modelkit.testing.causal_lm import _cache_argument, returned_cache
+
+    model = _quantized(name, scheme)
+    forwards, steps = _counted_steps(monkeypatch)
+    ids = torch.tensor([[3, 17, 99, 250, 7]])
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
+        assert forwards == [1] and len(steps) == 39
+        assert hf_cache._SHADOWS[returned_cache(got)].keys.shape[3] == 64
+        with fast_forward.unfused():
+            expected = model.generate(ids, max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
+        assert torch.equal(got.sequences, expected.sequences) and got.sequences.shape == (1, 45)
+        _caches_close(got, expected)
+        step = got.sequences[:, -1:]
+        after = [type(model).forward(model, step, **{_cache_argument(model): returned_cache(out)})
+                 for out in (got, expected)]
+        _close(after[0].logits, after[1].logits)
+
+
+def test_sampling_and_an_all_ones_mask_run_fused(monkeypatch):
+    """Sampling (one seed) with an all-ones attention mask: fused, the tokens of transformers' forward."""
+    from modelkit.quantizers import fast_forward
+
+    model = _quantized("mistral", "q4_0")
+    forwards, steps = _counted_steps(monkeypatch)
+    ids = torch.tensor([[5, 6, 7, 300]])
+    runs = []
+    with torch.no_grad():
+        for fused in (True, False):
+            torch.manual_seed(9)
+            with fast_forward.unfused() if not fused else warnings.catch_warnings():
+                runs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=True,
+                                           top_k=50, temperature=0.8))
+    assert torch.equal(runs[0], runs[1]) and forwards == [1] and len(steps) == 19
+
+
+def test_beams_padding_and_edited_caches_run_transformers(monkeypatch):
+    """Beam search (the cache reordered), a padded batch and a cache cropped between calls run transformers'
+    forward and give its result; chunks of several tokens continue the cache fused."""
+    from transformers.cache_utils import DynamicCache
+
+    from modelkit.quantizers import fast_forward
+
+    model = _quantized("qwen2", "q8_0")
+    forwards, steps = _counted_steps(monkeypatch)
+    ids = torch.tensor([[3, 17, 99, 250, 7]])
+    padded = torch.tensor([[0, 0, 9, 10, 11], [3, 17, 99, 250, 7]])
+    mask = (padded != 0).long()
+    with torch.no_grad():
+        beams = model.generate(ids, max_new_tokens=8, do_sample=False, num_beams=2)
+        batch = model.generate(padded, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        assert forwards == [] and steps == []
+        with fast_forward.unfused():
+            assert torch.equal(beams, model.generate(ids, max_new_tokens=8, do_sample=False, num_beams=2))
+            assert torch.equal(batch, model.generate(padded, attention_mask=mask, max_new_tokens=8, do_sample=False))
+        chunks = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(10))
+        caches = [DynamicCache(config=model.config) for _ in range(2)]
+        for part in (chunks[:, :5], chunks[:, 5:9], chunks[:, 9:10]):
+            got, expected = model(part, cache=caches[0]), type(model).forward(model, part, cache=caches[1])
+            _close(got.logits, expected.logits)
+        assert forwards == [1, 1] and steps == [1]
+        _caches_close(got, expected)
+        for cache in caches:
+            cache.crop(-3)
+        rest = chunks[:, 10:]
+        got, expected = model(rest, cache=caches[0]), type(model).forward(model, rest, cache=caches[1])
+        assert torch.equal(got.logits, expected.logits) and forwards == [1, 1] and steps == [1]
+        assert model(chunks[:, :4], cache=caches[0], position_ids=torch.arange(4)[None] + 9).logits is not None
+        assert forwards == [1, 1]
+
+
+def test_generates_in_two_threads_keep_their_own_caches(monkeypatch):
+    """Two threads generating on one model at once (one plan, one binding, two shadows): each gets the tokens it
+    gets alone, every step fused."""
+    import sys
+    import threading
+
+    model = _quantized("llama3-rope", "q4_0")
+    prompts = [torch.tensor([[3, 17, 99, 250, 7]]), torch.tensor([[400, 2, 81]])]
+    with torch.no_grad():
+        alone = [model.generate(p, max_new_tokens=24, do_sample=False) for p in prompts]
+        forwards, steps = _counted_steps(monkeypatch)
+        got: list[torch.Tensor | None] = [None, None]
+
+        def run(i: int) -> None:
+            with torch.no_grad():
+                got[i] = model.generate(prompts[i], max_new_tokens=24, do_sample=False)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)                 # switch threads between any two bytecodes, as often as can be
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            sys.setswitchinterval(interval)
+    assert all(torch.equal(g, a) for g, a in zip(got, alone, strict=True))
+    assert len(forwards) == 2 and len(steps) == 46
