@@ -7,7 +7,7 @@ concatenation; the kernels read a static cache. So each DynamicCache the fused p
 shadow: a static cache of (layers, 1 slot, kv_heads, window, head_dim) kept in a table keyed weakly by the
 DynamicCache object. A call then runs DecodePlan.forward into the shadow's slot from the cache's length (the
 prompt, or any chunk of several tokens) or DecodePlan.step (one token: the C decode step, its embedding read by
-tinylm_decoder.row_reader), and sets each DynamicLayer's keys and values to views of the shadow's first
+fast_decode.row_reader), and sets each DynamicLayer's keys and values to views of the shadow's first
 past+T positions: what `update`'s concatenation would hold, without copying the whole cache every token (24
 concatenations of the growing cache took ~0.35 ms of a ~4 ms llama-100m step). The cache the call returns is
 the one transformers' forward would have returned (to the kernels' rounding) and any later call may run
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelkit.quantizers import fast_forward
+from modelkit.quantizers import fast_decode, fast_forward, hf_rotary
 
 _MIN_WINDOW = 16
 
@@ -77,8 +77,6 @@ def past_length(cache: Any, layers: int) -> int | None:
 
 def _window(shadow: Shadow | None, length: int, entry: fast_forward.Entry, model: nn.Module) -> Shadow:
     """`shadow` (a new one where None) with room for `length` positions, and the entry's rotary tables as long."""
-    from modelkit.quantizers.hf_forward import rotary_tables
-
     g = entry.plan.geometry
     window = _MIN_WINDOW if shadow is None else shadow.keys.shape[3]
     while window < length or (shadow is None and window < 2 * length):
@@ -91,8 +89,7 @@ def _window(shadow: Shadow | None, length: int, entry: fast_forward.Entry, model
             grown.keys[:, :, :, :n], grown.values[:, :, :, :n] = shadow.keys[:, :, :, :n], shadow.values[:, :, :, :n]
             grown.length, grown.seen, grown.row = n, shadow.seen, shadow.row
         shadow = grown
-    if len(entry.cos) < window:
-        entry.cos, entry.sin = rotary_tables(model, max(window, 2 * len(entry.cos)))
+    hf_rotary.cover(entry, model, window)
     return shadow
 
 
@@ -113,9 +110,7 @@ def cached_logits(model: nn.Module, entry: fast_forward.Entry, ids: torch.Tensor
         x = x.contiguous()
     shadow = _window(shadow, past + T, entry, model)
     if shadow.row is None or shadow.row[0] is not embed:
-        from modelkit.pipeline.tinylm_decoder import row_reader
-
-        shadow.row = (embed, row_reader(embed))
+        shadow.row = (embed, fast_decode.row_reader(embed))
     window = shadow.keys.shape[3]
     with _BINDING:          # the plan's binding is one per plan: a generate in another thread must not move it
         bound = getattr(plan, "bound", None)

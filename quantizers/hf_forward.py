@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from modelkit.quantizers import fast_decode, fast_forward, fast_linear, hf_cache
+from modelkit.quantizers.hf_rotary import cover, rotary_tables
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")      # tables fixed per position (dynamic/longrope are not)
@@ -93,16 +94,6 @@ def unsupported(model: nn.Module, window: int) -> str | None:
     if reason is None and sliding is not None and sliding < window:
         return f"a sliding window of {sliding} positions"
     return reason
-
-
-def rotary_tables(model: nn.Module, length: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of positions 0..length-1, each (length, head_dim) float32, contiguous, from the model's own
-    `rotary_emb` (default, linear, Llama-3 and YaRN scaling; YaRN's attention factor folded in)."""
-    positions = torch.arange(length, device=device)[None]
-    probe = torch.zeros(1, dtype=torch.float32, device=device)
-    with torch.no_grad():
-        cos, sin = model.model.rotary_emb(probe, positions)
-    return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
 def _entry(model: nn.Module) -> fast_forward.Entry:
@@ -215,8 +206,7 @@ def fused_outputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     x = model.model.embed_tokens(ids)
     if x.dtype != torch.float32:
         return None
-    if len(entry.cos) < T:
-        entry.cos, entry.sin = rotary_tables(model, max(T, 2 * len(entry.cos)))
+    cover(entry, model, T)
     plan, g = entry.plan, entry.plan.geometry
     into = None
     if use_cache:

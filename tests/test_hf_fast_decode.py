@@ -35,7 +35,7 @@ from modelkit.pipeline.generate import generate_tokens
 from modelkit.pipeline.hf_llama_decoder import HFLlamaDecoder, llama_decoder, unsupported
 from modelkit.pipeline.load import load_language_model
 from modelkit.pipeline.quantize import quantize, quantize_module
-from modelkit.pipeline.tinylm_decoder import Stream, row_reader
+from modelkit.pipeline.tinylm_decoder import Stream
 from modelkit.quantizers import fast_decode, fast_linear
 from modelkit.testing.gguf_files import as_llama_cpp_writes_it
 
@@ -139,7 +139,7 @@ def test_the_portable_kernels_on_one_thread():
 
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q6_k", "int8"])
 def test_an_embedding_row_is_the_layers_row(scheme):
-    """row_reader (the fused step's lookup in a table too large to dequantize whole): the layer's rows, bit for
+    """fast_decode.row_reader (the fused step's lookup in a table too large to dequantize whole): the layer's rows, bit for
     bit, from the GGUF block bytes (q8_0, q4_0 in numpy; K-quants in C) or the layer itself (int8)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=40, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
@@ -147,7 +147,7 @@ def test_an_embedding_row_is_the_layers_row(scheme):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         embed = quantize_module(transformers.LlamaForCausalLM(config), schemes.load_scheme(scheme)()).model.embed_tokens
-    read = row_reader(embed)
+    read = fast_decode.row_reader(embed)
     with torch.no_grad():
         for token in (0, 17, 39):
             row = read(token)

@@ -24,7 +24,8 @@ from torch import nn
 
 from modelkit.errors import ConfigError
 from modelkit.pipeline.tinylm_decoder import Cached, TinyLMDecoder
-from modelkit.quantizers.hf_forward import rotary_tables, unsupported
+from modelkit.quantizers.hf_forward import unsupported
+from modelkit.quantizers.hf_rotary import rotary_tables
 
 
 class HFLlamaDecoder(TinyLMDecoder):

@@ -19,51 +19,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from modelkit.quantizers import fast_linear
+from modelkit.quantizers.fast_decode import row_reader
 
 TABLE_FLOATS = 1 << 20       # the fused step dequantizes an embedding table up to 4 MB (tinylm's 256 rows) once
-
-
-def row_reader(embed: nn.Module) -> Callable[[int], torch.Tensor]:
-    """token -> its embedding (hidden float32 values, contiguous) for a table too large to dequantize whole.
-
-    A GGUF table's row is dequantized from its block bytes in numpy (q8_0, q4_0) or the C K-quant
-    dequantizer: ~10 us, where the layer's own lookup (torch ops, after a step has streamed the weights
-    through the caches) took 0.3-0.8 ms a token on llama-100m's 32000 x 768 table. Other tables: the layer."""
-    def by_layer(token: int) -> torch.Tensor:
-        return embed(torch.tensor([token]))[0].to(torch.float32).contiguous()
-
-    qdata = getattr(embed, "qdata", None)
-    if getattr(embed, "layout", None) != "gguf" or not isinstance(qdata, torch.Tensor) or qdata.ndim != 2 \
-            or embed.params.get("transposed") or embed.weight_dtype != torch.float32:
-        return by_layer
-    kind, rows = str(embed.params.get("ggml_type", "")).lower(), qdata.numpy()
-    if kind in ("q8_0", "q4_0"):
-        size = 34 if kind == "q8_0" else 18
-        if rows.shape[1] % size:
-            return by_layer
-        blocks = rows.reshape(len(rows), -1, size)
-
-        def legacy(token: int) -> torch.Tensor:
-            b = blocks[token]
-            scale = b[:, :2].copy().view(np.float16).astype(np.float32)                 # (blocks, 1)
-            if kind == "q8_0":
-                values = b[:, 2:].view(np.int8).astype(np.float32)
-            else:      # q4_0: low nibbles are weights 0-15 of a block, high nibbles 16-31; each minus 8
-                values = np.concatenate((b[:, 2:] & 15, b[:, 2:] >> 4), axis=1).astype(np.float32) - 8.0
-            return torch.from_numpy((values * scale).reshape(-1))
-
-        return legacy
-    from modelkit.quantizers.gguf_arrays import KERNEL_TYPES, dequantize_kquants
-
-    if kind in KERNEL_TYPES and fast_linear.kernels() is not None:
-        return lambda token: torch.from_numpy(dequantize_kquants(rows[token], kind, threads=1))
-    return by_layer
 
 
 class Cached(Protocol):
