@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelkit.errors import ConfigError, MissingDependencyError
-from modelkit.models.plugin import HFFamily, PruneGroup, PruneSlice
+from modelkit.models.plugin import HFFamily
 
 # Hugging Face Llama-style decoder names -> llama.cpp's (gguf-py's tensor_mapping.py has the same pairs).
 # Families copy this and add or replace entries.
@@ -380,46 +380,6 @@ def tokenizer(assets: Mapping[str, bytes], *, source: str = "the model") -> Any:
             if name in assets:
                 (Path(scratch) / name).write_bytes(assets[name])
         return transformers.AutoTokenizer.from_pretrained(scratch)
-
-
-def decoder_prune_groups(layers: int, heads: int, kv_heads: int, head_dim: int, *,
-                         attention_bias: bool = False, mlp_bias: bool = False) -> list[PruneGroup]:
-    """Structured pruning of a Llama-style decoder (Hugging Face names), per block: attention heads and
-    SwiGLU hidden units (a gate row, an up row and a down column together).
-
-    Heads are ranked by the product of the norms of their q_proj rows and o_proj columns. Under
-    grouped-query attention each key/value head keeps the same number of query heads, so the grouping
-    stays uniform; under multi-head attention (as many key/value heads as query heads) a head goes with
-    its key and value rows. head_dim becomes explicit in the config.
-    """
-    groups = []
-    mha = kv_heads == heads
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        projections = ("q", "k", "v") if mha else ("q",)
-        attention = [PruneSlice(f"{p}.self_attn.{n}_proj.weight", 0, width=head_dim, score=n == "q") for n in projections]
-        attention.append(PruneSlice(f"{p}.self_attn.o_proj.weight", 1, width=head_dim, score=True))
-        if attention_bias:
-            attention += [PruneSlice(f"{p}.self_attn.{n}_proj.bias", 0, width=head_dim) for n in projections]
-        groups.append(PruneGroup(tuple(attention), "num_attention_heads", buckets=1 if mha else kv_heads,
-                                 pinned={"head_dim": head_dim}, also_counts={"num_key_value_heads": 1} if mha else {}))
-        mlp = [PruneSlice(f"{p}.mlp.{n}_proj.weight", d, score=True) for n, d in (("gate", 0), ("up", 0), ("down", 1))]
-        if mlp_bias:
-            mlp += [PruneSlice(f"{p}.mlp.gate_proj.bias", 0), PruneSlice(f"{p}.mlp.up_proj.bias", 0)]
-        groups.append(PruneGroup(tuple(mlp), "intermediate_size"))
-    return groups
-
-
-def prune_groups(family: HFFamily, config: Mapping[str, Any]) -> list[PruneGroup] | None:
-    """A family's structured-pruning groups (`HFFamily.prunable`), or None for families with none."""
-    if not family.prunable:
-        return None
-    config = text_config(family, config)
-    heads = int(config["num_attention_heads"])
-    return decoder_prune_groups(
-        int(config["num_hidden_layers"]), heads, int(_get(config, "num_key_value_heads", heads)), head_dim(config),
-        attention_bias=bool(config.get("attention_bias")) or "model.layers.{n}.self_attn.q_proj.bias" in family.tensors,
-        mlp_bias=bool(config.get("mlp_bias")))
 
 
 @dataclass(frozen=True)
