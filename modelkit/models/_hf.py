@@ -342,8 +342,8 @@ def _transformers(what: str) -> Any:
     return transformers
 
 
-def build(family: HFFamily, config: Mapping[str, Any]) -> Any:
-    """transformers' causal-LM module for a config.json dict (random weights; the caller loads them).
+def hf_config(family: HFFamily, config: Mapping[str, Any]) -> Any:
+    """transformers' config object (`AutoConfig`) for a config.json dict's language model.
 
     Raises:
         MissingDependencyError: transformers is not installed.
@@ -352,8 +352,16 @@ def build(family: HFFamily, config: Mapping[str, Any]) -> Any:
     config = text_config(family, config)
     model_type = config.get("model_type", family.model_types[0])
     values = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
-    hf_config = transformers.AutoConfig.for_model(model_type, **values)
-    return getattr(transformers, family.hf_class)(hf_config).eval()
+    return transformers.AutoConfig.for_model(model_type, **values)
+
+
+def build(family: HFFamily, config: Mapping[str, Any]) -> Any:
+    """transformers' causal-LM module for a config.json dict (random weights; the caller loads them).
+
+    Raises:
+        MissingDependencyError: transformers is not installed.
+    """
+    return getattr(_transformers(f"building a {family.hf_class}"), family.hf_class)(hf_config(family, config)).eval()
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
