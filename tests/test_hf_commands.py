@@ -129,9 +129,11 @@ def test_eval_needs_the_tokenizer(folders, tmp_path):
     bare = tmp_path / "bare"
     shutil.copytree(folders["llama"], bare)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (bare / name).unlink()
+        (bare / name).rename(tmp_path / name)       # beside the folder: not its own, so not read
     with pytest.raises(ConfigError, match="tokenizer"):
         modelkit.evaluate(bare, max_tokens=10)
+    given = modelkit.evaluate(bare, max_tokens=10, tokenizer=tmp_path)            # --tokenizer FOLDER
+    assert given["bits_per_byte"] == modelkit.evaluate(folders["llama"], max_tokens=10)["bits_per_byte"]
 
 
 # ------------------------------------------------------------------------------------------ generate

@@ -20,6 +20,7 @@ from modelkit.cli import EXIT_ERROR, main
 from modelkit.errors import ConfigError, UnsupportedConversionError, VerificationError
 from modelkit.formats import WriteOptions, load_format
 from modelkit.models import arch_spec, build
+from modelkit.pipeline.measure import session_module
 from modelkit.pipeline.verify import verify_graph
 from modelkit.pipeline.write import write_checkpoint
 from modelkit.testing import causal_lm
@@ -262,3 +263,5 @@ def test_eval_of_an_export_without_its_tokenizer_says_where_it_looked(exported, 
     result = CliRunner().invoke(main, ["eval", str(lone), "--runtime", "onnxruntime", "--max-tokens", "10"])
     assert result.exit_code == EXIT_ERROR and len(result.stderr.strip().splitlines()) == 1
     assert "next to it" in result.stderr and "--tokenizer FOLDER" in result.stderr
+    with pytest.raises(UnsupportedConversionError, match="runs in onnxruntime .* or in torch; not in OpenVINO"):
+        session_module(tmp_path / "lm.xml", arch_spec(model), fmt="openvino")

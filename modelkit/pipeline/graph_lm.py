@@ -60,24 +60,33 @@ def graph_causal_lm(path: Path, arch: ArchSpec, run: Any) -> GraphCausalLM:
     return GraphCausalLM(run, _hf.hf_config(hf_families()[arch.name], arch.config), path.name)
 
 
-def graph_tokenizer(path: PathLike, given: Any = None, *, trust: bool = False) -> Any:
-    """transformers' tokenizer for the model in the file at `path`: `given` itself (a tokenizer), the files in
-    `given` (a folder), or else the tokenizer files next to the file.
+def folder_tokenizer(folder: PathLike, *, trust: bool = False) -> Any:
+    """transformers' tokenizer of the files in `folder` (`--tokenizer FOLDER`).
+
+    Raises:
+        ConfigError: not a folder, or no tokenizer.json or tokenizer.model in it.
+    """
+    if not Path(folder).is_dir():
+        raise ConfigError(f"--tokenizer {folder}: not a folder; name the folder holding the model's tokenizer files")
+    return _tokenizer_in(Path(folder), f"--tokenizer {folder}", trust=trust)
+
+
+def tokenizer_beside(path: PathLike, *, trust: bool = False) -> Any:
+    """transformers' tokenizer of the files next to the model file at `path` (an ONNX export carries none).
 
     Raises:
         ConfigError: no tokenizer.json or tokenizer.model there (one line that says where it looked).
     """
+    folder = Path(path).absolute().parent
+    return _tokenizer_in(folder, f"{path}: next to it, {folder}", trust=trust)
+
+
+def _tokenizer_in(folder: Path, where: str, *, trust: bool) -> Any:
     from modelkit.converters.hf import read_assets
     from modelkit.models import _hf
 
-    if given is not None and not isinstance(given, (str, os.PathLike)):
-        return given
-    folder = Path(given) if given is not None else Path(path).parent
-    if given is not None and not folder.is_dir():
-        raise ConfigError(f"--tokenizer {folder}: not a folder; name the folder holding the model's tokenizer files")
     assets = read_assets(folder, trust=trust)
     if "tokenizer.json" not in assets and "tokenizer.model" not in assets:
-        where = f"--tokenizer {folder}" if given is not None else f"{path}: next to it, {folder}"
         raise ConfigError(f"{where} has no tokenizer.json or tokenizer.model; a language model is measured with "
                           "its tokenizer: pass --tokenizer FOLDER (the Hugging Face folder it came from) or copy "
                           "that folder's tokenizer files next to the model")

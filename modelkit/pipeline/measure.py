@@ -54,18 +54,20 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
     transformers' tokenizer). `context`, `max_tokens` and `progress` (tokens scored, tokens in all) are
     `text_metrics`'. A file that carries no tokenizer (an ONNX export, run in onnxruntime or rebuilt in
     torch) is measured with `tokenizer` (transformers' tokenizer, or the folder holding its files) or the
-    tokenizer files next to it (modelkit.pipeline.graph_lm.graph_tokenizer).
+    tokenizer files next to it (modelkit.pipeline.graph_lm.tokenizer_beside).
     """
     from torch import nn
 
     from modelkit.models import hf_config_of, load_model_module
     from modelkit.pipeline import distributed
     from modelkit.pipeline import train as training
-    from modelkit.pipeline.graph_lm import graph_tokenizer
+    from modelkit.pipeline.graph_lm import folder_tokenizer, tokenizer_beside
     from modelkit.pipeline.load import load_language_model
 
     if runtime not in EVAL_RUNTIMES:
         raise ConfigError(f"unknown runtime {runtime!r}; known: {', '.join(EVAL_RUNTIMES)}")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = folder_tokenizer(tokenizer, trust=trust)
     graph = _RUNTIME_FORMATS.get(runtime)
     if graph is not None:
         fmt, suffix, called = graph
@@ -73,16 +75,15 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
             raise ConfigError(f"{path_or_model}: runtime {runtime} needs {called} file; convert it with "
                               f"modelkit convert SRC model{suffix} first")
         model, device = session_module(path_or_model, fmt=fmt), "cpu"
-        if hf_config_of(model) is not None:
-            tokenizer = graph_tokenizer(path_or_model, tokenizer, trust=trust)
+        if hf_config_of(model) is not None and tokenizer is None:
+            tokenizer = tokenizer_beside(path_or_model, trust=trust)
     elif isinstance(path_or_model, nn.Module):
         model = path_or_model
     else:
         loaded = load_language_model(path_or_model, format=format, arch=arch, trust=trust, key=key)
-        model = loaded.model
-        if hf_config_of(model) is not None and (loaded.tokenizer is None or isinstance(tokenizer, (str, os.PathLike))):
-            tokenizer = graph_tokenizer(path_or_model, tokenizer, trust=trust)     # a file without one: ONNX
-        tokenizer = tokenizer or loaded.tokenizer
+        model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
+        if hf_config_of(model) is not None and tokenizer is None and Path(path_or_model).is_file():
+            tokenizer = tokenizer_beside(path_or_model, trust=trust)        # a file that carries none: ONNX
     dev = distributed.resolve_device(device, distributed.DistInfo())
     if hf_config_of(model) is not None:
         return _evaluate_text(model, tokenizer, split=split, data=data, context=context, max_tokens=max_tokens,
