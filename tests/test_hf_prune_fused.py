@@ -143,6 +143,14 @@ def test_the_prune_command_prints_what_gpt2_keeps(folders, tmp_path):
     assert as_json.exit_code == EXIT_OK and json.loads(as_json.stdout)["kept"] == []
 
 
+def test_a_phi3_with_pruned_heads_has_no_gguf_form(folders, tmp_path):
+    # llama.cpp's phi3 cuts attn_qkv at hidden_size (it refuses the tensor: "wrong shape; expected 64, 128,
+    # got 64, 96"); gpt2 keeps its heads, so its pruned GGUF loads there (checked by hand: logits within 1.2e-4)
+    with pytest.raises(UnsupportedConversionError, match=r"2 heads of 16 make 32 query rows, not hidden_size 64.*--to hf"):
+        prune_file(folders["phi3-gqa"], tmp_path / "p.gguf", HALF, max_tokens=20)
+    assert not (tmp_path / "p.gguf").exists()
+
+
 def test_a_model_that_declares_no_groups_is_refused_in_one_line():
     with pytest.raises(UnsupportedConversionError) as e:
         prune_apply(torch.nn.Sequential(torch.nn.Linear(4, 4)), HALF)

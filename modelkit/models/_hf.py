@@ -33,6 +33,7 @@ DECODER_TENSORS: dict[str, str] = {
     "model.layers.{n}.mlp.up_proj.weight": "blk.{n}.ffn_up.weight",
     "model.layers.{n}.mlp.down_proj.weight": "blk.{n}.ffn_down.weight",
 }
+FUSED_QKV = "model.layers.{n}.self_attn.qkv_proj.weight"          # Phi-3's q, k and v rows in one tensor
 QK_BIASES = {f"model.layers.{{n}}.self_attn.{p}_proj.bias": f"blk.{{n}}.attn_{p}.bias" for p in "qkv"}
 QK_NORMS = {f"model.layers.{{n}}.self_attn.{p}_norm.weight": f"blk.{{n}}.attn_{p}_norm.weight" for p in "qk"}
 
@@ -87,8 +88,8 @@ def gguf_hparams(family: HFFamily, config: Mapping[str, Any]) -> dict[str, Any]:
     """llama.cpp's hyperparameters for a config.json, as key suffixes -> Python values (int, float, str).
 
     Raises:
-        ConfigError: the config lacks a value llama.cpp needs, or uses a rope scaling llama.cpp's
-            family cannot express.
+        ConfigError: the config lacks a value llama.cpp needs, uses a rope scaling llama.cpp's family
+            cannot express, or has query rows other than hidden_size in a fused attn_qkv (phi3 with pruned heads).
     """
     config = text_config(family, config)
     values: dict[str, Any] = {}
@@ -115,6 +116,12 @@ def gguf_hparams(family: HFFamily, config: Mapping[str, Any]) -> dict[str, Any]:
                               "hidden_size / heads for the 27B models) and a GGUF cannot hold another value")
     if family.head_dims or dim * values["attention.head_count"] != values["embedding_length"]:
         values["attention.key_length"] = values["attention.value_length"] = dim
+    queries = dim * values["attention.head_count"]
+    if FUSED_QKV in family.tensors and queries != values["embedding_length"]:
+        raise ConfigError(f"{family.architecture}: {values['attention.head_count']} heads of {dim} make {queries} query "
+                          f"rows, not hidden_size {values['embedding_length']}, and llama.cpp's {family.architecture} "
+                          "cuts attn_qkv at hidden_size: a model with pruned heads has no GGUF form (keep it a "
+                          "Hugging Face folder: --to hf)")
     rope = rope_parameters(config)
     values["rope.dimension_count"] = int(dim * float(rope.get("partial_rotary_factor", 1.0)))
     values["rope.freq_base"] = float(rope.get("rope_theta", 10000.0))

@@ -19,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelkit.models._hf import _get, head_dim, rope_parameters, text_config
+from modelkit.models._hf import FUSED_QKV, _get, head_dim, rope_parameters, text_config
 from modelkit.models.plugin import HFFamily, PruneGroup, PruneSlice
 
-PHI3_QKV = "model.layers.{n}.self_attn.qkv_proj.weight"
 GPT2_QKV = "transformer.h.{n}.attn.c_attn.weight"
 GPT2_KEPT = ("gpt2: attention heads kept (transformers' GPT-2 needs n_head x head_dim == n_embd, and the residual "
              "width is not pruned); MLP hidden units pruned")
@@ -104,7 +103,7 @@ def prune_groups(family: HFFamily, config: Mapping[str, Any]) -> list[PruneGroup
     if not family.prunable:
         return None
     config = text_config(family, config)
-    if PHI3_QKV in family.tensors:
+    if FUSED_QKV in family.tensors:
         return phi3_prune_groups(config)
     if GPT2_QKV in family.tensors:
         return gpt2_prune_groups(config)
