@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from modelkit.models._hf import FUSED_QKV, _get, head_dim, rope_parameters, text_config
+from modelkit.models._hf import FUSED_QKV, head_dim, rope_parameters, text_config
 from modelkit.models.plugin import HFFamily, PruneGroup, PruneSlice
 
 GPT2_QKV = "transformer.h.{n}.attn.c_attn.weight"
@@ -69,12 +69,13 @@ def phi3_prune_groups(config: Mapping[str, Any]) -> list[PruneGroup]:
     hidden units as a row of each half of gate_up_proj (gate, then up) with down_proj's column. A longrope
     model keeps its heads (LONGROPE_KEPT)."""
     heads = int(config["num_attention_heads"])
-    kv_heads, hd, inner = int(_get(config, "num_key_value_heads", heads)), head_dim(config), int(config["intermediate_size"])
+    kv_heads, hd, inner = int(config.get("num_key_value_heads") or heads), head_dim(config), int(config["intermediate_size"])
     runs = {"q": (0, heads * hd), "k": (heads * hd, kv_heads * hd), "v": ((heads + kv_heads) * hd, kv_heads * hd)}
-    groups = [PruneGroup((), "num_attention_heads", kept=LONGROPE_KEPT)] if _longrope(config) else []
+    longrope = _longrope(config)
+    groups = [PruneGroup((), "num_attention_heads", kept=LONGROPE_KEPT)] if longrope else []
     for i in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{i}"
-        if not _longrope(config):
+        if not longrope:
             def parts(n: str, p: str = p) -> list[PruneSlice]:
                 return [PruneSlice(f"{p}.self_attn.qkv_proj.weight", 0, width=hd, score=n == "q",
                                    start=runs[n][0], length=runs[n][1])]
@@ -109,6 +110,6 @@ def prune_groups(family: HFFamily, config: Mapping[str, Any]) -> list[PruneGroup
         return gpt2_prune_groups(config)
     heads = int(config["num_attention_heads"])
     return decoder_prune_groups(
-        int(config["num_hidden_layers"]), heads, int(_get(config, "num_key_value_heads", heads)), head_dim(config),
+        int(config["num_hidden_layers"]), heads, int(config.get("num_key_value_heads") or heads), head_dim(config),
         attention_bias=bool(config.get("attention_bias")) or "model.layers.{n}.self_attn.q_proj.bias" in family.tensors,
         mlp_bias=bool(config.get("mlp_bias")))
