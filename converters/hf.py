@@ -50,15 +50,7 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     folder = path if path.is_dir() else path.parent
     config = hf_folder.read_config(folder)
     family = family_for_config(config, source=folder / hf_folder.CONFIG_NAME)
-    assets = {name: hf_folder.read_bytes(folder / name) for name in hf_folder.ASSETS if (folder / name).is_file()}
-    if "tokenizer_config.json" in assets:         # a chat template is a Jinja program some runtimes render
-        from modelkit.scan import gate
-
-        gate(folder / "tokenizer_config.json", trust=options.trust)
-    if "chat_template.jinja" in assets:
-        from modelkit.scan import gate_template
-
-        gate_template(folder / "chat_template.jinja", assets["chat_template.jinja"].decode("utf-8", "replace"))
+    assets = read_assets(folder, trust=options.trust)
     tensors, metadata, where = files.read_folder(folder)
     for key in ("format", ARCH_KEY):              # the folder's config.json is the architecture
         metadata.pop(key, None)
@@ -91,6 +83,21 @@ def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) 
     for name, data in ckpt.assets.items():
         if name in hf_folder.ASSETS:              # only the files a folder holds, by their plain names
             (path / name).write_bytes(data)
+
+
+def read_assets(folder: Path, *, trust: bool = False) -> dict[str, bytes]:
+    """The tokenizer and generation files in `folder` (those of `hf_folder.ASSETS` present), the chat
+    template scanned first: a Jinja program some runtimes render."""
+    assets = {name: hf_folder.read_bytes(folder / name) for name in hf_folder.ASSETS if (folder / name).is_file()}
+    if "tokenizer_config.json" in assets:
+        from modelkit.scan import gate
+
+        gate(folder / "tokenizer_config.json", trust=trust)
+    if "chat_template.jinja" in assets:
+        from modelkit.scan import gate_template
+
+        gate_template(folder / "chat_template.jinja", assets["chat_template.jinja"].decode("utf-8", "replace"))
+    return assets
 
 
 def _quantization_config(ckpt: Checkpoint) -> dict | None:

@@ -147,9 +147,18 @@ def _keep(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
     return scores.topk(count).indices.sort().values
 
 
+def _run(tensor: torch.Tensor, part: PruneSlice) -> tuple[int, int]:
+    """Where the slice's units lie along `part.dim`: (start, length)."""
+    length = tensor.shape[part.dim] - part.start if part.length is None else part.length
+    if part.start < 0 or length <= 0 or part.start + length > tensor.shape[part.dim] or length % part.width:
+        raise ConfigError(f"structured pruning: {part.tensor} has {tensor.shape[part.dim]} entries along dim {part.dim}, "
+                          f"not whole units of {part.width} at {part.start}..{part.start + length}")
+    return part.start, length
+
+
 def _units(tensor: torch.Tensor, part: PruneSlice) -> torch.Tensor:
-    """The tensor as (units, everything else): unit u is `part.width` consecutive entries along `part.dim`."""
-    moved = tensor.movedim(part.dim, 0)
+    """The slice's run as (units, everything else): unit u is `part.width` consecutive entries along `part.dim`."""
+    moved = tensor.narrow(part.dim, *_run(tensor, part)).movedim(part.dim, 0)
     return moved.reshape(moved.shape[0] // part.width, -1)
 
 
@@ -169,9 +178,15 @@ def _group_keep(state: dict[str, torch.Tensor], group: PruneGroup, sparsity: flo
     return (kept + torch.arange(group.buckets)[:, None] * per).flatten()
 
 
-def _take(tensor: torch.Tensor, part: PruneSlice, units: torch.Tensor) -> torch.Tensor:
-    index = (units[:, None] * part.width + torch.arange(part.width)[None, :]).flatten()  # unit -> its entries
-    return tensor.index_select(part.dim, index).contiguous()
+def _take(tensor: torch.Tensor, parts: list[PruneSlice], units: torch.Tensor) -> torch.Tensor:
+    """Keep `units` of every run the slices (one tensor, one dim) name, and every entry outside those runs."""
+    dim = parts[0].dim
+    keep = torch.ones(tensor.shape[dim], dtype=torch.bool)
+    for part in parts:
+        start, length = _run(tensor, part)
+        keep[start:start + length] = False
+        keep[start + (units[:, None] * part.width + torch.arange(part.width)[None, :]).flatten()] = True
+    return tensor.index_select(dim, keep.nonzero().flatten()).contiguous()
 
 
 def _apply_groups(state: dict[str, torch.Tensor], groups: list[PruneGroup], config: dict[str, Any],
@@ -182,9 +197,14 @@ def _apply_groups(state: dict[str, torch.Tensor], groups: list[PruneGroup], conf
         if missing:
             raise ConfigError(f"structured pruning: the model has no plain weight {missing[0]!r} (quantized layers "
                               "are pruned as their float model: dequantize first)")
+        if group.kept:                  # units the family cannot remove (the report prints why)
+            continue
         units = _group_keep(state, group, sparsity)
+        cuts: dict[tuple[str, int], list[PruneSlice]] = {}      # the runs of a fused tensor are cut together
         for part in group.slices:
-            state[part.tensor] = _take(state[part.tensor], part, units)
+            cuts.setdefault((part.tensor, part.dim), []).append(part)
+        for (name, _), parts in cuts.items():
+            state[name] = _take(state[name], parts, units)
         config.update(group.pinned)
         config.update({key: units.numel() * per_unit for key, per_unit in group.also_counts.items()})
         if group.index is None:
@@ -195,10 +215,9 @@ def _apply_groups(state: dict[str, torch.Tensor], groups: list[PruneGroup], conf
             config[group.config_key] = values
 
 
-def _structured(model: nn.Module, config: PruneConfig) -> nn.Module:
-    """The model's declared groups applied to a copy of its weights, rebuilt at the new widths: a zoo model,
-    or a transformers model of a `prunable` Hugging Face family (its config.json gets the new sizes)."""
-    from modelkit.models import MODELS, arch_spec, build, config_from_dict, hf_config_of, hf_families, load_model_module
+def _groups(model: nn.Module) -> tuple[Any, list[PruneGroup]]:
+    """The model's ArchSpec and the pruning groups its model module declares."""
+    from modelkit.models import MODELS, arch_spec, config_from_dict, hf_config_of, hf_families, load_model_module
 
     hf = hf_config_of(model) is not None
     spec = arch_spec(model) if hf or getattr(type(model), "arch", None) in MODELS else None
@@ -209,7 +228,21 @@ def _structured(model: nn.Module, config: PruneConfig) -> nn.Module:
                                          "structured pruning needs a model that declares its prune_groups: "
                                          f"the zoo's {', '.join(sorted(n for n, i in MODELS.items() if not i.hf))} "
                                          f"or a Hugging Face {prunable} model"
-                                         + (f" ({spec.name} has fused or other projections)" if hf else ""))
+                                         + (f" ({spec.name} declares none)" if hf else ""))
+    return spec, groups
+
+
+def kept_units(model: nn.Module) -> list[str]:
+    """Why structured pruning leaves some of `model`'s units in place (GPT-2's heads): one line each."""
+    return [group.kept for group in _groups(model)[1] if group.kept]
+
+
+def _structured(model: nn.Module, config: PruneConfig) -> nn.Module:
+    """The model's declared groups applied to a copy of its weights, rebuilt at the new widths: a zoo model,
+    or a transformers model of a `prunable` Hugging Face family (its config.json gets the new sizes)."""
+    from modelkit.models import build
+
+    spec, groups = _groups(model)
     if config.skip:
         raise ConfigError("structured pruning removes units model-wide; --skip applies to magnitude and 2:4 only")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -258,3 +258,29 @@ def from_pretrained(caplog):
             w in r.getMessage().lower() for w in ("missing", "unexpected", "mismatch", "newly initialized"))]
         return model.eval(), info, noisy
     return load
+
+
+@pytest.fixture(scope="session")
+def save_hf_folder(fixtures_dir):
+    """save(folder, config, style) -> folder: a tiny random-weight model of transformers' own class for `config`,
+    saved with save_pretrained, its bos/eos ids and tokenizer files those of fixtures/llama_cpp/hf/<style>/. Norms
+    and biases are drawn away from 1 / 0, so a slip in them shows in the logits."""
+    import shutil
+
+    import transformers
+
+    def save(folder: Path, config, style: str) -> Path:
+        tokenizers = fixtures_dir / "llama_cpp" / "hf" / style
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizers)
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.normal_(0.0, 0.2)
+        model.save_pretrained(folder)
+        for f in tokenizers.iterdir():
+            shutil.copy(f, folder / f.name)
+        return folder
+    return save

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 import modelkit
 from modelkit.cli import EXIT_ERROR, EXIT_OK, main
-from modelkit.errors import ConfigError, UnsupportedConversionError
+from modelkit.errors import ConfigError
 from modelkit.pipeline.compress import prune_file
 from modelkit.pipeline.convert import convert
 from modelkit.quantizers.prune import PruneConfig
@@ -25,7 +25,6 @@ from modelkit.quantizers.prune import apply as prune_apply
 
 transformers = pytest.importorskip("transformers")
 
-TOKENIZERS = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp" / "hf"
 COMMON = dict(vocab_size=640, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128)
 # family -> (config, tokenizer style): every family structured pruning supports, each with a tokenizer
@@ -50,27 +49,10 @@ PRUNE_ATOL = 1e-5
 IDS = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(3))
 
 
-def _save(folder: Path, family: str) -> Path:
-    make, style = FAMILIES[family]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(TOKENIZERS / style)
-    config = make()
-    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():                   # norms and biases away from 1 / 0, so a slip shows in the logits
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(folder)
-    for f in (TOKENIZERS / style).iterdir():
-        shutil.copy(f, folder / f.name)
-    return folder
-
-
 @pytest.fixture(scope="session")
-def folders(tmp_path_factory) -> dict[str, Path]:
+def folders(tmp_path_factory, save_hf_folder) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf-commands")
-    return {family: _save(root / family, family) for family in FAMILIES}
+    return {family: save_hf_folder(root / family, make(), style) for family, (make, style) in FAMILIES.items()}
 
 
 @pytest.fixture(scope="session")
@@ -147,9 +129,11 @@ def test_eval_needs_the_tokenizer(folders, tmp_path):
     bare = tmp_path / "bare"
     shutil.copytree(folders["llama"], bare)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (bare / name).unlink()
+        (bare / name).rename(tmp_path / name)       # beside the folder: not its own, so not read
     with pytest.raises(ConfigError, match="tokenizer"):
         modelkit.evaluate(bare, max_tokens=10)
+    given = modelkit.evaluate(bare, max_tokens=10, tokenizer=tmp_path)            # --tokenizer FOLDER
+    assert given["bits_per_byte"] == modelkit.evaluate(folders["llama"], max_tokens=10)["bits_per_byte"]
 
 
 # ------------------------------------------------------------------------------------------ generate
@@ -274,15 +258,3 @@ def test_structured_pruning_of_multi_head_attention_removes_whole_heads(tmp_path
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS).logits, pruned(IDS).logits, rtol=0, atol=1e-6)
         torch.testing.assert_close(pruned(IDS).logits, _masked(model, pruned)(IDS).logits, rtol=0, atol=PRUNE_ATOL)
-
-
-def test_structured_pruning_refuses_other_families_in_one_line(tmp_path):
-    folder = tmp_path / "gpt2"
-    torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2,
-                                                         n_positions=32)).save_pretrained(folder)
-    with pytest.raises(UnsupportedConversionError) as e:
-        prune_file(folder, tmp_path / "out", PruneConfig(method="structured", sparsity=0.5), to="hf")
-    message = str(e.value)
-    assert "\n" not in message and "gpt2" in message and "llama, mistral, qwen2, qwen3" in message
-    assert not (tmp_path / "out").exists()

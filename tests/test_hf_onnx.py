@@ -2,18 +2,25 @@
 checked in onnxruntime against transformers' own forward (docs/formats/onnx.md, "Hugging Face causal LMs")."""
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
 import torch
 import transformers
+from click.testing import CliRunner
 from torch import nn
 
 import modelkit
-from modelkit.checkpoint import Checkpoint
+from modelkit.checkpoint import ARCH_KEY, Checkpoint
+from modelkit.cli import EXIT_ERROR, main
 from modelkit.errors import ConfigError, UnsupportedConversionError, VerificationError
 from modelkit.formats import WriteOptions, load_format
-from modelkit.models import build
+from modelkit.models import arch_spec, build
+from modelkit.pipeline.measure import session_module
 from modelkit.pipeline.verify import verify_graph
 from modelkit.pipeline.write import write_checkpoint
 from modelkit.testing import causal_lm
@@ -184,3 +191,77 @@ def test_a_causal_lm_signature_is_fixed(tmp_path, dynamic, names):
     with pytest.raises(ConfigError, match="a causal LM's graph"):
         write_checkpoint(Checkpoint.from_module(model), tmp_path / "m.onnx", "onnx", options, force=False, module=model)
     assert not (tmp_path / "m.onnx").exists()
+
+
+# ------------------------------------------------------------------ modelkit eval of an export (onnxruntime)
+
+# bits per byte of the export in onnxruntime against the folder in torch (`modelkit eval FOLDER`), relative:
+# measured 2026-11-28 on the text below, 300 tokens (2 windows of 128, 1 of 44) and all 2566 (21 windows of 128):
+# llama 7.1e-8 and 6.6e-8, its KV-cache export the same, qwen2 0 (logits within 1.8e-7); pinned with headroom.
+EVAL_RTOL = 1e-6
+EVAL_TEXT = Path(json.__file__).read_text(encoding="utf-8")[:4000]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    """A byte-level BPE tokenizer of 320 ids (the tiny models' vocabulary), trained offline on the evaluation
+    text, BOS <s>, saved as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([EVAL_TEXT], trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    folder = tmp_path_factory.mktemp("tokenizer")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>").save_pretrained(folder)
+    return folder
+
+
+def _copy(onnx_path: Path, model: nn.Module, folder: Path, tokenizer_files: Path | None = None) -> Path:
+    """A copy of the export in `folder`, with the ArchSpec `modelkit convert FOLDER x.onnx` records (the KV-cache
+    fixture is written without one) and, given `tokenizer_files`, the tokenizer files next to it."""
+    folder.mkdir()
+    graph = onnx.load(str(onnx_path))
+    graph.metadata_props.append(onnx.StringStringEntryProto(key=ARCH_KEY, value=arch_spec(model).to_json()))
+    onnx.save(graph, str(folder / onnx_path.name))
+    for f in ("tokenizer.json", "tokenizer_config.json") if tokenizer_files else ():
+        shutil.copy(tokenizer_files / f, folder / f)
+    return folder / onnx_path.name
+
+
+@pytest.mark.parametrize("which", ["plain", "kv"])
+def test_eval_of_an_export_in_onnxruntime_equals_eval_of_the_folder(exported, exported_kv, tokenizer_files, tmp_path,
+                                                                     which):
+    model, path, _ = exported("llama") if which == "plain" else exported_kv
+    folder = tmp_path / "folder"
+    model.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_files / f, folder / f)
+    data = tmp_path / "text.txt"
+    data.write_text(EVAL_TEXT, encoding="utf-8")
+    kwargs = dict(data=data, context=128, max_tokens=300)
+    want = modelkit.evaluate(folder, **kwargs)
+    beside, lone = _copy(path, model, tmp_path / "beside", tokenizer_files), _copy(path, model, tmp_path / "lone")
+    for got in (modelkit.evaluate(beside, runtime="onnxruntime", **kwargs),           # the files next to it
+                modelkit.evaluate(lone, runtime="onnxruntime", tokenizer=folder, **kwargs)):   # --tokenizer
+        assert (got["model"], got["tokens"], got["bytes"], got["windows"]) == ("llama", 300, want["bytes"], 3)
+        assert got["bits_per_byte"] == pytest.approx(want["bits_per_byte"], rel=EVAL_RTOL)
+    if which == "plain":        # the torch runtime, rebuilt from the export's weights, finds the files too
+        assert modelkit.evaluate(beside, **kwargs)["bits_per_byte"] == pytest.approx(want["bits_per_byte"], rel=EVAL_RTOL)
+
+
+def test_eval_of_an_export_without_its_tokenizer_says_where_it_looked(exported, tmp_path):
+    model, path, _ = exported("llama")
+    lone = _copy(path, model, tmp_path / "lone")
+    for runtime in ("onnxruntime", "torch"):
+        with pytest.raises(ConfigError, match="no tokenizer.json or tokenizer.model") as e:
+            modelkit.evaluate(lone, runtime=runtime, max_tokens=10)
+        assert "\n" not in str(e.value) and "--tokenizer FOLDER" in str(e.value)
+    with pytest.raises(ConfigError, match=f"--tokenizer {tmp_path} has no tokenizer.json"):
+        modelkit.evaluate(lone, runtime="onnxruntime", tokenizer=tmp_path, max_tokens=10)
+    result = CliRunner().invoke(main, ["eval", str(lone), "--runtime", "onnxruntime", "--max-tokens", "10"])
+    assert result.exit_code == EXIT_ERROR and len(result.stderr.strip().splitlines()) == 1
+    assert "next to it" in result.stderr and "--tokenizer FOLDER" in result.stderr
+    with pytest.raises(UnsupportedConversionError, match="runs in onnxruntime .* or in torch; not in OpenVINO"):
+        session_module(tmp_path / "lm.xml", arch_spec(model), fmt="openvino")

@@ -44,9 +44,11 @@ def prune(src: str, dst: str, to: str | None, method: str, sparsity: float, scop
 
     SRC may be a Hugging Face model folder (or a GGUF of one). structured pruning removes query heads
     (the same number under each key/value head; under multi-head attention whole heads with their keys
-    and values) and MLP hidden units of llama, mistral, qwen2, qwen3,
-    gemma2 and gemma3 models, and DST's config.json gets the new num_attention_heads, head_dim and
-    intermediate_size, so transformers loads it; magnitude and 2:4 work on every family. The metric is
+    and values) and MLP hidden units of llama, mistral, qwen2, qwen3, gemma2, gemma3 and phi3 models
+    (phi3's fused qkv_proj and gate_up_proj are cut inside), and DST's config.json gets the new
+    num_attention_heads, head_dim and intermediate_size, so transformers loads it. gpt2 loses MLP hidden
+    units only (n_inner): transformers' GPT-2 cannot hold fewer heads at the same width, and a phi3 with
+    longrope keeps its heads too; a "kept:" line says so. magnitude and 2:4 work on every family. The metric is
     bits per byte on the held-out standard-library text, with the model's tokenizer; there is no
     fine-tuning for these models (--finetune-epochs is refused).
 
@@ -78,5 +80,7 @@ def prune(src: str, dst: str, to: str | None, method: str, sparsity: float, scop
         ("file", human_bytes(b["before"]), human_bytes(b["after"])),
         (report.metric, _value(v["before"]), f"{_value(v['after'])} pruned, {_value(v['finetuned'])} fine-tuned"),
     ], align="lrl"))
+    for line in report.kept:
+        click.echo(f"kept: {line}")
     click.echo(table(["layer", "sparsity", "zeros"], [(r["layer"], f"{r['sparsity']:.1%}", f"{r['zeros']:,}/{r['total']:,}")
                                                      for r in report.layers], align="lrr"))

@@ -171,9 +171,9 @@ def _checked(name: str, module: ModuleType) -> ModuleType:
     if family is not None:
         if not isinstance(family, HFFamily):
             raise ConfigError(f"model {name!r}: {module.__name__}.FAMILY must be a modelkit.models.plugin.HFFamily")
-        from modelkit.models import _hf
+        from modelkit.models import _hf_prune
 
-        defaults = {**hf_plugin_defaults(), "prune_groups": functools.partial(_hf.prune_groups, family)}
+        defaults = {**hf_plugin_defaults(), "prune_groups": functools.partial(_hf_prune.prune_groups, family)}
         for attribute, default in defaults.items():     # what the zoo's commands look up
             if not hasattr(module, attribute):
                 setattr(module, attribute, default)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelkit.errors import ConfigError, MissingDependencyError
-from modelkit.models.plugin import HFFamily, PruneGroup, PruneSlice
+from modelkit.models.plugin import HFFamily
 
 # Hugging Face Llama-style decoder names -> llama.cpp's (gguf-py's tensor_mapping.py has the same pairs).
 # Families copy this and add or replace entries.
@@ -33,6 +33,7 @@ DECODER_TENSORS: dict[str, str] = {
     "model.layers.{n}.mlp.up_proj.weight": "blk.{n}.ffn_up.weight",
     "model.layers.{n}.mlp.down_proj.weight": "blk.{n}.ffn_down.weight",
 }
+FUSED_QKV = "model.layers.{n}.self_attn.qkv_proj.weight"          # Phi-3's q, k and v rows in one tensor
 QK_BIASES = {f"model.layers.{{n}}.self_attn.{p}_proj.bias": f"blk.{{n}}.attn_{p}.bias" for p in "qkv"}
 QK_NORMS = {f"model.layers.{{n}}.self_attn.{p}_norm.weight": f"blk.{{n}}.attn_{p}_norm.weight" for p in "qk"}
 
@@ -87,8 +88,8 @@ def gguf_hparams(family: HFFamily, config: Mapping[str, Any]) -> dict[str, Any]:
     """llama.cpp's hyperparameters for a config.json, as key suffixes -> Python values (int, float, str).
 
     Raises:
-        ConfigError: the config lacks a value llama.cpp needs, or uses a rope scaling llama.cpp's
-            family cannot express.
+        ConfigError: the config lacks a value llama.cpp needs, uses a rope scaling llama.cpp's family
+            cannot express, or has query rows other than hidden_size in a fused attn_qkv (phi3 with pruned heads).
     """
     config = text_config(family, config)
     values: dict[str, Any] = {}
@@ -115,6 +116,12 @@ def gguf_hparams(family: HFFamily, config: Mapping[str, Any]) -> dict[str, Any]:
                               "hidden_size / heads for the 27B models) and a GGUF cannot hold another value")
     if family.head_dims or dim * values["attention.head_count"] != values["embedding_length"]:
         values["attention.key_length"] = values["attention.value_length"] = dim
+    queries = dim * values["attention.head_count"]
+    if FUSED_QKV in family.tensors and queries != values["embedding_length"]:
+        raise ConfigError(f"{family.architecture}: {values['attention.head_count']} heads of {dim} make {queries} query "
+                          f"rows, not hidden_size {values['embedding_length']}, and llama.cpp's {family.architecture} "
+                          "cuts attn_qkv at hidden_size: a model with pruned heads has no GGUF form (keep it a "
+                          "Hugging Face folder: --to hf)")
     rope = rope_parameters(config)
     values["rope.dimension_count"] = int(dim * float(rope.get("partial_rotary_factor", 1.0)))
     values["rope.freq_base"] = float(rope.get("rope_theta", 10000.0))
@@ -342,8 +349,8 @@ def _transformers(what: str) -> Any:
     return transformers
 
 
-def build(family: HFFamily, config: Mapping[str, Any]) -> Any:
-    """transformers' causal-LM module for a config.json dict (random weights; the caller loads them).
+def hf_config(family: HFFamily, config: Mapping[str, Any]) -> Any:
+    """transformers' config object (`AutoConfig`) for a config.json dict's language model.
 
     Raises:
         MissingDependencyError: transformers is not installed.
@@ -352,8 +359,16 @@ def build(family: HFFamily, config: Mapping[str, Any]) -> Any:
     config = text_config(family, config)
     model_type = config.get("model_type", family.model_types[0])
     values = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
-    hf_config = transformers.AutoConfig.for_model(model_type, **values)
-    return getattr(transformers, family.hf_class)(hf_config).eval()
+    return transformers.AutoConfig.for_model(model_type, **values)
+
+
+def build(family: HFFamily, config: Mapping[str, Any]) -> Any:
+    """transformers' causal-LM module for a config.json dict (random weights; the caller loads them).
+
+    Raises:
+        MissingDependencyError: transformers is not installed.
+    """
+    return getattr(_transformers(f"building a {family.hf_class}"), family.hf_class)(hf_config(family, config)).eval()
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -380,46 +395,6 @@ def tokenizer(assets: Mapping[str, bytes], *, source: str = "the model") -> Any:
             if name in assets:
                 (Path(scratch) / name).write_bytes(assets[name])
         return transformers.AutoTokenizer.from_pretrained(scratch)
-
-
-def decoder_prune_groups(layers: int, heads: int, kv_heads: int, head_dim: int, *,
-                         attention_bias: bool = False, mlp_bias: bool = False) -> list[PruneGroup]:
-    """Structured pruning of a Llama-style decoder (Hugging Face names), per block: attention heads and
-    SwiGLU hidden units (a gate row, an up row and a down column together).
-
-    Heads are ranked by the product of the norms of their q_proj rows and o_proj columns. Under
-    grouped-query attention each key/value head keeps the same number of query heads, so the grouping
-    stays uniform; under multi-head attention (as many key/value heads as query heads) a head goes with
-    its key and value rows. head_dim becomes explicit in the config.
-    """
-    groups = []
-    mha = kv_heads == heads
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        projections = ("q", "k", "v") if mha else ("q",)
-        attention = [PruneSlice(f"{p}.self_attn.{n}_proj.weight", 0, width=head_dim, score=n == "q") for n in projections]
-        attention.append(PruneSlice(f"{p}.self_attn.o_proj.weight", 1, width=head_dim, score=True))
-        if attention_bias:
-            attention += [PruneSlice(f"{p}.self_attn.{n}_proj.bias", 0, width=head_dim) for n in projections]
-        groups.append(PruneGroup(tuple(attention), "num_attention_heads", buckets=1 if mha else kv_heads,
-                                 pinned={"head_dim": head_dim}, also_counts={"num_key_value_heads": 1} if mha else {}))
-        mlp = [PruneSlice(f"{p}.mlp.{n}_proj.weight", d, score=True) for n, d in (("gate", 0), ("up", 0), ("down", 1))]
-        if mlp_bias:
-            mlp += [PruneSlice(f"{p}.mlp.gate_proj.bias", 0), PruneSlice(f"{p}.mlp.up_proj.bias", 0)]
-        groups.append(PruneGroup(tuple(mlp), "intermediate_size"))
-    return groups
-
-
-def prune_groups(family: HFFamily, config: Mapping[str, Any]) -> list[PruneGroup] | None:
-    """A family's structured-pruning groups (`HFFamily.prunable`), or None for families with none."""
-    if not family.prunable:
-        return None
-    config = text_config(family, config)
-    heads = int(config["num_attention_heads"])
-    return decoder_prune_groups(
-        int(config["num_hidden_layers"]), heads, int(_get(config, "num_key_value_heads", heads)), head_dim(config),
-        attention_bias=bool(config.get("attention_bias")) or "model.layers.{n}.self_attn.q_proj.bias" in family.tensors,
-        mlp_bias=bool(config.get("mlp_bias")))
 
 
 @dataclass(frozen=True)

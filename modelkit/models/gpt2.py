@@ -1,7 +1,8 @@
 """GPT-2 (GPT2LMHeadModel): llama.cpp's `gpt2`. Learned positions (`position_embd`), LayerNorm with
 biases, fused QKV. Hugging Face's Conv1D layers store weights (in, out): transposed to (out, in) for
 GGUF. The causal-mask buffers (`attn.bias`, `attn.masked_bias`) of older files are not weights and
-are dropped; the output is tied to the embeddings."""
+are dropped; the output is tied to the embeddings. Structured pruning removes MLP hidden units only
+(modelkit.models._hf_prune: transformers' GPT-2 ties n_head x head_dim to n_embd)."""
 from modelkit.models.plugin import HFFamily
 
 _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -31,4 +32,5 @@ FAMILY = HFFamily(
     transposed=tuple(f"transformer.h.{{n}}.{c}.weight" for c in _CONV1D),
     dropped=(r"transformer\.h\.\d+\.attn\.(masked_)?bias",),
     float_modules=("transformer.wte", "transformer.wpe", "lm_head"),
+    prunable=True,
 )

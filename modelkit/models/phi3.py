@@ -1,6 +1,7 @@
 """Phi-3 (Phi3ForCausalLM): llama.cpp's `phi3`. Hugging Face stores the attention projections fused
 (`qkv_proj` -> `attn_qkv`) and the MLP's gate and up fused (`gate_up_proj` -> `ffn_up`); llama.cpp
-reads them fused too, so they are stored as they are. NEOX RoPE: no permutation."""
+reads them fused too, so they are stored as they are. NEOX RoPE: no permutation. Structured pruning cuts
+the kept heads' and units' rows inside the fused tensors (modelkit.models._hf_prune)."""
 from modelkit.models._hf import DECODER_HPARAMS
 from modelkit.models.plugin import HFFamily
 
@@ -20,4 +21,5 @@ FAMILY = HFFamily(
         "model.layers.{n}.mlp.down_proj.weight": "blk.{n}.ffn_down.weight",
     },
     hparams={**DECODER_HPARAMS, "attention.sliding_window": "sliding_window"},
+    prunable=True,
 )

@@ -150,12 +150,19 @@ class PruneSlice:
         width: Consecutive entries per unit along `dim` (head_dim rows per attention head; the 16
             pooled pixels one channel owns after a flatten).
         score: Whether this slice's L2 norm ranks the units (the product over scored slices).
+        start: Where the units begin along `dim`, in a tensor that fuses several projections (phi3's
+            qkv_proj: q rows, then k, then v); the entries outside `start` .. `start + length` are kept.
+            Slices of one tensor in one group are cut together, so each `start` is a position in the
+            tensor as the group finds it.
+        length: How many entries along `dim` the units fill from `start` (None: to the end).
     """
 
     tensor: str
     dim: int
     width: int = 1
     score: bool = False
+    start: int = 0
+    length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,8 @@ class PruneGroup:
             would otherwise derive from hidden_size / num_attention_heads).
         also_counts: Other config fields that count the same units, with the number each unit adds
             ({"num_key_value_heads": 1} when whole heads of multi-head attention go with their keys and values).
+        kept: Why these units stay: a group the family cannot prune into a config transformers accepts
+            (GPT-2's heads) declares this one line instead of slices, and the prune report prints it.
     """
 
     slices: tuple[PruneSlice, ...]
@@ -182,6 +191,7 @@ class PruneGroup:
     buckets: int = 1
     pinned: dict[str, Any] = field(default_factory=dict, hash=False)
     also_counts: dict[str, int] = field(default_factory=dict, hash=False)
+    kept: str = ""
 
 
 @dataclass(frozen=True)
@@ -255,8 +265,9 @@ class HFFamily:
             for the module schemes (int4, int8, gptq, int8-dynamic): the token embeddings, which
             transformers cannot load as a compressed nn.Embedding, and the output head, which
             llm-compressor's recipes leave in float too. `--skip` adds to them.
-        prunable: Structured pruning applies (modelkit.models._hf.decoder_prune_groups): separate
-            q/k/v/o and gate/up/down projections with Llama's names.
+        prunable: Structured pruning applies (modelkit.models._hf_prune.prune_groups reads the layout from
+            `tensors`): separate q/k/v/o and gate/up/down projections with Llama's names, Phi-3's fused
+            qkv_proj and gate_up_proj, or GPT-2's Conv1D blocks.
     """
 
     model_types: tuple[str, ...]
@@ -294,7 +305,7 @@ def hf_plugin_defaults() -> dict[str, Any]:
     """What a Hugging Face family module gets for the zoo's plugin names it does not declare: its config
     is the config.json dict, transformers builds the module (modelkit.models.build), nothing is trained
     (TASK, TRAINING, QUALITY None), no Keras layout, pruning groups when the family is `prunable` (the
-    registry binds modelkit.models._hf.prune_groups to it), the sequence axis free in ONNX, and its GGUF
+    registry binds modelkit.models._hf_prune.prune_groups to it), the sequence axis free in ONNX, and its GGUF
     conventions are the FAMILY's own (GGUF None)."""
     return {"CONFIG": dict, "MODEL": None, "TASK": None, "TRAINING": None, "example_inputs": _token_ids,
             "keras_layers": _no_layout, "onnx_axes": _sequence_axis, "prune_groups": _no_layout,

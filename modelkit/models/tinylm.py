@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelkit.errors import ConfigError
-from modelkit.models._hf import decoder_prune_groups
+from modelkit.models._hf_prune import decoder_prune_groups
 from modelkit.models._tasks import LanguageModelTask, TrainDefaults
 from modelkit.models.plugin import Axis, DistillDefaults, GGUFLayout, KerasLayout, PruneGroup, QualityBar
 
@@ -280,7 +280,7 @@ def onnx_axes(config: TinyLMConfig) -> dict[int, Axis]:
 
 def prune_groups(config: TinyLMConfig) -> list[PruneGroup]:
     """Per block: attention heads (each key/value group keeps its best query heads, so GQA stays
-    uniform) and SwiGLU hidden units: the Llama decoder's groups (modelkit.models._hf)."""
+    uniform) and SwiGLU hidden units: the Llama decoder's groups (modelkit.models._hf_prune)."""
     return decoder_prune_groups(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                                 config.head_dim)
 

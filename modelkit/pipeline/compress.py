@@ -51,6 +51,7 @@ class PruneReport:
     bytes: dict[str, int]               # before / after
     values: dict[str, float | None]     # metric before / after pruning / after fine-tuning
     layers: list[dict[str, Any]] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)   # structured: units the family cannot remove, and why
     finetune_epochs: int = 0
     seconds: float = 0.0
 
@@ -154,6 +155,7 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
         values={"before": before and before[headline], "after": after and after[headline],
                 "finetuned": tuned[headline] if tuned else None},
         layers=prune.sparsity_report(pruned), finetune_epochs=finetune_epochs,
+        kept=prune.kept_units(model) if config.method == "structured" else [],
         seconds=time.perf_counter() - started,
     )
 

@@ -52,17 +52,22 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
     gets `text_metrics` on `data` (a UTF-8 text file) or, by default, on the held-out standard-library
     text tinylm is measured on (`split`), tokenized with its own tokenizer (`tokenizer` for a module:
     transformers' tokenizer). `context`, `max_tokens` and `progress` (tokens scored, tokens in all) are
-    `text_metrics`'.
+    `text_metrics`'. A file that carries no tokenizer (an ONNX export, run in onnxruntime or rebuilt in
+    torch) is measured with `tokenizer` (transformers' tokenizer, or the folder holding its files) or the
+    tokenizer files next to it (modelkit.pipeline.graph_lm.tokenizer_beside).
     """
     from torch import nn
 
     from modelkit.models import hf_config_of, load_model_module
     from modelkit.pipeline import distributed
     from modelkit.pipeline import train as training
+    from modelkit.pipeline.graph_lm import folder_tokenizer, tokenizer_beside
     from modelkit.pipeline.load import load_language_model
 
     if runtime not in EVAL_RUNTIMES:
         raise ConfigError(f"unknown runtime {runtime!r}; known: {', '.join(EVAL_RUNTIMES)}")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = folder_tokenizer(tokenizer, trust=trust)
     graph = _RUNTIME_FORMATS.get(runtime)
     if graph is not None:
         fmt, suffix, called = graph
@@ -70,11 +75,15 @@ def evaluate(path_or_model: PathLike | nn.Module, *, split: str | None = None, a
             raise ConfigError(f"{path_or_model}: runtime {runtime} needs {called} file; convert it with "
                               f"modelkit convert SRC model{suffix} first")
         model, device = session_module(path_or_model, fmt=fmt), "cpu"
+        if hf_config_of(model) is not None and tokenizer is None:
+            tokenizer = tokenizer_beside(path_or_model, trust=trust)
     elif isinstance(path_or_model, nn.Module):
         model = path_or_model
     else:
         loaded = load_language_model(path_or_model, format=format, arch=arch, trust=trust, key=key)
         model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
+        if hf_config_of(model) is not None and tokenizer is None and Path(path_or_model).is_file():
+            tokenizer = tokenizer_beside(path_or_model, trust=trust)        # a file that carries none: ONNX
     dev = distributed.resolve_device(device, distributed.DistInfo())
     if hf_config_of(model) is not None:
         return _evaluate_text(model, tokenizer, split=split, data=data, context=context, max_tokens=max_tokens,
@@ -153,7 +162,7 @@ def text_metrics(model: nn.Module, tokenizer: Any, text: str, *, context: int | 
     target_end = ends[n - 1 if bos is not None else n]              # char end of the last target token
     n_bytes = len(text[:target_end].encode("utf-8")) - len(text[:first_byte].encode("utf-8"))
     tokens = torch.tensor(seq[:n + 1], dtype=torch.long)
-    device = next(model.parameters()).device
+    device = next(model.parameters(), torch.empty(0)).device      # none: a graph in onnxruntime (CPU)
     vocab = int(model.config.vocab_size)
     batch = max(1, EVAL_LOGITS // (context * vocab))
     full = n // context
@@ -250,7 +259,7 @@ def session_module(path: PathLike, arch: ArchSpec | None = None, fmt: str = "onn
     `arch` defaults to the ArchSpec stored in the file (ONNX metadata_props, the IR's rt_info).
     """
     from modelkit.formats import ReadOptions, load_format
-    from modelkit.models import config_from_dict
+    from modelkit.models import MODELS, config_from_dict
 
     path = Path(path)
     if arch is None:
@@ -258,7 +267,15 @@ def session_module(path: PathLike, arch: ArchSpec | None = None, fmt: str = "onn
         if arch is None:
             raise UnsupportedConversionError(path.name, "onnxruntime" if fmt == "onnx" else fmt, "running the file as "
                                              f"a reference model needs the ArchSpec modelkit records when it writes {fmt}")
+    hf = arch.name in MODELS and MODELS[arch.name].hf
+    if hf and fmt != "onnx":
+        raise UnsupportedConversionError(path.name, fmt, f"a {arch.name} language model runs in onnxruntime (an ONNX "
+                                         "export) or in torch; not in OpenVINO's runtime")
     run = load_format(fmt).runnable(path)
+    if hf:
+        from modelkit.pipeline.graph_lm import graph_causal_lm
+
+        return graph_causal_lm(path, arch, run)
 
     class Session(nn.Module):
         def __init__(self) -> None:
