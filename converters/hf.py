@@ -34,9 +34,10 @@ from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, Laz
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import QUANTIZED_KEY
+from modelkit.parse import compressed_tensors as ct_config
 from modelkit.parse import hf as hf_folder
 from modelkit.parse.detect import hf as detect  # noqa: F401  (the converter's detect)
-from modelkit.storage import compressed_tensors, quantized_layout
+from modelkit.storage import compressed_tensors, compressed_tensors_read, quantized_layout
 from modelkit.storage import safetensors_files as files
 
 QUANTIZATION_CONFIG = "quantization_config"     # config.json's key for how the weights are quantized
@@ -63,12 +64,32 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     for key in ("format", ARCH_KEY):              # the folder's config.json is the architecture
         metadata.pop(key, None)
     stored = config.pop(QUANTIZATION_CONFIG, None)     # how the weights are stored: the tensors say it
-    if stored is not None and QUANTIZED_KEY not in metadata:
-        raise FormatError(folder / hf_folder.CONFIG_NAME, "a quantized folder modelkit did not write (config.json's "
-                          f"quantization_config, {_describe(stored)}); modelkit reads the quantized folders it writes, "
-                          "and float folders: dequantize it with transformers first")
+    if stored is not None and QUANTIZED_KEY not in metadata:     # another tool's folder (llm-compressor's)
+        tensors, _ = compressed_tensors_read.read(_foreign_config(folder, stored), tensors, str(where))
     ckpt = Checkpoint(tensors=tensors, metadata=metadata, arch=ArchSpec(family, config), assets=assets)
     return quantized_layout.group(where, ckpt)
+
+
+def quantization(path: Path) -> dict | None:
+    """How a folder's weights are quantized (compressed-tensors' config groups, ignore list, KV cache) and how
+    modelkit reads them (`inspect`); None for float folders and the ones modelkit wrote (their tensors say it)."""
+    folder = path if path.is_dir() else path.parent
+    stored = hf_folder.read_config(folder).get(QUANTIZATION_CONFIG)
+    if stored is None:
+        return None
+    tensors, metadata, where = files.read_folder(folder)
+    if QUANTIZED_KEY in metadata:
+        return None
+    return compressed_tensors_read.read(_foreign_config(folder, stored), tensors, str(where))[1]
+
+
+def _foreign_config(folder: Path, stored: object) -> ct_config.Config:
+    """The checked quantization_config of a folder modelkit did not write: compressed-tensors' only."""
+    source = folder / hf_folder.CONFIG_NAME
+    if not isinstance(stored, dict) or stored.get("quant_method") != ct_config.QUANT_METHOD:
+        raise FormatError(source, f"a quantized folder ({_describe(stored)}); modelkit reads quant_method "
+                          "'compressed-tensors' folders and float folders: dequantize it with transformers first")
+    return ct_config.parse(stored, source=str(source))          # a ParseError is a FormatError naming config.json
 
 
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:
