@@ -23,7 +23,9 @@ packed parts (`N_packed`, `N_scale`, `N_zero_point`, `N_shape`; int8-dynamic: `N
 each shard's metadata carries modelkit's "modelkit.quantized" record (modelkit.storage.quantized_layout), from
 which reading puts the same QuantizedTensors back together. The ArchSpec's config never holds
 `quantization_config`: it describes how the weights are stored, which the tensors say; the writer derives it.
-GGUF block types have no compressed-tensors form and are refused. See docs/formats/hf.md.
+GGUF block types have no compressed-tensors form and are refused. Folders other tools quantized with
+compressed-tensors (llm-compressor's; no record) are read by modelkit.storage.compressed_tensors_read: int4/int8
+weights as the same QuantizedTensors, the rest dequantized as compressed-tensors does. See docs/formats/hf.md.
 """
 from __future__ import annotations
 

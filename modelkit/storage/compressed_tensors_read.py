@@ -185,6 +185,10 @@ def _lossless(module: _Module, activations: ct_config.QuantArgs | None, rows: in
 def _quantized(module: _Module, scheme: str, rows: int, cols: int, source: str) -> QuantizedTensor:
     w, parts = module.group.weights, module.parts
     group = {"tensor": 0, "channel": cols}.get(w.strategy, w.group_size)
+    want = (1,) if w.strategy == "tensor" else (rows, 1 if w.strategy == "channel" else cols // w.group_size)
+    if parts["weight_scale"].shape != want:
+        raise FormatError(source, f"{module.name}: weight_scale is {list(parts['weight_scale'].shape)}; "
+                          f"{w.describe()} of a {rows}x{cols} weight needs {list(want)}")
     params = {"bits": w.num_bits, "symmetric": w.symmetric, "group_size": group}
     packed = "weight_packed" in parts
     info = {"layout": "affine", "shape": [rows, cols], "params": params,
