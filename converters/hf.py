@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor
+from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import QUANTIZED_KEY
@@ -68,8 +68,12 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     stored = config.pop(QUANTIZATION_CONFIG, None)     # how the weights are stored: the tensors say it
     if stored is not None and QUANTIZED_KEY not in metadata:     # another tool's folder (llm-compressor's)
         tensors, _ = compressed_tensors_read.read(_foreign_config(folder, stored), tensors, str(where))
-    ckpt = Checkpoint(tensors=tensors, metadata=metadata, arch=ArchSpec(family, config), assets=assets)
-    return quantized_layout.group(where, ckpt)
+    ckpt = quantized_layout.group(where, Checkpoint(tensors=tensors, metadata=metadata,
+                                                    arch=ArchSpec(family, config), assets=assets))
+    if options.dequantize:          # float tensors, each dequantized when it is read (quantize --allow-requantize)
+        ckpt.tensors = {n: LazyTensor(t.dtype, t.shape, t.load, t.source) if isinstance(t, QuantizedTensor) else t
+                        for n, t in ckpt.tensors.items()}
+    return ckpt
 
 
 def quantization(path: Path) -> dict | None:

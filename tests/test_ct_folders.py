@@ -363,3 +363,19 @@ def test_a_column_order_picks_each_columns_group(folders, theirs, tmp_path):
     scale = exact.parts["scale"].load()                                           # (128, 2)
     levels = torch.round(exact.load() / scale.repeat_interleave(128, dim=1))      # the stored integers
     assert torch.equal(reordered, levels * scale[:, shuffled.long()])
+
+
+def test_quantize_to_gguf_blocks_dequantizes_with_allow_requantize(folders, theirs, tmp_path):
+    """llama-quantize's rule: an already quantized folder is refused unless --allow-requantize, which reads the
+    weights dequantized (as compressed-tensors computes them) and quantizes them again."""
+    runner = CliRunner()
+    result = runner.invoke(main, ["quantize", str(folders["w8a8"]), str(tmp_path / "q.gguf"), "--scheme", "q8_0"])
+    assert result.exit_code != 0 and "already quantized (INT8-DYNAMIC)" in result.output
+    result = runner.invoke(main, ["quantize", str(folders["w8a8"]), str(tmp_path / "q.gguf"), "--scheme", "q8_0",
+                                  "--allow-requantize"])
+    assert result.exit_code == 0, result.output
+    ckpt = modelkit.load(tmp_path / "q.gguf")
+    down = ckpt.tensors["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, QuantizedTensor) and down.scheme == "q8_0"
+    float_down = theirs["w8a8"][1]["model.layers.0.mlp.down_proj.weight"]
+    assert (down.load() - float_down).abs().max().item() <= float_down.abs().max().item() / 127
