@@ -25,7 +25,7 @@ from modelkit.errors import ParseError
 
 QUANT_METHOD = "compressed-tensors"
 MAX_GROUPS = 256
-MAX_TARGETS = 4096               # entries in one targets or ignore list
+MAX_TARGETS = 4096               # entries of the ignore list, and of all groups' targets together
 MAX_PATTERN = 512                # characters of one target
 _NESTED_REPEAT = re.compile(r"\)[*+?{]")        # a quantified group: "(a+)+" and its kin
 _STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group", "attn_head")
@@ -105,7 +105,7 @@ def _names(value: Any, source: str, where: str) -> tuple[str, ...]:
                                           "patterns only")
             try:
                 re.compile(name[3:])
-            except re.error as e:
+            except (re.error, OverflowError, RecursionError) as e:
                 raise _bad(source, where, f"pattern {name!r} is not a regular expression ({e})") from e
     return names
 
@@ -168,6 +168,8 @@ def parse(value: Any, *, source: str) -> Config:
                             _args(raw.get("weights"), source, f"{where}.weights"),
                             _args(raw.get("input_activations"), source, f"{where}.input_activations"),
                             _args(raw.get("output_activations"), source, f"{where}.output_activations")))
+    if sum(len(g.targets) for g in groups) > MAX_TARGETS:
+        raise _bad(source, "config_groups", f"more than {MAX_TARGETS} targets in all")
     sparsity = value.get("sparsity_config")
     sparse_format = None
     if isinstance(sparsity, dict) and sparsity:
