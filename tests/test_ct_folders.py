@@ -335,9 +335,33 @@ def test_a_packed_weight_that_does_not_fit_its_shape_is_refused(folders, tmp_pat
 
 def test_a_scale_that_does_not_fit_the_group_size_is_refused(folders, tmp_path):
     folder = _edited(folders, tmp_path, "w4a16", lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32))
-    with pytest.raises(FormatError, match="weight_scale is \\[128, 2\\]; int4 group 32, symmetric of a 128x256 weight "
-                                          "needs \\[128, 8\\]"):
+    with pytest.raises(FormatError, match="down_proj: weight_scale \\[128, 2\\] does not fit a 128x256 weight "
+                                          "quantized int4 group 32, symmetric"):
         modelkit.load(folder)
+
+
+@pytest.mark.parametrize("case, part, value, message", [
+    ("w4a16-asym", "weight_zero_point", torch.zeros(16, 3, dtype=torch.int32),
+     "weight_zero_point is int32 \\[16, 3\\]; expected int32 \\[16, 2\\]"),
+    ("w4a16-asym", "weight_scale", torch.ones(128, 2, dtype=torch.int32), "weight_scale is int32; expected a float"),
+    ("w3a16", "weight_zero_point", torch.zeros(12, 2, dtype=torch.int32), "weight_zero_point is int32 \\[12, 2\\]"),
+    ("w3a16", "weight_g_idx", torch.zeros(255, dtype=torch.int32), "weight_g_idx is int32 \\[255\\]"),
+    ("w3a16", "weight_g_idx", torch.full((256,), 7, dtype=torch.int32), "weight_g_idx does not index the 2 groups"),
+    ("fp8-dynamic", "weight", torch.zeros(128, 256, dtype=torch.float16), "float weights of 8 bits stored as float16"),
+    ("fp8-dynamic", "weight_scale", torch.ones(128, 2), "weight_scale \\[128, 2\\] does not fit a 128x256 weight"),
+])
+def test_parts_that_do_not_fit_are_refused_naming_the_module(folders, tmp_path, case, part, value, message):
+    """Wrong dtypes and shapes are refused before any data is read (a column order that points past the groups:
+    when the weight is)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bad"
+    shutil.copytree(folders[case], folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors[f"model.layers.1.mlp.down_proj.{part}"] = value
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(FormatError, match="model.layers.1.mlp.down_proj: " + message):
+        modelkit.load(folder).tensors["model.layers.1.mlp.down_proj.weight"].load()
 
 
 def test_a_column_order_picks_each_columns_group(folders, theirs, tmp_path):
@@ -379,3 +403,24 @@ def test_quantize_to_gguf_blocks_dequantizes_with_allow_requantize(folders, thei
     assert isinstance(down, QuantizedTensor) and down.scheme == "q8_0"
     float_down = theirs["w8a8"][1]["model.layers.0.mlp.down_proj.weight"]
     assert (down.load() - float_down).abs().max().item() <= float_down.abs().max().item() / 127
+
+
+def test_a_symmetric_weights_stored_zeros_are_dropped(folders, theirs, tmp_path):
+    """Older compressed-tensors releases stored zero points of symmetric weights (all zeros, as the scale is
+    shaped): the weight is still held exactly; a non-zero one is subtracted, as those releases did."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "zeros"
+    shutil.copytree(folders["w8a8"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight_zero_point"] = torch.zeros(128, 1, dtype=torch.int8)
+    tensors["model.layers.1.mlp.down_proj.weight_zero_point"] = torch.ones(128, 1, dtype=torch.int8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    ckpt = modelkit.load(folder)
+    kept, shifted = (ckpt.tensors[f"model.layers.{i}.mlp.down_proj.weight"] for i in (0, 1))
+    assert isinstance(kept, QuantizedTensor) and kept.scheme == "int8-dynamic"
+    assert torch.equal(kept.load(), theirs["w8a8"][1]["model.layers.0.mlp.down_proj.weight"])
+    assert not isinstance(shifted, QuantizedTensor)
+    exact = modelkit.load(folders["w8a8"]).tensors["model.layers.1.mlp.down_proj.weight"]
+    levels, scale = exact.parts["qdata"].load().float(), exact.parts["scale"].load()
+    assert torch.equal(shifted.load(), (levels - 1) * scale)

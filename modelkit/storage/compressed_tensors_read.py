@@ -10,7 +10,8 @@ compressors write them, compressed-tensors 0.20):
                        M.weight_zero_point (asymmetric: packed the same way along the rows for group and
                        channel, unpacked for tensor)
     int-quantized,     M.weight int8 (int values) or float8_e4m3fn (float values), M.weight_scale,
-    naive-quantized,   M.weight_zero_point (asymmetric)
+    naive-quantized,   M.weight_zero_point (asymmetric; older releases also stored a symmetric weight's,
+                       all zeros: dropped when they are)
     float-quantized
     any                M.weight_g_idx (activation order "group": the group of each column), M.input_scale /
                        M.input_zero_point / M.output_scale (static activation quantization), M.k_scale /
@@ -173,6 +174,11 @@ def _lossless(module: _Module, activations: ct_config.QuantArgs | None, rows: in
         return None
     if w.num_bits == 4 and cols % 2 or w.strategy == "group" and cols % w.group_size:
         return None
+    zero = parts.get("weight_zero_point")
+    if zero is not None and (w.symmetric or zero.dtype.name != ("int32" if _packed_zero(module) else "int8")):
+        return None
+    if parts["weight_scale"].shape != _lossless_scale(w, rows, cols):
+        return None                         # (rows,) per channel, a scalar per tensor: dequantized, checked there
     dynamic_int8 = activations is not None and (activations.type, activations.num_bits, activations.strategy,
                                                 activations.symmetric, bool(activations.dynamic)) == \
         ("int", 8, "token", True, True)
@@ -182,13 +188,14 @@ def _lossless(module: _Module, activations: ct_config.QuantArgs | None, rows: in
     return f"int{w.num_bits}"
 
 
+def _lossless_scale(w: ct_config.QuantArgs, rows: int, cols: int) -> tuple[int, ...]:
+    """The scale shape of modelkit's affine layout for the strategy."""
+    return (1,) if w.strategy == "tensor" else (rows, 1 if w.strategy == "channel" else cols // w.group_size)
+
+
 def _quantized(module: _Module, scheme: str, rows: int, cols: int, source: str) -> QuantizedTensor:
     w, parts = module.group.weights, module.parts
     group = {"tensor": 0, "channel": cols}.get(w.strategy, w.group_size)
-    want = (1,) if w.strategy == "tensor" else (rows, 1 if w.strategy == "channel" else cols // w.group_size)
-    if parts["weight_scale"].shape != want:
-        raise FormatError(source, f"{module.name}: weight_scale is {list(parts['weight_scale'].shape)}; "
-                          f"{w.describe()} of a {rows}x{cols} weight needs {list(want)}")
     params = {"bits": w.num_bits, "symmetric": w.symmetric, "group_size": group}
     packed = "weight_packed" in parts
     info = {"layout": "affine", "shape": [rows, cols], "params": params,
@@ -204,42 +211,83 @@ def _quantized(module: _Module, scheme: str, rows: int, cols: int, source: str) 
                            params=params, source=f"{source}:{module.name}.weight")
 
 
-def _expand(scale: np.ndarray, module: _Module, rows: int, cols: int, source: str) -> np.ndarray:
-    """A (rows, cols) array of each weight's scale (or zero point) by the group's strategy."""
+def _scale_fits(module: _Module, rows: int, cols: int, shape: tuple[int, ...]) -> bool:
+    """Whether `weight_scale` of `shape` fits the group's strategy (tensor: (1,) or a scalar; channel: (rows, 1)
+    or (rows,); group: (rows, cols / group), or any number of groups with a column order)."""
     w = module.group.weights
-    g_idx = module.parts.get("weight_g_idx")
-    if w.strategy == "tensor" and scale.size == 1:
-        return np.broadcast_to(scale.reshape(1, 1), (rows, cols))
-    if w.strategy in ("channel", "token") and scale.shape in ((rows, 1), (rows,)):
-        return np.broadcast_to(scale.reshape(rows, 1), (rows, cols))
-    if w.strategy == "group" and scale.ndim == 2 and scale.shape[0] == rows:
-        if g_idx is not None:
-            index = g_idx.array().astype(np.int64).reshape(-1)
-            if index.shape != (cols,) or index.min(initial=0) < 0 or index.max(initial=0) >= scale.shape[1]:
-                raise FormatError(source, f"{module.name}: weight_g_idx does not index the {scale.shape[1]} groups")
-            return scale[:, index]
-        if cols % w.group_size == 0 and scale.shape[1] == cols // w.group_size:
-            return np.repeat(scale, w.group_size, axis=1)
+    if w.strategy == "tensor":
+        return shape in ((1,), ())
+    if w.strategy == "channel":
+        return shape in ((rows, 1), (rows,))
+    if w.strategy == "group" and "weight_g_idx" in module.parts:
+        return len(shape) == 2 and shape[0] == rows and 1 <= shape[1] <= cols
+    if w.strategy == "group":
+        return cols % w.group_size == 0 and shape == (rows, cols // w.group_size)
     if w.strategy == "block":
         bh, bw = w.block_structure
-        if scale.shape == (-(-rows // bh), -(-cols // bw)):
-            return np.repeat(np.repeat(scale, bh, axis=0), bw, axis=1)[:rows, :cols]
-    raise FormatError(source, f"{module.name}: weight_scale {list(scale.shape)} does not fit a {rows}x{cols} "
-                      f"weight quantized {w.describe()}")
+        return shape == (-(-rows // bh), -(-cols // bw))
+    return False
+
+
+def _packed_zero(module: _Module) -> bool:
+    """Whether the zero point is packed along the rows: asymmetric pack-quantized weights by group or channel.
+    (A symmetric weight's zero point, which older releases stored, is as the scale is.)"""
+    w = module.group.weights
+    return "weight_packed" in module.parts and not w.symmetric and w.strategy in ("group", "channel")
+
+
+def _check(module: _Module, rows: int, cols: int, source: str) -> None:
+    """Every part's dtype and shape, before any data is read; FormatError naming the module otherwise."""
+    w, parts = module.group.weights, module.parts
+    scale = parts["weight_scale"]
+    if scale.dtype.name not in FLOAT_SCALES:
+        raise FormatError(source, f"{module.name}: weight_scale is {scale.dtype}; expected a float dtype")
+    if not _scale_fits(module, rows, cols, scale.shape):
+        raise FormatError(source, f"{module.name}: weight_scale {list(scale.shape)} does not fit a {rows}x{cols} "
+                          f"weight quantized {w.describe()}")
+    if w.type == "float" and (w.num_bits != 8 or "weight" not in parts or parts["weight"].dtype.name != "float8_e4m3fn"):
+        stored = parts["weight"].dtype if "weight" in parts else "packed int32"
+        raise FormatError(source, f"{module.name}: float weights of {w.num_bits} bits stored as {stored} are not "
+                          "read; " + WHAT_IS_READ)
+    if w.type == "int" and "weight_packed" not in parts and parts["weight"].dtype.name not in ("int8", "int16", "int32"):
+        raise FormatError(source, f"{module.name}: int weights stored as {parts['weight'].dtype}; expected integers")
+    zero = parts.get("weight_zero_point")
+    if zero is not None:
+        packed = _packed_zero(module)
+        groups = scale.shape[1] if len(scale.shape) == 2 else 1
+        want = (-(-rows * w.num_bits // 32), groups) if packed else scale.shape
+        kinds = ("int32",) if packed else ("int8", "int16", "int32", *FLOAT_SCALES)
+        if zero.shape != want or zero.dtype.name not in kinds:
+            raise FormatError(source, f"{module.name}: weight_zero_point is {zero.dtype} {list(zero.shape)}; "
+                              f"expected {kinds[0]} {list(want)}")
+    g_idx = parts.get("weight_g_idx")
+    if g_idx is not None and (g_idx.shape != (cols,) or g_idx.dtype.name not in ("int32", "int64")):
+        raise FormatError(source, f"{module.name}: weight_g_idx is {g_idx.dtype} {list(g_idx.shape)}; expected "
+                          f"int32 [{cols}]")
+
+
+def _expand(values: np.ndarray, module: _Module, rows: int, cols: int, source: str) -> np.ndarray:
+    """A (rows, cols) array of each weight's scale (or zero point) from a checked `weight_scale`-shaped array."""
+    w = module.group.weights
+    if w.strategy in ("tensor", "channel"):
+        return np.broadcast_to(values.reshape(-1, 1), (rows, cols))
+    if w.strategy == "block":
+        bh, bw = w.block_structure
+        return np.repeat(np.repeat(values, bh, axis=0), bw, axis=1)[:rows, :cols]
+    g_idx = module.parts.get("weight_g_idx")
+    if g_idx is None:
+        return np.repeat(values, w.group_size, axis=1)
+    index = g_idx.array().astype(np.int64)
+    if index.min(initial=0) < 0 or index.max(initial=0) >= values.shape[1]:
+        raise FormatError(source, f"{module.name}: weight_g_idx does not index the {values.shape[1]} groups")
+    return values[:, index]
 
 
 def _dequantized(module: _Module, rows: int, cols: int, source: str) -> LazyTensor:
     """The float weight compressed-tensors computes: (q - zero_point) * scale in the scale's dtype."""
     w, parts = module.group.weights, module.parts
     scale_part = parts["weight_scale"]
-    if scale_part.dtype.name not in FLOAT_SCALES:
-        raise FormatError(source, f"{module.name}: weight_scale is {scale_part.dtype}; expected a float dtype")
     dtype = scale_part.dtype
-    if w.type == "float" and (w.num_bits != 8 or "weight" not in parts or parts["weight"].dtype.name != "float8_e4m3fn"):
-        raise FormatError(source, f"{module.name}: float weights of {w.num_bits} bits stored as "
-                          f"{next(iter(parts.values())).dtype} are not read; " + WHAT_IS_READ)
-    if w.type == "int" and "weight_packed" not in parts and parts["weight"].dtype.name not in ("int8", "int16", "int32"):
-        raise FormatError(source, f"{module.name}: int weights stored as {parts['weight'].dtype}; expected integers")
 
     def values() -> np.ndarray:
         if "weight_packed" in parts:
@@ -248,12 +296,13 @@ def _dequantized(module: _Module, rows: int, cols: int, source: str) -> LazyTens
             q = E4M3FN[parts["weight"].array()]
         else:
             q = parts["weight"].array().astype(np.float32)
-        scale = widen_to_float32(scale_part.array(), dtype) if dtype.name != "float32" else scale_part.array()
+        scale = scale_part.array()
+        scale = (widen_to_float32(scale, dtype) if dtype.name != "float32" else scale).reshape(
+            scale_part.shape if len(scale_part.shape) == 2 else (-1, 1))
         if "weight_zero_point" in parts:
             zero = parts["weight_zero_point"]
-            if "weight_packed" in parts and w.strategy in ("group", "channel"):
-                groups = scale.shape[1] if scale.ndim == 2 else 1
-                z = unpack(np.ascontiguousarray(zero.array().reshape(-1, groups).T), w.num_bits, rows).T
+            if _packed_zero(module):
+                z = unpack(np.ascontiguousarray(zero.array().T), w.num_bits, rows).T
             else:
                 z = zero.array()
                 z = widen_to_float32(z, zero.dtype) if zero.dtype.name in ("float16", "bfloat16") else z
@@ -275,6 +324,10 @@ def read(config: ct_config.Config, tensors: Mapping[str, Any], source: str) -> t
     read_as: dict[str, dict[str, int]] = {}
     for name, module in found.items():
         rows, cols = _shape(module, source)
+        _check(module, rows, cols, source)
+        zero = module.parts.get("weight_zero_point")
+        if zero is not None and module.group.weights.symmetric and not zero.array().any():
+            del module.parts["weight_zero_point"]       # older releases stored a symmetric weight's zeros
         scheme = _lossless(module, module.group.input_activations, rows, cols)
         weight = _quantized(module, scheme, rows, cols, source) if scheme else _dequantized(module, rows, cols, source)
         replaced[f"{name}.weight"] = weight
