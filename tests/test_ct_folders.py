@@ -117,14 +117,14 @@ def _calibrate(model: torch.nn.Module) -> None:
             module.input_scale.data.fill_(4.0 / 448)
 
 
-def _make(path: Path, groups, ignore, fmt, dtype) -> None:
+def _make(path: Path, groups, ignore, fmt, dtype, shard: str | None = None) -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**COMMON)).to(dtype).eval()
     apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=ignore), show_progress=False)
     _calibrate(model)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     compressor.update_config(path)
     for f in FIXTURES.iterdir():
         shutil.copy(f, path / f.name)
@@ -424,3 +424,15 @@ def test_a_symmetric_weights_stored_zeros_are_dropped(folders, theirs, tmp_path)
     exact = modelkit.load(folders["w8a8"]).tensors["model.layers.1.mlp.down_proj.weight"]
     levels, scale = exact.parts["qdata"].load().float(), exact.parts["scale"].load()
     assert torch.equal(shifted.load(), (levels - 1) * scale)
+
+
+def test_a_sharded_folder_reads_the_same(folders, theirs, tmp_path):
+    groups, ignore, fmt, dtype, _ = CASES["w4a16-asym"]
+    _make(tmp_path / "sharded", groups, ignore, fmt, dtype, shard="150KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ckpt = modelkit.load(tmp_path / "sharded")
+    state = theirs["w4a16-asym"][1]
+    assert all(torch.equal(t.load(), state[n]) for n, t in ckpt.tensors.items())
+    assert sum(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()) == 14
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "sharded"), "--limit", "0"])
+    assert "read: 14 as modelkit int4 (exact)" in result.output
