@@ -436,3 +436,18 @@ def test_a_sharded_folder_reads_the_same(folders, theirs, tmp_path):
     assert sum(isinstance(t, QuantizedTensor) for t in ckpt.tensors.values()) == 14
     result = CliRunner().invoke(main, ["inspect", str(tmp_path / "sharded"), "--limit", "0"])
     assert "read: 14 as modelkit int4 (exact)" in result.output
+
+
+@pytest.mark.parametrize("case", ["w4a16", "fp8-weights"])
+def test_generate_continues_as_transformers_does(folders, case):
+    """Greedy decoding with the folder's tokenizer: modelkit's tokens are transformers' tokens."""
+    from transformers import AutoTokenizer
+
+    from modelkit.api import complete
+
+    ours = complete(folders[case], "def main", max_new_tokens=8)
+    ids = AutoTokenizer.from_pretrained(folders[case])("def main", return_tensors="pt").input_ids
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = _transformers(folders[case], case).generate(ids, max_new_tokens=8, do_sample=False)
+    assert ours.token_ids == theirs[0, ids.shape[1]:].tolist()
