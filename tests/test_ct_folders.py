@@ -451,3 +451,22 @@ def test_generate_continues_as_transformers_does(folders, case):
         warnings.simplefilter("ignore")
         theirs = _transformers(folders[case], case).generate(ids, max_new_tokens=8, do_sample=False)
     assert ours.token_ids == theirs[0, ids.shape[1]:].tolist()
+
+
+def test_kv_cache_scales_are_dropped_and_said_so(folders, theirs, tmp_path):
+    """A kv_cache_scheme's k_scale / v_scale (on the attention modules) are not weights: dropped, and inspect says
+    the KV cache quantization is not applied."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _edited(folders, tmp_path, "w4a16", lambda q: q.update(kv_cache_scheme={
+        "num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}))
+    tensors = load_file(folder / "model.safetensors")
+    for layer in range(2):
+        for name in ("k_scale", "v_scale"):
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor([0.05])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    ckpt = modelkit.load(folder)
+    assert set(ckpt.tensors) == set(modelkit.load(folders["w4a16"]).tensors)
+    result = CliRunner().invoke(main, ["inspect", str(folder), "--limit", "0"])
+    assert "quantization kv cache: (fp8 (e4m3) per tensor, symmetric) not applied (modelkit runs it in float)" \
+        in result.output

@@ -101,7 +101,7 @@ def _echo_model(model: dict) -> None:
             _echo_quantization(group)
         click.echo(f"quantization ignore: {', '.join(quantization['ignore']) or 'nothing'} (left as stored)")
         if quantization["kv_cache"]:
-            click.echo(f"quantization kv cache: {quantization['kv_cache']} not applied (modelkit runs it in float)")
+            click.echo(f"quantization kv cache: ({quantization['kv_cache']}) not applied (modelkit runs it in float)")
 
 
 def _echo_quantization(group: dict) -> None:
