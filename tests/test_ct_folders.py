@@ -305,6 +305,8 @@ def _edited(folders, tmp_path, case: str, edit) -> Path:
      "stored as 'nvfp4-pack-quantized', which is not read"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits="4"),
      "quantization_config config_groups.group_0.weights.num_bits: '4' is not an integer in 1..32"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=16),
+     "config group 'group_0' has int weights of 16 bits, which are not read"),
     (lambda q: q["config_groups"]["group_0"].update(targets=["re:(a+)+$"]),
      "pattern 're:\\(a\\+\\)\\+\\$' repeats a repeated group"),
     (lambda q: q.update(ignore=["lm_head", "re:.*q_proj$"]),

@@ -139,6 +139,9 @@ def modules(config: ct_config.Config, tensors: Mapping[str, LazyTensor], source:
         if group.weights is None:
             raise FormatError(source, f"config group {group.name!r} quantizes no weights but {owner!r} stores a "
                               "weight scale")
+        if group.weights.type == "int" and group.weights.num_bits > 8:
+            raise FormatError(source, f"config group {group.name!r} has int weights of {group.weights.num_bits} "
+                              "bits, which are not read; " + WHAT_IS_READ)
         parts = {leaf: tensors[f"{owner}.{leaf}"] for leaf in WEIGHT_PARTS + ("weight",) if f"{owner}.{leaf}" in tensors}
         found[owner] = _Module(owner, group, parts)
     return found
