@@ -472,3 +472,22 @@ def test_kv_cache_scales_are_dropped_and_said_so(folders, theirs, tmp_path):
     result = CliRunner().invoke(main, ["inspect", str(folder), "--limit", "0"])
     assert "quantization kv cache: (fp8 (e4m3) per tensor, symmetric) not applied (modelkit runs it in float)" \
         in result.output
+
+
+@pytest.mark.parametrize("weights, strategy, group, block, actorder", [
+    ({"num_bits": 4, "group_size": 128}, "group", 128, None, None),                    # strategy inferred
+    ({"num_bits": 8, "group_size": -1}, "channel", None, None, None),
+    ({"num_bits": 8}, "tensor", None, None, None),
+    ({"num_bits": 8, "type": "float", "strategy": "block", "block_structure": "128x64"}, "block", None, (128, 64), None),
+    ({"num_bits": 4, "strategy": "group", "group_size": 32, "actorder": True}, "group", 32, None, "group"),
+])
+def test_older_releases_configs_parse(weights, strategy, group, block, actorder):
+    """Fields older compressed-tensors releases wrote differently: no strategy, group_size -1, "NxM" blocks,
+    actorder true."""
+    from modelkit.parse import compressed_tensors as ct_parse
+
+    config = ct_parse.parse({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                             "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}, source="c")
+    args = config.groups[0].weights
+    assert (args.strategy, args.group_size, args.block_structure, args.actorder) == (strategy, group, block, actorder)
+    assert config.status == "compressed" and config.groups[0].format == "pack-quantized"

@@ -118,14 +118,20 @@ def _args(value: Any, source: str, where: str) -> QuantArgs | None:
     kind = value.get("type", "int")
     if kind not in ("int", "float"):
         raise _bad(source, f"{where}.type", f"{kind!r} is not 'int' or 'float'")
-    strategy = value.get("strategy", "tensor")
+    group = value.get("group_size")
+    strategy = value.get("strategy")
+    if strategy is None:            # compressed-tensors infers it: a group size > 0 is "group", -1 "channel"
+        strategy = "tensor" if group is None else "channel" if group == -1 else "group"
     if strategy not in _STRATEGIES:
         raise _bad(source, f"{where}.strategy", f"{strategy!r} is not one of {', '.join(_STRATEGIES)}")
-    group = value.get("group_size")
+    if group == -1 and strategy == "channel":
+        group = None
     group = None if group is None else _int(group, source, f"{where}.group_size", 1, 1 << 24)
     if strategy in ("group", "tensor_group") and group is None:
         raise _bad(source, f"{where}.group_size", f"strategy {strategy!r} needs a group size")
     block = value.get("block_structure")
+    if isinstance(block, str) and re.fullmatch(r"\d{1,8}x\d{1,8}", block):      # older releases: "128x128"
+        block = [int(v) for v in block.split("x")]
     if block is not None:
         if not isinstance(block, list) or len(block) != 2:
             raise _bad(source, f"{where}.block_structure", "must be two sizes")
@@ -139,7 +145,8 @@ def _args(value: Any, source: str, where: str) -> QuantArgs | None:
     if not isinstance(dynamic, bool) and dynamic != "local":
         raise _bad(source, f"{where}.dynamic", f"{dynamic!r} is not true, false or 'local'")
     actorder = value.get("actorder")
-    actorder = None if actorder in (None, False) else _str(actorder, source, f"{where}.actorder", 20)
+    actorder = None if actorder in (None, False) else "group" if actorder is True else \
+        _str(actorder, source, f"{where}.actorder", 20)                   # older releases: true meant "group"
     return QuantArgs(_int(value.get("num_bits", 8), source, f"{where}.num_bits", 1, 32), kind, strategy, group,
                      block, symmetric, dynamic, actorder)
 
