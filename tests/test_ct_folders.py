@@ -491,3 +491,16 @@ def test_older_releases_configs_parse(weights, strategy, group, block, actorder)
     args = config.groups[0].weights
     assert (args.strategy, args.group_size, args.block_structure, args.actorder) == (strategy, group, block, actorder)
     assert config.status == "compressed" and config.groups[0].format == "pack-quantized"
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_unpack_reads_compressed_tensors_packing_of_every_width(bits):
+    """compressed-tensors packs 1-8 bit values densely (values straddle words for 3, 5, 6, 7 bits)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from modelkit.storage.compressed_tensors_read import unpack
+
+    for cols in (100, 256):
+        values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (8, cols), dtype=torch.int8,
+                               generator=torch.Generator().manual_seed(bits))
+        assert (unpack(pack_to_int32(values, bits).numpy(), bits, cols) == values.numpy()).all()

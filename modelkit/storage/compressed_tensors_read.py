@@ -78,12 +78,17 @@ def unpack(words: np.ndarray, bits: int, count: int) -> np.ndarray:
         raw = data[:, :count].astype(np.int32)
     elif bits == 4:
         raw = np.stack((data & 0x0F, data >> 4), axis=-1).reshape(rows, -1)[:, :count].astype(np.int32)
-    else:                                   # values may straddle bytes: read each from a 16-bit window
-        start = np.arange(count, dtype=np.int64) * bits
-        padded = np.concatenate([data, np.zeros((rows, 1), np.uint8)], axis=1).astype(np.int32)
-        byte, shift = start // 8, start % 8
-        window = padded[:, byte] | (padded[:, byte + 1] << 8)
-        raw = (window >> shift) & ((1 << bits) - 1)
+    else:                       # values straddle bytes: every `bits` bytes hold 8 values, read as one uint64
+        groups = -(-data.shape[1] // bits)
+        padded = np.zeros((rows, groups * bits), np.uint8)
+        padded[:, :data.shape[1]] = data
+        grouped = padded.reshape(rows, groups, bits)
+        word = np.zeros((rows, groups), np.uint64)
+        for k in range(bits):
+            word |= grouped[:, :, k].astype(np.uint64) << np.uint64(8 * k)
+        shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+        values = (word[:, :, None] >> shifts) & np.uint64((1 << bits) - 1)       # (rows, groups, 8)
+        raw = values.reshape(rows, -1)[:, :count].astype(np.int32)
     return raw - (1 << (bits - 1))
 
 
