@@ -504,3 +504,10 @@ def test_unpack_reads_compressed_tensors_packing_of_every_width(bits):
         values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (8, cols), dtype=torch.int8,
                                generator=torch.Generator().manual_seed(bits))
         assert (unpack(pack_to_int32(values, bits).numpy(), bits, cols) == values.numpy()).all()
+
+
+def test_scan_passes_the_folder(folders):
+    """The folder holds safetensors and JSON only: clean, nothing read as code."""
+    result = CliRunner().invoke(main, ["scan", str(folders["w8a8"])])
+    assert result.exit_code == 0, result.output
+    assert "0 dangerous, 0 suspicious" in result.output
