@@ -540,7 +540,8 @@ def _slot(entry: LazyTensor | QuantizedTensor, name: str, stored: str, undo: _Un
         if entry.layout != "gguf" or "qdata" not in entry.parts:
             raise UnsupportedConversionError(
                 "quantized checkpoint", "gguf",
-                f"tensor {name!r} is quantized with layout {entry.layout!r}; dequantize it first")
+                f"tensor {name!r} is quantized with layout {entry.layout!r} ({entry.scheme}); write it dequantized "
+                "with --dtype f32/f16/bf16")
         ggml_type = GGMLQuantizationType.__members__.get(str(entry.params.get("ggml_type")))
         if ggml_type is None:
             raise UnsupportedConversionError("quantized checkpoint", "gguf",

@@ -23,20 +23,23 @@ packed parts (`N_packed`, `N_scale`, `N_zero_point`, `N_shape`; int8-dynamic: `N
 each shard's metadata carries modelkit's "modelkit.quantized" record (modelkit.storage.quantized_layout), from
 which reading puts the same QuantizedTensors back together. The ArchSpec's config never holds
 `quantization_config`: it describes how the weights are stored, which the tensors say; the writer derives it.
-GGUF block types have no compressed-tensors form and are refused. See docs/formats/hf.md.
+GGUF block types have no compressed-tensors form and are refused. Folders other tools quantized with
+compressed-tensors (llm-compressor's; no record) are read by modelkit.storage.compressed_tensors_read: int4/int8
+weights as the same QuantizedTensors, the rest dequantized as compressed-tensors does. See docs/formats/hf.md.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor
+from modelkit.checkpoint import ALIASES_KEY, ARCH_KEY, ArchSpec, Checkpoint, LazyTensor, QuantizedTensor
 from modelkit.errors import FormatError, UnsupportedConversionError
 from modelkit.formats import ReadOptions, WriteOptions
 from modelkit.metadata import QUANTIZED_KEY
+from modelkit.parse import compressed_tensors as ct_config
 from modelkit.parse import hf as hf_folder
 from modelkit.parse.detect import hf as detect  # noqa: F401  (the converter's detect)
-from modelkit.storage import compressed_tensors, quantized_layout
+from modelkit.storage import compressed_tensors, compressed_tensors_read, quantized_layout
 from modelkit.storage import safetensors_files as files
 
 QUANTIZATION_CONFIG = "quantization_config"     # config.json's key for how the weights are quantized
@@ -55,12 +58,36 @@ def read(path: Path, options: ReadOptions = ReadOptions()) -> Checkpoint:
     for key in ("format", ARCH_KEY):              # the folder's config.json is the architecture
         metadata.pop(key, None)
     stored = config.pop(QUANTIZATION_CONFIG, None)     # how the weights are stored: the tensors say it
-    if stored is not None and QUANTIZED_KEY not in metadata:
-        raise FormatError(folder / hf_folder.CONFIG_NAME, "a quantized folder modelkit did not write (config.json's "
-                          f"quantization_config, {_describe(stored)}); modelkit reads the quantized folders it writes, "
-                          "and float folders: dequantize it with transformers first")
-    ckpt = Checkpoint(tensors=tensors, metadata=metadata, arch=ArchSpec(family, config), assets=assets)
-    return quantized_layout.group(where, ckpt)
+    if stored is not None and QUANTIZED_KEY not in metadata:     # another tool's folder (llm-compressor's)
+        tensors, _ = compressed_tensors_read.read(_foreign_config(folder, stored), tensors, str(where))
+    ckpt = quantized_layout.group(where, Checkpoint(tensors=tensors, metadata=metadata,
+                                                    arch=ArchSpec(family, config), assets=assets))
+    if options.dequantize:          # float tensors, each dequantized when it is read (quantize --allow-requantize)
+        ckpt.tensors = {n: LazyTensor(t.dtype, t.shape, t.load, t.source) if isinstance(t, QuantizedTensor) else t
+                        for n, t in ckpt.tensors.items()}
+    return ckpt
+
+
+def quantization(path: Path) -> dict | None:
+    """How a folder's weights are quantized (compressed-tensors' config groups, ignore list, KV cache) and how
+    modelkit reads them (`inspect`); None for float folders and the ones modelkit wrote (their tensors say it)."""
+    folder = path if path.is_dir() else path.parent
+    stored = hf_folder.read_config(folder).get(QUANTIZATION_CONFIG)
+    if stored is None:
+        return None
+    tensors, metadata, where = files.read_folder(folder)
+    if QUANTIZED_KEY in metadata:
+        return None
+    return compressed_tensors_read.read(_foreign_config(folder, stored), tensors, str(where))[1]
+
+
+def _foreign_config(folder: Path, stored: object) -> ct_config.Config:
+    """The checked quantization_config of a folder modelkit did not write: compressed-tensors' only."""
+    source = folder / hf_folder.CONFIG_NAME
+    if not isinstance(stored, dict) or stored.get("quant_method") != ct_config.QUANT_METHOD:
+        raise FormatError(source, f"a quantized folder ({_describe(stored)}); modelkit reads quant_method "
+                          "'compressed-tensors' folders and float folders: dequantize it with transformers first")
+    return ct_config.parse(stored, source=str(source))          # a ParseError is a FormatError naming config.json
 
 
 def write(ckpt: Checkpoint, path: Path, options: WriteOptions = WriteOptions()) -> None:

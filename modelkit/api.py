@@ -106,7 +106,11 @@ def inspect(path: PathLike, *, format: str | None = None, trust: bool = False, k
     metadata = {k: v for k, v in ckpt.metadata.items() if k != METRICS_KEY}
     describe_layers = getattr(load_format(fmt), "layers", None)       # a converter of a format with a layer graph
     describe_program = getattr(load_format(fmt), "program", None)     # ... or with an exported program
-    return Inspection(path, fmt, tensors, metadata, ckpt.arch, size, ckpt.metrics, _model_summary(path, ckpt, tensors),
+    model = _model_summary(path, ckpt, tensors)
+    describe_quantization = getattr(load_format(fmt), "quantization", None)   # another tool's quantized folder
+    if model is not None and describe_quantization is not None:
+        model["quantization"] = describe_quantization(path)
+    return Inspection(path, fmt, tensors, metadata, ckpt.arch, size, ckpt.metrics, model,
                       describe_layers(path) if describe_layers is not None else None,
                       describe_program(path) if describe_program is not None else None)
 

@@ -215,16 +215,17 @@ def test_eval_measures_bits_per_byte_before_and_after_with_the_folders_tokenizer
     assert not (tmp_path / "never").exists()                  # refused before anything is written
 
 
-def test_a_compressed_folder_modelkit_did_not_write_is_refused(folders, tmp_path):
-    """llm-compressor's folders carry quantization_config but not modelkit's record of the parts."""
+def test_a_quantized_folder_of_another_method_is_refused(folders, tmp_path):
+    """compressed-tensors folders of other tools are read (tests/test_ct_folders.py); AWQ, GPTQ (auto-gptq),
+    bitsandbytes ... folders are refused in one line naming the method."""
     from modelkit.errors import FormatError
 
     other = tmp_path / "other"
     shutil.copytree(folders["llama"], other)
     config = json.loads((other / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    config["quantization_config"] = {"quant_method": "awq", "format": "gemm"}
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(FormatError, match="quant_method 'compressed-tensors', format 'pack-quantized'"):
+    with pytest.raises(FormatError, match="quant_method 'awq', format 'gemm'.*reads quant_method 'compressed-tensors'"):
         modelkit.load(other)
 
 

@@ -30,6 +30,7 @@ from modelkit.checkpoint import Checkpoint
 from modelkit.errors import FormatError, ModelkitError, ParseError
 from modelkit.formats import FORMATS, WRITABLE, load_format
 from modelkit.models import build
+from modelkit.parse import compressed_tensors as ct_parse
 from modelkit.parse import (
     ggml,
     gguf,
@@ -287,6 +288,27 @@ def _pickle_stream(data: bytes) -> None:
 
 
 # parser -> (call on bytes, seeds); each may raise ParseError only
+_W4A16_CONFIG = json.dumps({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+    "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+                                                   "symmetric": True, "dynamic": False}}},
+    "ignore": ["lm_head"], "quantization_status": "compressed"}).encode()
+_MIXED_CONFIG = json.dumps({"quant_method": "compressed-tensors", "format": "mixed-precision", "config_groups": {
+    "a": {"targets": ["re:.*q_proj$"], "format": "float-quantized",
+          "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
+          "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}},
+    "b": {"targets": ["model.layers.0.mlp.up_proj"], "format": "int-quantized", "weights": {"num_bits": 8}}},
+    "kv_cache_scheme": {"num_bits": 8, "type": "float"}, "sparsity_config": {"format": "dense"}}).encode()
+
+
+def _quantization_config(data: bytes) -> None:
+    """config.json's quantization_config once JSON has parsed it (parse.hf.read_json raises ParseError otherwise)."""
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return
+    ct_parse.parse(value, source="config.json")
+
+
 PARSERS = {
     "protobuf.fields": (_walk_fields, [_ONNX, *SEEDS]),
     "gguf.read_header": (lambda b: gguf.read_header(b, versions=(1, 2, 3)), [_gguf_seed(), _CORPUS["tensor.gguf"]]),
@@ -316,6 +338,7 @@ PARSERS = {
     "imatrix.read_imatrix": (lambda b: [e.importance for e in imatrix_parse.read_imatrix(b).entries.values()],
                              _imatrix_seeds()),
     "pt2.parse": (_pt2_archive, _PT2),
+    "compressed_tensors.parse": (_quantization_config, [_W4A16_CONFIG, _MIXED_CONFIG]),
 }
 # predicates: answer True or False for anything
 PREDICATES = {
@@ -488,3 +511,29 @@ def test_tensorflow_readers_raise_only_modelkit_errors(tmp_path, name, member, d
         modelkit.load(folder, format="savedmodel" if "savedmodel" in name else "tfcheckpoint").materialize()
     except ModelkitError as e:
         assert str(e) and "\n" not in str(e)
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) |
+                     st.text(max_size=20), lambda inner: st.lists(inner, max_size=4) |
+                     st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=10)
+_CONFIG_FIELDS = [("format",), ("quantization_status",), ("config_groups",), ("ignore",), ("kv_cache_scheme",),
+                  ("sparsity_config",), ("transform_config",), ("config_groups", "group_0"),
+                  ("config_groups", "group_0", "targets"), ("config_groups", "group_0", "format"),
+                  ("config_groups", "group_0", "weights")] + [
+    ("config_groups", "group_0", "weights", key) for key in ("num_bits", "type", "strategy", "group_size",
+                                                            "block_structure", "symmetric", "dynamic", "actorder")]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from(_CONFIG_FIELDS), value=_JSON)
+def test_a_quantization_config_with_any_field_raises_only_parse_errors(field, value):
+    """compressed-tensors' quantization_config with one field replaced by any JSON value: parsed, or one ParseError."""
+    config = json.loads(_W4A16_CONFIG)
+    owner = config
+    for key in field[:-1]:
+        owner = owner[key]
+    owner[field[-1]] = value
+    try:
+        ct_parse.parse(config, source="config.json")
+    except ParseError as e:
+        assert "\n" not in str(e)

@@ -95,3 +95,21 @@ def _echo_model(model: dict) -> None:
                    f"chat template {'present' if tokenizer['chat_template'] else 'absent'}")
     if "shards" in model:
         click.echo(f"shards: {model['shards']['files']} safetensors file(s), {human_bytes(model['shards']['bytes'])}")
+    quantization = model.get("quantization")
+    if quantization:
+        for group in quantization["groups"]:
+            _echo_quantization(group)
+        click.echo(f"quantization ignore: {', '.join(quantization['ignore']) or 'nothing'} (left as stored)")
+        if quantization["kv_cache"]:
+            click.echo(f"quantization kv cache: ({quantization['kv_cache']}) not applied (modelkit runs it in float)")
+
+
+def _echo_quantization(group: dict) -> None:
+    """One compressed-tensors config group of another tool's folder: its scheme and how modelkit reads it."""
+    if group["weights"] is not None:
+        inputs = f", inputs {group['input_activations']}" if group["input_activations"] else ""
+        read = ", ".join(f"{n} as {label}" for label, n in group["read_as"].items()) or "no modules"
+        click.echo(f"quantization {group['group']}: {group['format']}, weights {group['weights']}{inputs}; "
+                   f"read: {read}")
+    for what in group["not_applied"]:
+        click.echo(f"quantization {group['group']}: {what} not applied (modelkit runs them in float)")
