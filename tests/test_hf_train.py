@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,20 +63,26 @@ def _outlier_channels(model) -> None:
                 layer.get_submodule(name).weight[:, channels] *= OUTLIER
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
+def make_folder(out: Path, *, seed: int = 0, steps: int = PRETRAIN.steps_per_epoch, outliers: bool = True) -> Path:
+    """The tiny Llama folder: random weights from `seed`, `steps` plain training steps, outlier channels
+    (bench/hf_train.py measures with it too)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
     config = transformers.LlamaConfig(**CONFIG, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    summary = train_causal_lm(model, tokenizer, PRETRAIN)
-    assert summary["steps"] == 60 and summary["context"] == 64 and summary["tokens"] == 60 * 8 * 64
-    _outlier_channels(model)
-    out = tmp_path_factory.mktemp("hf-train") / "llama"
+    summary = train_causal_lm(model, tokenizer, replace(PRETRAIN, steps_per_epoch=steps, seed=seed))
+    assert summary["steps"] == steps and summary["context"] == 64 and summary["tokens"] == steps * 8 * 64
+    if outliers:
+        _outlier_channels(model)
     model.save_pretrained(out)
     for f in TOKENIZER.iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_folder(tmp_path_factory.mktemp("hf-train") / "llama")
 
 
 def _bits(model_or_path) -> float:
