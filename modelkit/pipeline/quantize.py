@@ -423,8 +423,8 @@ def quantize(
                          allow_requantize=allow_requantize)
     model, source, metadata = loaded.model, loaded.info, loaded.metadata
     if data is not None and _family(model) is None:         # before anything is measured or trained
-        raise ConfigError(f"{src}: {type(model).__name__} trains on its own task's data; --data applies to QAT of "
-                          "Hugging Face language models")
+        raise ConfigError(f"{type(model).__name__} trains on its own task's data; --data applies to QAT of Hugging "
+                          "Face language models")
     config = _family_defaults(config, model)
     tokenizer = _text_tokenizer(loaded, src, "--eval measures") if evaluate else None   # before anything is written
     if (evaluate or latency) and reference is None:
