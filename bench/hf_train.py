@@ -25,13 +25,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from test_hf_train import make_folder  # noqa: E402
+
 import modelkit  # noqa: E402
-from modelkit.pipeline.load import load_language_model  # noqa: E402
 from modelkit.pipeline.compress import prune_file  # noqa: E402
 from modelkit.pipeline.lm_train import LMTrainConfig, train_causal_lm  # noqa: E402
+from modelkit.pipeline.load import load_language_model  # noqa: E402
 from modelkit.pipeline.quantize import make_config, quantize, quantize_module  # noqa: E402
 from modelkit.quantizers.prune import PruneConfig  # noqa: E402
-from test_hf_train import make_folder  # noqa: E402
 
 LR = 1e-3
 COLUMNS = ("float", "ptq", "qat", "float+steps->ptq", "pruned", "pruned+ft", "float+steps", "qat s", "ft s")
