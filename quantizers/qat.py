@@ -45,8 +45,14 @@ def _plan(config: Any) -> tuple[_affine.AffineSpec, bool, tuple[type[nn.Module],
         return DYNAMIC_SPEC, True, (nn.Linear,)
     if isinstance(config, (Int8Config, Int4Config)):
         return config.spec, False, (nn.Linear, nn.Conv2d, nn.Embedding)
-    raise ConfigError(f"QAT trains int8, int4 or int8-dynamic weights; got {type(config).__name__} "
-                      "(GPTQ and GGUF block types are post-training only)")
+    scheme = getattr(type(config), "scheme", None) or type(config).__name__
+    raise ConfigError(f"QAT trains int8, int4 or int8-dynamic weights; got {scheme} (GPTQ, GGUF block types, "
+                      "fp16/bf16 and TF.js encodings are post-training only: quantize without --qat)")
+
+
+def check_config(config: Any) -> None:
+    """Raise ConfigError (one line) unless QAT can train for `config` (int8, int4, int8-dynamic)."""
+    _plan(config)
 
 
 class _FakeQuant:

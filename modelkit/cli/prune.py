@@ -24,17 +24,22 @@ def _value(value: float | None) -> str:
               help="magnitude: prune each layer to the sparsity, or rank all weights together.")
 @click.option("--skip", multiple=True, metavar="PATTERN", help="Module names to leave dense (fnmatch, repeatable).")
 @click.option("--finetune-epochs", type=click.IntRange(0), default=0, show_default=True,
-              help="Recover accuracy with the zoo's training loop; pruned weights stay zero (zoo models only).")
+              help="Recover accuracy by training after pruning; pruned weights stay zero (a Hugging Face language "
+                   "model trains on text: --data, or the standard library's train split).")
+@click.option("--steps", type=click.IntRange(1), help="Fine-tuning: stop each epoch after this many steps.")
+@click.option("--data", type=click.Path(dir_okay=False, exists=True),
+              help="Hugging Face language models: fine-tune on this UTF-8 text file.")
 @click.option("--max-tokens", "max_tokens", type=click.IntRange(1),
               help="Hugging Face language models: score at most this many tokens of the evaluation text.")
-@click.option("--lr", type=float, help="Fine-tuning learning rate (default: the model's own).")
+@click.option("--lr", type=float, help="Fine-tuning learning rate (default: the model's own; 2e-05 for a Hugging "
+                                       "Face language model).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @device_option
 @read_options()
 @force_option
 @output_options
 def prune(src: str, dst: str, to: str | None, method: str, sparsity: float, scope: str, skip: tuple[str, ...], finetune_epochs: int,
-          max_tokens: int | None, lr: float | None, seed: int, device: str, source_format: str | None, trust: bool, key: str | None,
+          steps: int | None, data: str | None, max_tokens: int | None, lr: float | None, seed: int, device: str, source_format: str | None, trust: bool, key: str | None,
           arch: str | None, force: bool, as_json: bool) -> None:
     """Prune the model in SRC and save it to DST (any format, from DST's suffix).
 
@@ -49,8 +54,9 @@ def prune(src: str, dst: str, to: str | None, method: str, sparsity: float, scop
     num_attention_heads, head_dim and intermediate_size, so transformers loads it. gpt2 loses MLP hidden
     units only (n_inner): transformers' GPT-2 cannot hold fewer heads at the same width, and a phi3 with
     longrope keeps its heads too; a "kept:" line says so. magnitude and 2:4 work on every family. The metric is
-    bits per byte on the held-out standard-library text, with the model's tokenizer; there is no
-    fine-tuning for these models (--finetune-epochs is refused).
+    bits per byte on the held-out standard-library text, with the model's tokenizer; --finetune-epochs
+    trains it on text (next-token loss on windows of its tokenizer's ids, from --data or the standard
+    library's train split, which shares no file with the held-out text).
 
     \b
     Examples:
@@ -58,6 +64,7 @@ def prune(src: str, dst: str, to: str | None, method: str, sparsity: float, scop
       modelkit prune runs/cnn/model.safetensors cnn-24.safetensors --method 2:4 --finetune-epochs 10
       modelkit prune runs/tinylm/model.safetensors lm-m80.safetensors --sparsity 0.8 --scope global --json
       modelkit prune ./Qwen2.5-0.5B qwen-s25 --to hf --method structured --sparsity 0.25 --max-tokens 20000
+      modelkit prune ./Qwen2.5-0.5B qwen-s25 --method structured --sparsity 0.25 --finetune-epochs 1 --steps 200
     """
     from modelkit.pipeline.compress import prune_file
     from modelkit.quantizers.prune import PruneConfig
@@ -66,7 +73,7 @@ def prune(src: str, dst: str, to: str | None, method: str, sparsity: float, scop
     with Progress("fine-tune", enabled=not as_json) as progress:
         report = prune_file(src, dst, config, finetune_epochs=finetune_epochs, lr=lr, seed=seed, device=device,
                             force=force, progress=progress, source_format=source_format, trust=trust, key=key,
-                            arch=arch, max_tokens=max_tokens, to=to)
+                            arch=arch, max_tokens=max_tokens, to=to, steps=steps, data=data)
     if report is None:                  # a rank other than 0 under torchrun: rank 0 reports
         return
     if as_json:

@@ -85,7 +85,11 @@ def render(reports: list) -> str:
 @click.option("--qat", is_flag=True, help="Quantization-aware training first (int8, int4, int8-dynamic).")
 @click.option("--epochs", type=int, default=1, show_default=True, help="QAT epochs.")
 @click.option("--steps", type=int, help="QAT: stop each epoch after this many steps.")
-@click.option("--lr", type=float, help="QAT peak learning rate (default: a tenth of the model's recipe).")
+@click.option("--lr", type=float, help="QAT peak learning rate (default: a tenth of the model's recipe; 2e-05 for a "
+                                       "Hugging Face language model).")
+@click.option("--data", type=click.Path(dir_okay=False, exists=True),
+              help="QAT of a Hugging Face language model: train on this UTF-8 text file (default: the standard "
+                   "library's train split).")
 @click.option("--eval", "evaluate", is_flag=True, help="Measure the metric before and after, and CPU latency.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Draw the metric against size for every scheme (PNG).")
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Read the output back and rebuild the model.")
@@ -95,7 +99,7 @@ def render(reports: list) -> str:
 def quantize(src: str, dst: str, scheme_values: tuple[str, ...], allow_requantize: bool, group_size: int | None,
              imatrix: str | None,
              skip: tuple[str, ...],
-             to: str | None, qat: bool, epochs: int, steps: int | None, lr: float | None, evaluate: bool,
+             to: str | None, qat: bool, epochs: int, steps: int | None, lr: float | None, data: str | None, evaluate: bool,
              plot: str | None, verify: bool, source_format: str | None, trust: bool, key: str | None,
              arch: str | None, force: bool, as_json: bool) -> None:
     """Quantize SRC into DST and report the cost: bits per weight, file size and ratio, the
@@ -113,6 +117,7 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], allow_requantiz
       modelkit quantize runs/tinylm/model.safetensors tinylm-q3_k.gguf --scheme q3_k --imatrix imatrix.gguf
       modelkit quantize runs/tinylm/model.safetensors out/ --scheme q8_0,q4_0,int4,gptq --eval --plot q.png
       modelkit quantize runs/cnn/model.safetensors cnn-qat.safetensors --scheme int4 --qat --epochs 3 --eval
+      modelkit quantize ./Qwen2.5-0.5B qwen-int4 --scheme int4 --qat --steps 200 --lr 1e-5 --eval
       modelkit quantize cnn.onnx cnn-int8.onnx --scheme int8-static --eval
       modelkit quantize cnn.xml cnn-int8.xml --scheme int8 --eval     # OpenVINO IR: NNCF's int8 weights
     """
@@ -127,7 +132,7 @@ def quantize(src: str, dst: str, scheme_values: tuple[str, ...], allow_requantiz
         raise ConfigError("--scheme needs at least one scheme name")
     options = {"group_size": group_size, "skip": skip, "qat": qat, "epochs": epochs, "steps": steps, "lr": lr,
                "verify": verify, "source_format": source_format, "trust": trust, "key": key, "arch": arch,
-               "imatrix": imatrix, "allow_requantize": allow_requantize}
+               "imatrix": imatrix, "allow_requantize": allow_requantize, "data": data}
     # QAT shows its training; a weight file quantized to GGUF without a model, the bytes written
     with Progress("qat" if qat else "quantize", enabled=(qat or len(names) == 1) and not as_json,
                   unit="" if qat else "bytes") as progress, \

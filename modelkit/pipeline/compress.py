@@ -53,6 +53,7 @@ class PruneReport:
     layers: list[dict[str, Any]] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)   # structured: units the family cannot remove, and why
     finetune_epochs: int = 0
+    finetune: dict[str, Any] | None = None  # a language model's fine-tuning: steps, tokens, text, lr, train loss
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -60,26 +61,48 @@ class PruneReport:
 
 
 def finetune(model: nn.Module, *, epochs: int, lr: float | None = None, seed: int = 0, device: str = "auto",
-             keep_zeros: bool = True, progress=None) -> nn.Module:
-    """Train `model` in place for a few epochs with its own recipe, keeping pruned weights at zero."""
+             keep_zeros: bool = True, progress=None, steps: int | None = None, tokenizer: Any = None,
+             data: PathLike | None = None) -> dict[str, Any] | None:
+    """Train `model` in place for a few epochs, keeping pruned weights at zero; the model ends on the CPU in eval mode.
+
+    A reference model trains with its own recipe on its own task (`data` is refused). A Hugging Face causal
+    LM trains on text with `pipeline.lm_train` (next-token loss on windows of `tokenizer`'s ids: `data`, or the
+    standard library's train split; lr default lm_train.TRAIN_LR) and its training summary is returned.
+    `steps` stops each epoch after that many steps.
+    """
+    from modelkit.models import hf_config_of
+    from modelkit.pipeline.lm_train import LMTrainConfig, train_causal_lm
     from modelkit.pipeline.train import TrainConfig, train
     from modelkit.quantizers.prune import keep_masks
 
+    language_model = hf_config_of(model) is not None
+    if not language_model:
+        name = _arch_name(model)
+        if data is not None:
+            raise ConfigError(f"{name} fine-tunes on its own task's data; --data applies to Hugging Face language models")
     handles = keep_masks(model) if keep_zeros else []
+    summary = None
     try:
-        with tempfile.TemporaryDirectory(prefix="modelkit-finetune-") as scratch:
-            train(_arch_name(model), scratch, model=model,
-                  config=TrainConfig(epochs=epochs, lr=lr, seed=seed, device=device), progress=progress)
+        if language_model:
+            summary = train_causal_lm(model, tokenizer, LMTrainConfig(epochs=epochs, steps_per_epoch=steps, lr=lr,
+                                                                      seed=seed, device=device),
+                                      data=data, progress=progress)
+        else:
+            with tempfile.TemporaryDirectory(prefix="modelkit-finetune-") as scratch:
+                train(name, scratch, model=model, progress=progress,
+                      config=TrainConfig(epochs=epochs, lr=lr, seed=seed, device=device, steps_per_epoch=steps))
     finally:
         for handle in handles:
             handle.remove()
-    return model.cpu().eval()
+    model.cpu().eval()
+    return summary
 
 
 def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: int = 0, lr: float | None = None,
                seed: int = 0, device: str = "auto", force: bool = False, progress=None,
                source_format: str | None = None, trust: bool = False, key: str | None = None,
-               arch: str | None = None, max_tokens: int | None = None, to: str | None = None) -> PruneReport | None:
+               arch: str | None = None, max_tokens: int | None = None, to: str | None = None,
+               steps: int | None = None, data: PathLike | None = None) -> PruneReport | None:
     """Prune the model in `src`, optionally fine-tune it, and save it to `dst` (any format by suffix).
 
     `source_format`, `trust`, `key` and `arch` say how to read `src`, as for `load_module`; `to` names the
@@ -87,7 +110,9 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
 
     A Hugging Face family's causal LM (a folder, a GGUF of one) is measured in bits per byte on the default
     held-out text (`evaluate`; `max_tokens` caps it) with its own tokenizer, before and after; its
-    tokenizer files travel to `dst`. Fine-tuning is for the zoo's models only.
+    tokenizer files travel to `dst`. Its fine-tuning trains on text (`finetune`: `data`, or the standard
+    library's train split, never the held-out text it is measured on). `steps` stops each fine-tuning epoch
+    after that many steps.
 
     Under torchrun every rank prunes and fine-tunes (DDP); rank 0 writes `dst` and gets the
     report, the other ranks get None.
@@ -97,7 +122,7 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
         >>> report = prune_file("runs/cnn/model.safetensors", "cnn-pruned.safetensors",        # doctest: +SKIP
         ...                     PruneConfig(method="structured", sparsity=0.5), finetune_epochs=10)
     """
-    from modelkit.formats import FORMATS, WriteOptions, format_for_output
+    from modelkit.formats import FORMATS, WriteOptions, detect_format, format_for_output
     from modelkit.models import hf_config_of
     from modelkit.pipeline.load import load_language_model
     from modelkit.pipeline.write import write_checkpoint
@@ -108,10 +133,12 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
     # a quantized file (GGUF blocks, int8/int4) is pruned as its float model: pruning slices plain weights
     loaded = load_language_model(src, format=source_format, trust=trust, key=key, arch=arch, dequantize=True)
     model = loaded.model
+    if data is not None and not finetune_epochs:
+        raise ConfigError("--data is the text fine-tuning trains on; it applies with --finetune-epochs")
     if hf_config_of(model) is not None:
-        if finetune_epochs:
-            raise ConfigError(f"{src}: fine-tuning after pruning is for the zoo's models; prune a Hugging Face "
-                              "model without --finetune-epochs")
+        if finetune_epochs and loaded.tokenizer is None:
+            raise ConfigError(f"{src}: fine-tuning a language model trains on text with its own tokenizer, and this "
+                              "model carries no tokenizer.json; copy the tokenizer files into its folder")
 
         def measure(m: nn.Module) -> dict[str, Any] | None:
             if loaded.tokenizer is None:         # no tokenizer files: the report says so (values None)
@@ -128,9 +155,10 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
     before = measure(model)
     pruned = prune.apply(model, config)
     after = measure(pruned)
-    tuned = None
+    tuned, trained = None, None
     if finetune_epochs:
-        finetune(pruned, epochs=finetune_epochs, lr=lr, seed=seed, device=device, progress=progress)
+        trained = finetune(pruned, epochs=finetune_epochs, lr=lr, seed=seed, device=device, progress=progress,
+                           steps=steps, tokenizer=loaded.tokenizer, data=data)
         tuned = measure(pruned)
     metric = (before["split"] if before else "val") + " " + headline + ("" if before else " (no tokenizer to measure with)")
     final = tuned or after
@@ -143,7 +171,7 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
         import torch
 
         pruned = pruned.to(getattr(torch, loaded.weights_dtype))   # the source's type (exact: a subset of its values)
-    fmt = format_for_output(dst, to)
+    fmt = format_for_output(dst, to, source=source_format or detect_format(src))   # a folder's "out": a folder
     module = pruned if FORMATS[fmt].has_graph else None      # a graph's outputs are checked against the pruned model
     ckpt = Checkpoint.from_module(pruned, metadata=metadata)
     ckpt.assets = dict(loaded.assets)   # the tokenizer and generation files travel to a folder or GGUF
@@ -154,7 +182,7 @@ def prune_file(src: PathLike, dst: PathLike, config: Any, *, finetune_epochs: in
         bytes={"before": _file_bytes(src), "after": _file_bytes(dst)},
         values={"before": before and before[headline], "after": after and after[headline],
                 "finetuned": tuned[headline] if tuned else None},
-        layers=prune.sparsity_report(pruned), finetune_epochs=finetune_epochs,
+        layers=prune.sparsity_report(pruned), finetune_epochs=finetune_epochs, finetune=trained,
         kept=prune.kept_units(model) if config.method == "structured" else [],
         seconds=time.perf_counter() - started,
     )

@@ -104,7 +104,8 @@ def convert_qat(model: nn.Module) -> nn.Module:
 
 
 def train_qat(model: nn.Module, config: Any, *, epochs: int = 1, lr: float | None = None, steps: int | None = None,
-              out: PathLike | None = None, progress: Callable[..., None] | None = None, seed: int = 0) -> nn.Module:
+              out: PathLike | None = None, progress: Callable[..., None] | None = None, seed: int = 0,
+              data: PathLike | None = None) -> nn.Module:
     """Prepare, train with the zoo's loop (torchrun DDP works), convert: the quantized model.
 
     Args:
@@ -114,11 +115,15 @@ def train_qat(model: nn.Module, config: Any, *, epochs: int = 1, lr: float | Non
         lr: Peak learning rate; default a tenth of the model's recipe (fine-tuning, not training).
         steps: Stop each epoch after this many steps.
         out: Folder for the training checkpoints (default: a temporary folder).
+        data: Refused here: the zoo's models train on their own task (see `train_qat_lm` for text).
     """
     from modelkit.models import load_model_module
     from modelkit.pipeline.measure import arch_name
     from modelkit.pipeline.train import TrainConfig, train
 
+    if data is not None:
+        raise ConfigError(f"{type(model).__name__} trains on its own task's data; --data applies to QAT of Hugging "
+                          "Face language models")
     name = arch_name(model)
     recipe = load_model_module(name).TRAINING
     prepared = prepare_qat(model, config)
@@ -127,6 +132,23 @@ def train_qat(model: nn.Module, config: Any, *, epochs: int = 1, lr: float | Non
         folder = Path(out) if out is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         train(name, folder, config=train_config, model=prepared, force=True, progress=progress)
     return convert_qat(prepared.cpu())
+
+
+def train_qat_lm(model: nn.Module, config: Any, tokenizer: Any, *, epochs: int = 1, lr: float | None = None,
+                 steps: int | None = None, data: PathLike | None = None, progress: Callable[..., None] | None = None,
+                 seed: int = 0, context: int | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """QAT of a Hugging Face causal LM: prepare, train on text with `pipeline.lm_train` (next-token loss on
+    windows of `tokenizer`'s ids: `data`, or the standard library's train split), convert.
+
+    `lr` defaults to lm_train.TRAIN_LR (fine-tuning a trained model). Returns the quantized model and the
+    training summary (`train_causal_lm`'s).
+    """
+    from modelkit.pipeline.lm_train import LMTrainConfig, train_causal_lm
+
+    prepared = prepare_qat(model, config)
+    summary = train_causal_lm(prepared, tokenizer, LMTrainConfig(epochs=epochs, steps_per_epoch=steps, lr=lr, seed=seed,
+                                                                 context=context), data=data, progress=progress)
+    return convert_qat(prepared.cpu()), summary
 
 
 # ------------------------------------------------------------------------------- measuring
@@ -167,12 +189,13 @@ def _load_float(src: PathLike | nn.Module, *, source_format: str | None = None, 
     return _Source(model, {"path": str(path), "format": fmt, "bytes": size}, metadata, dict(ckpt.assets))
 
 
-def _eval_tokenizer(loaded: _Source, src: Any) -> Any:
-    """The tokenizer --eval measures a Hugging Face language model with (None for the zoo's models)."""
+def _text_tokenizer(loaded: _Source, src: Any, purpose: str = "--eval measures") -> Any:
+    """The tokenizer --eval measures (`purpose`: or QAT trains) a Hugging Face language model with (None for the
+    zoo's models)."""
     if _family(loaded.model) is None:
         return None
     if "tokenizer.json" not in loaded.assets:
-        raise ConfigError(f"{src}: --eval measures a language model on text with its own tokenizer, and this "
+        raise ConfigError(f"{src}: {purpose} a language model on text with its own tokenizer, and this "
                           "model carries no tokenizer.json; copy the tokenizer files into its folder")
     from modelkit.models import _hf
 
@@ -197,8 +220,9 @@ def _family_defaults(config: Any, model: nn.Module) -> Any:
 
 
 def _calibration(model: nn.Module, config: Any, assets: Mapping[str, bytes], source: str) -> list[Any] | None:
-    """gptq's calibration batches for a Hugging Face model: the standard library's source text (as the zoo's
-    tinylm trains on) tokenized with the folder's own tokenizer.json, in windows of CALIBRATION_TOKENS;
+    """gptq's calibration batches for a Hugging Face model: the standard library's train split (as QAT and
+    fine-tuning train on, pipeline/lm_train.py) tokenized with the folder's own tokenizer, in windows of
+    CALIBRATION_TOKENS;
     None for other schemes and for reference models (gptq takes their training split)."""
     if type(config).scheme != "gptq" or _family(model) is None:
         return None
@@ -206,20 +230,15 @@ def _calibration(model: nn.Module, config: Any, assets: Mapping[str, bytes], sou
         raise ConfigError(f"{source}: gptq calibrates a Hugging Face model on text tokenized with its folder's "
                           "tokenizer.json, and this input has none; copy the tokenizer files in, or use int4")
     import torch
-    from tokenizers import Tokenizer
 
-    from modelkit.models._data import stdlib_corpus
+    from modelkit.models import _hf
+    from modelkit.pipeline.lm_train import token_windows, training_text
 
-    tokenizer = Tokenizer.from_str(assets["tokenizer.json"].decode("utf-8"))
     wanted = config.calibration_samples * CALIBRATION_TOKENS
-    text = stdlib_corpus("train", max_bytes=wanted * 8).decode("utf-8", "replace")   # ~2-4 bytes a token
-    ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False).ids, dtype=torch.long)
-    windows = len(ids) // CALIBRATION_TOKENS
-    vocab = int(model.config.vocab_size)
-    if windows < 1 or int(ids.max()) >= vocab:
-        raise ConfigError(f"{source}: the folder's tokenizer gives {len(ids)} calibration tokens with ids up to "
-                          f"{int(ids.max()) if len(ids) else None} for a vocabulary of {vocab}; gptq cannot calibrate on them")
-    blocks = ids[:windows * CALIBRATION_TOKENS].reshape(windows, CALIBRATION_TOKENS)          # (windows, T)
+    text, _ = training_text(max_bytes=wanted * 8)                      # ~2-4 bytes a token
+    blocks = token_windows(_hf.tokenizer(assets, source=source), text, CALIBRATION_TOKENS,
+                           vocab=int(model.config.vocab_size), source=f"{source}: gptq calibration")   # (windows, T)
+    windows = len(blocks)
     order = torch.randperm(windows, generator=torch.Generator().manual_seed(config.seed))[:config.calibration_samples]
     return list(blocks[order].split(config.batch_size))
 
@@ -328,6 +347,7 @@ def quantize(
     source_format: str | None = None, trust: bool = False, key: str | None = None, arch: ArchSpec | str | None = None,
     imatrix: PathLike | None = None,
     allow_requantize: bool = False,
+    data: PathLike | None = None,
 ) -> QuantizeReport | None:
     """Quantize a model file (or module) with one scheme, write it, and measure the cost.
 
@@ -341,6 +361,8 @@ def quantize(
         skip: fnmatch patterns of module names kept in float.
         qat: Train with fake quantization first (int8, int4, int8-dynamic), then convert.
         epochs, lr, steps: QAT training length (epochs, peak learning rate, steps per epoch).
+        data: QAT of a Hugging Face language model: train on this UTF-8 text file instead of the standard
+            library's train split (pipeline/lm_train.py).
         evaluate: Measure the model's own metric (accuracy, bits per byte) before and after.
         latency: Measure CPU latency at batch 1 and 64 (default: with `evaluate`).
         verify: Read the written file back and check it rebuilds the same model.
@@ -368,7 +390,7 @@ def quantize(
         fmt, label, tool, target = graph_tool
         ignored = [flag for flag, given in (("--qat", qat), ("--epochs", epochs != 1), ("--steps", steps is not None),
                                             ("--lr", lr is not None), ("--to", format not in (None, fmt)),
-                                            ("--imatrix", imatrix is not None))
+                                            ("--imatrix", imatrix is not None), ("--data", data is not None))
                    if given]
         if ignored:
             raise ConfigError(f"{src}: {', '.join(ignored)} do not apply to {label} input, which {tool} handles; "
@@ -379,6 +401,12 @@ def quantize(
                    latency=latency, verify=verify, force=force, reference=reference)
     config = make_config(scheme, group_size=group_size, skip=skip,
                          **({"imatrix": os.fspath(imatrix)} if imatrix is not None else {}))
+    if qat:                     # before anything is read: QAT trains affine int8/int4 weights only
+        from modelkit.quantizers.qat import check_config
+
+        check_config(config)
+    elif data is not None:
+        raise ConfigError("--data is the text QAT trains on; it applies with --qat")
     is_file = isinstance(src, (str, os.PathLike))
     if dst is not None:          # "out" of a Hugging Face folder is a folder (format_for_output)
         format = format_for_output(dst, format, source=source_format or (detect_format(src) if is_file else None))
@@ -394,8 +422,11 @@ def quantize(
     loaded = _load_float(src, source_format=source_format, trust=trust, key=key, arch=arch,
                          allow_requantize=allow_requantize)
     model, source, metadata = loaded.model, loaded.info, loaded.metadata
+    if data is not None and _family(model) is None:         # before anything is measured or trained
+        raise ConfigError(f"{type(model).__name__} trains on its own task's data; --data applies to QAT of Hugging "
+                          "Face language models")
     config = _family_defaults(config, model)
-    tokenizer = _eval_tokenizer(loaded, src) if evaluate else None       # before anything is written
+    tokenizer = _text_tokenizer(loaded, src, "--eval measures") if evaluate else None   # before anything is written
     if (evaluate or latency) and reference is None:
         reference = measure_float(model, evaluate=evaluate, latency=bool(latency or evaluate), tokenizer=tokenizer)
     if is_tfjs_scheme(config):
@@ -406,15 +437,22 @@ def quantize(
             _measure(report, decoded, reference, evaluate=evaluate, latency=bool(latency or evaluate))
         return report
     started = time.perf_counter()
-    if qat:
-        quantized = train_qat(model, config, epochs=epochs, lr=lr, steps=steps, progress=progress)
-        if not distributed.from_environment().is_main:
-            return None                 # under torchrun every rank trains; rank 0 writes and reports
+    notes = []
+    if qat and _family(model) is not None:       # a Hugging Face language model: trained on text
+        quantized, trained = train_qat_lm(model, config, _text_tokenizer(loaded, src, "QAT trains"), epochs=epochs,
+                                          lr=lr, steps=steps, data=data, progress=progress)
+        notes.append(f"QAT: {trained['epochs']} epoch(s) of {trained['steps'] // trained['epochs']} steps at lr "
+                     f"{trained['lr']:g} on {trained['tokens']:,} tokens of {trained['text']} in "
+                     f"{trained['context']}-token windows (last epoch's mean train loss {trained['train_loss'][-1]:.4f})")
+    elif qat:
+        quantized = train_qat(model, config, epochs=epochs, lr=lr, steps=steps, progress=progress, data=data)
+        notes.append(f"QAT: {epochs} epoch(s){f' of {steps} steps' if steps else ''} at lr {lr or 'recipe/10'}")
     else:
         calibration = _calibration(model, config, loaded.assets, str(src))
         quantized = quantize_module(model, config, calibration=calibration)
+    if qat and not distributed.from_environment().is_main:
+        return None                     # under torchrun every rank trains; rank 0 writes and reports
     seconds = time.perf_counter() - started
-    notes = [f"QAT: {epochs} epoch(s){f' of {steps} steps' if steps else ''} at lr {lr or 'recipe/10'}"] if qat else []
     ckpt = Checkpoint.from_module(quantized)
     float_ckpt = Checkpoint.from_module(model)
     target, verified = {"path": None, "format": None, "bytes": None}, None
@@ -543,7 +581,7 @@ def compare(src: PathLike, out_dir: PathLike, *, scheme_names: Sequence[str], fo
     elif evaluate:
         reading = {k: options[k] for k in ("source_format", "trust", "key", "arch", "allow_requantize") if k in options}
         loaded = _load_float(src, **reading)
-        reference = measure_float(loaded.model, tokenizer=_eval_tokenizer(loaded, src))
+        reference = measure_float(loaded.model, tokenizer=_text_tokenizer(loaded, src))
     suffix = ".onnx" if str(src).endswith(".onnx") else next(iter(FORMATS[format].suffixes), "")   # hf: a folder each
     reports = []
     for done, name in enumerate(scheme_names, start=1):
