@@ -136,6 +136,14 @@ def test_eval_needs_the_tokenizer(folders, tmp_path):
     assert given["bits_per_byte"] == modelkit.evaluate(folders["llama"], max_tokens=10)["bits_per_byte"]
 
 
+def test_eval_refuses_a_tokenizer_with_ids_past_the_vocabulary(save_hf_folder, tmp_path):
+    """A tokenizer whose ids the model has no embedding for (llama3's ~600 ids, a 256-token model): one line, not
+    torch's IndexError from the embedding lookup."""
+    small = save_hf_folder(tmp_path / "small", transformers.LlamaConfig(**{**COMMON, "vocab_size": 256}), "llama3")
+    with pytest.raises(ConfigError, match=r"token id \d+ for a model with a vocabulary of 256"):
+        modelkit.evaluate(small, max_tokens=400)
+
+
 # ------------------------------------------------------------------------------------------ generate
 
 

@@ -164,6 +164,10 @@ def text_metrics(model: nn.Module, tokenizer: Any, text: str, *, context: int | 
     tokens = torch.tensor(seq[:n + 1], dtype=torch.long)
     device = next(model.parameters(), torch.empty(0)).device      # none: a graph in onnxruntime (CPU)
     vocab = int(model.config.vocab_size)
+    largest = int(tokens.max())
+    if largest >= vocab:        # a tokenizer of another model: the embedding lookup would fail deep in torch
+        raise ConfigError(f"the tokenizer gives token id {largest} for a model with a vocabulary of {vocab}: the "
+                          "tokenizer files belong to another model; use the tokenizer the model was trained with")
     batch = max(1, EVAL_LOGITS // (context * vocab))
     full = n // context
     windows = [tokens[:full * context + 1].unfold(0, context + 1, context)] if full else []   # (full, context + 1)
