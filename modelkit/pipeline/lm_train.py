@@ -128,7 +128,7 @@ def train_causal_lm(model: nn.Module, tokenizer: Any, config: LMTrainConfig | No
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from modelkit.pipeline import distributed
-    from modelkit.pipeline.train import TrainConfig, fused_adamw, lr_at
+    from modelkit.pipeline.train import TrainConfig, fused_adamw, lr_at, optimizer_step
 
     config = config or LMTrainConfig()
     if tokenizer is None:
@@ -171,16 +171,10 @@ def train_causal_lm(model: nn.Module, tokenizer: Any, config: LMTrainConfig | No
             for (batch,) in loader:
                 if batches == steps_per_epoch:
                     break
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_at(step, total, schedule)
                 batch = batch.to(device)
                 logits = trainee(input_ids=batch[:, :-1], use_cache=False).logits        # (B, T, vocab)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if config.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                optimizer.step()
+                optimizer_step(optimizer, model, loss, lr_at(step, total, schedule), config.grad_clip)
                 step += 1
                 batches += 1
                 loss_sum += loss.item()

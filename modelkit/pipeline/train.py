@@ -153,6 +153,19 @@ def _save(out: Path, model: nn.Module, optimizer, config: TrainConfig, *, epoch:
     return target
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, model: nn.Module, loss: torch.Tensor, lr: float,
+                   grad_clip: float | None) -> None:
+    """One update: `lr` set on every parameter group, backward, the gradient norm clipped to `grad_clip` (None or 0:
+    not clipped), the step. Shared by the zoo's loop and the text loop (pipeline/lm_train.py)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+
+
 def fused_adamw(model: nn.Module, device: torch.device) -> bool | None:
     """True where torch's fused AdamW takes every parameter (floating point, training on the CPU or CUDA); None
     leaves the choice to torch."""
@@ -277,14 +290,8 @@ def train(
             for inputs, targets in loader:
                 if batches == steps_per_epoch:
                     break
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_at(step, total, config)
                 batch_loss = (loss or task.loss)(trainee, (inputs.to(device), targets.to(device)))
-                optimizer.zero_grad(set_to_none=True)
-                batch_loss.backward()
-                if config.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                optimizer.step()
+                optimizer_step(optimizer, model, batch_loss, lr_at(step, total, config), config.grad_clip)
                 step += 1
                 batches += 1
                 loss_value = batch_loss.item()

@@ -100,7 +100,7 @@ def _to_words(data: np.ndarray) -> np.ndarray:
     return padded.view("<i4").astype(np.int32, copy=False)
 
 
-def _from_words(words: np.ndarray, n: int) -> np.ndarray:
+def words_to_bytes(words: np.ndarray, n: int) -> np.ndarray:
     """(r, w) int32 -> the first n bytes of each row, uint8."""
     return np.ascontiguousarray(words.astype("<i4", copy=False)).view(np.uint8)[:, :n].copy()
 
@@ -113,7 +113,7 @@ def _nibble_bytes(values: np.ndarray) -> np.ndarray:
     return (padded[:, 0::2] | (padded[:, 1::2] << 4)).astype(np.uint8)
 
 
-def _nibble_values(data: np.ndarray, cols: int) -> np.ndarray:
+def nibble_values(data: np.ndarray, cols: int) -> np.ndarray:
     """Inverse of _nibble_bytes: (r, bytes) uint8 -> (r, cols) values 0..15."""
     out = np.stack((data & 0x0F, data >> 4), axis=-1).reshape(data.shape[0], -1)
     return np.ascontiguousarray(out[:, :cols]).astype(np.uint8)
@@ -219,7 +219,7 @@ def decode_parts(path: Any, name: str, info: Mapping[str, Any], stored: Mapping[
     def values() -> Any:
         if [int(v) for v in shape_part.array()] != [rows, cols]:
             raise bad(f"shape {shape_part.array().tolist()} does not match the record's {[rows, cols]}")
-        data = _from_words(qdata.array(), row_bytes)
+        data = words_to_bytes(qdata.array(), row_bytes)
         if bits == 4 and symmetric or bits == 8:
             data = data ^ np.uint8(_offset(bits))
         return data.view(np.int8) if bits == 8 else data
@@ -241,8 +241,8 @@ def decode_parts(path: Any, name: str, info: Mapping[str, Any], stored: Mapping[
                           f"{[-(-rows * bits // 32), groups]}")
 
             def zeros() -> np.ndarray:
-                data = _from_words(np.ascontiguousarray(zero.array().T), -(-rows * bits // 8))
-                z = _nibble_values(data, rows) if bits == 4 else (data ^ np.uint8(0x80)).view(np.int8)
+                data = words_to_bytes(np.ascontiguousarray(zero.array().T), -(-rows * bits // 8))
+                z = nibble_values(data, rows) if bits == 4 else (data ^ np.uint8(0x80)).view(np.int8)
                 return np.ascontiguousarray(z.T)
             out["zero_point"] = _lazy(zeros, zero_dtype, (rows, groups), name)
     return out

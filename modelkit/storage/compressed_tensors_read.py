@@ -41,7 +41,7 @@ import numpy as np
 from modelkit.errors import FormatError
 from modelkit.parse import compressed_tensors as ct_config
 from modelkit.storage import compressed_tensors
-from modelkit.storage.dtypes import DTYPES, cast_float, widen_to_float32
+from modelkit.storage.dtypes import DTYPES, cast_float, float8_e4m3fn_to_float32, widen_to_float32
 from modelkit.storage.tensors import LazyTensor, QuantizedTensor
 
 READABLE = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
@@ -54,30 +54,14 @@ DROPPED_PARTS = ("input_scale", "input_zero_point", "output_scale", "output_zero
 FLOAT_SCALES = ("float32", "float16", "bfloat16")
 
 
-def _e4m3fn_table() -> np.ndarray:
-    """float8_e4m3fn's 256 values as float32 (1 sign, 4 exponent bits biased by 7, 3 mantissa bits, no inf;
-    0x7F / 0xFF are NaN)."""
-    codes = np.arange(256, dtype=np.uint32)
-    sign = np.where(codes & 0x80, -1.0, 1.0)
-    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
-    normal = (1 + mantissa / 8.0) * np.exp2(exponent.astype(np.float64) - 7)
-    subnormal = mantissa / 8.0 * 2.0 ** -6
-    values = sign * np.where(exponent == 0, subnormal, normal)
-    values[(codes & 0x7F) == 0x7F] = np.nan
-    return values.astype(np.float32)
-
-
-E4M3FN = _e4m3fn_table()
-
-
 def unpack(words: np.ndarray, bits: int, count: int) -> np.ndarray:
     """(r, w) int32 words -> (r, count) int32 values in [-2^(b-1), 2^(b-1)): value i from bits i*b.. of the row."""
     rows = words.shape[0]
-    data = np.ascontiguousarray(words.astype("<i4", copy=False)).view(np.uint8).reshape(rows, -1)
+    data = compressed_tensors.words_to_bytes(words, 4 * words.shape[1])
     if bits == 8:
         raw = data[:, :count].astype(np.int32)
     elif bits == 4:
-        raw = np.stack((data & 0x0F, data >> 4), axis=-1).reshape(rows, -1)[:, :count].astype(np.int32)
+        raw = compressed_tensors.nibble_values(data, count).astype(np.int32)
     else:                       # values straddle bytes: every `bits` bytes hold 8 values, read as one uint64
         groups = -(-data.shape[1] // bits)
         padded = np.zeros((rows, groups * bits), np.uint8)
@@ -301,7 +285,7 @@ def _dequantized(module: _Module, rows: int, cols: int, source: str) -> LazyTens
         if "weight_packed" in parts:
             q = unpack(parts["weight_packed"].array(), w.num_bits, cols).astype(np.float32)
         elif w.type == "float":
-            q = E4M3FN[parts["weight"].array()]
+            q = float8_e4m3fn_to_float32(parts["weight"].array())
         else:
             q = parts["weight"].array().astype(np.float32)
         scale = scale_part.array()

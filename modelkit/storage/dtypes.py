@@ -169,6 +169,27 @@ def widen_to_float32(array: np.ndarray, dtype: DType) -> np.ndarray:
     return array.astype(np.float32)
 
 
+def _e4m3fn_table() -> np.ndarray:
+    """float8_e4m3fn's 256 values as float32 (1 sign, 4 exponent bits biased by 7, 3 mantissa bits, no inf;
+    0x7F / 0xFF are NaN)."""
+    codes = np.arange(256, dtype=np.uint32)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
+    normal = (1 + mantissa / 8.0) * np.exp2(exponent.astype(np.float64) - 7)
+    subnormal = mantissa / 8.0 * 2.0 ** -6
+    values = sign * np.where(exponent == 0, subnormal, normal)
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return values.astype(np.float32)
+
+
+_E4M3FN = _e4m3fn_table()
+
+
+def float8_e4m3fn_to_float32(codes: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn stored bits (uint8) -> their float32 values (exact)."""
+    return _E4M3FN[codes]
+
+
 def narrow_float32(array: np.ndarray, dtype: DType) -> np.ndarray:
     """float32 values that are float16 / bfloat16 values -> that dtype's stored bits (exact for such values)."""
     if dtype.name == "bfloat16":
